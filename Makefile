@@ -1,0 +1,37 @@
+# Two commands for a newcomer: `make demo` and `make test`. Both build .venv from nothing.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# The CPU build of torch; GPU users install their own torch before `pip install phalanx`.
+TORCH  ?= torch==2.13.0
+
+.PHONY: venv test test-slow lint demo bench clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+lint: venv
+	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/ruff format --check src tests benchmarks examples
+	$(VENV)/bin/mypy
+
+test: lint
+	$(VENV)/bin/pytest -q
+
+test-slow: venv
+	$(VENV)/bin/pytest -q -m slow
+
+demo: venv
+	$(PY) examples/demo.py
+
+bench: venv
+	$(PY) benchmarks/ddp_step.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

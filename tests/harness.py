@@ -1,0 +1,158 @@
+"""Run a function on N real processes joined by a gloo process group.
+
+Every test that needs ranks goes through `run_workers`: it spawns fresh
+interpreters, gives each one a rank, and enforces a hard deadline so a
+deadlock fails the test in seconds instead of hanging CI.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+
+@dataclass
+class Outcome:
+    """What one rank ended with: a value, or the error it raised."""
+
+    rank: int
+    exitcode: int | None
+    value: Any = None
+    error_type: str | None = None
+    error: str | None = None
+    traceback: str | None = None
+
+
+class WorkersFailed(AssertionError):
+    """Some rank raised, died, or the group ran past its deadline."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    args: tuple[Any, ...],
+    env: dict[str, str],
+    init_pg: bool,
+    results: Any,
+) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    import torch
+    import torch.distributed as dist
+
+    # One thread per rank: the ranks share two cores, and oversubscription makes
+    # gloo's progress threads starve and tests crawl.
+    torch.set_num_threads(1)
+    code = 0
+    try:
+        if init_pg:
+            dist.init_process_group(
+                "gloo",
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=rank,
+                world_size=world_size,
+                timeout=timedelta(seconds=60),
+            )
+        value = fn(rank, world_size, *args)
+        results.put((rank, "ok", value, None, None))
+    except BaseException as exc:  # report every failure, including SystemExit
+        code = 1
+        results.put((rank, "error", type(exc).__name__, str(exc), traceback.format_exc()))
+    finally:
+        if init_pg and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+    os._exit(code)
+
+
+def run_workers(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 90.0,
+    env: dict[str, str] | None = None,
+    init_pg: bool = True,
+    allow_errors: bool = False,
+) -> list[Outcome]:
+    """Run `fn(rank, world_size, *args)` on `world_size` spawned ranks.
+
+    `fn` must be importable (module level). With `allow_errors=False`, any rank
+    failing raises `WorkersFailed` with every rank's traceback; otherwise the
+    outcomes are returned for the test to inspect.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    env = {"OMP_NUM_THREADS": "1", **(env or {})}
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(fn, rank, world_size, port, args, env, init_pg, results),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    outcomes: dict[int, Outcome] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outcomes) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                rank, status, a, b, c = results.get(timeout=min(left, 0.5))
+            except queue.Empty:
+                if all(not p.is_alive() for p in procs) and results.empty():
+                    break
+                continue
+            if status == "ok":
+                outcomes[rank] = Outcome(rank, None, value=a)
+            else:
+                outcomes[rank] = Outcome(rank, None, error_type=a, error=b, traceback=c)
+        for p in procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()) + 5)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    for rank, p in enumerate(procs):
+        outcomes.setdefault(rank, Outcome(rank, None, error_type="NoResult"))
+        outcomes[rank].exitcode = p.exitcode
+    ordered = [outcomes[r] for r in range(world_size)]
+    timed_out = any(o.error_type == "NoResult" for o in ordered)
+    if timed_out or (not allow_errors and any(o.error_type for o in ordered)):
+        report = "\n".join(
+            f"--- rank {o.rank} exit={o.exitcode} {o.error_type}: {o.error}\n{o.traceback or ''}"
+            for o in ordered
+        )
+        what = f"timed out after {timeout:.0f}s (deadlock?)" if timed_out else "failed"
+        raise WorkersFailed(f"workers {what}:\n{report}")
+    return ordered
