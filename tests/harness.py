@@ -7,6 +7,7 @@ deadlock fails the test in seconds instead of hanging CI.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue
@@ -83,10 +84,11 @@ def _worker(
         results.put((rank, "error", type(exc).__name__, str(exc), traceback.format_exc()))
     finally:
         if init_pg and dist.is_initialized():
-            try:
+            with contextlib.suppress(Exception):
                 dist.destroy_process_group()
-            except Exception:
-                pass
+        # Flush the queue's feeder thread: os._exit would drop a result still in flight.
+        results.close()
+        results.join_thread()
     os._exit(code)
 
 

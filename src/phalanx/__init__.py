@@ -1,8 +1,55 @@
-"""phalanx: data-parallel training for PyTorch."""
+"""phalanx: data-parallel training for PyTorch.
+
+Public names load lazily so that `phalanx launch` (which must never import
+torch: it starts fast and holds no GPU) can live in this package.
+"""
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from phalanx.errors import ConfigurationError, PhalanxError, ReducerError
 
-__all__ = ["ConfigurationError", "PhalanxError", "ReducerError"]
+if TYPE_CHECKING:
+    from phalanx.data.sampler import DistributedSampler
+    from phalanx.ddp import comm_hooks
+    from phalanx.ddp.module import DistributedDataParallel
+    from phalanx.runtime import World, init, shutdown
+
 __version__ = "0.1.0"
+
+_LAZY: dict[str, tuple[str, str | None]] = {
+    "init": ("phalanx.runtime", "init"),
+    "shutdown": ("phalanx.runtime", "shutdown"),
+    "World": ("phalanx.runtime", "World"),
+    "DistributedDataParallel": ("phalanx.ddp.module", "DistributedDataParallel"),
+    "DistributedSampler": ("phalanx.data.sampler", "DistributedSampler"),
+    "comm_hooks": ("phalanx.ddp.comm_hooks", None),
+}
+
+__all__ = [
+    "ConfigurationError",
+    "DistributedDataParallel",
+    "DistributedSampler",
+    "PhalanxError",
+    "ReducerError",
+    "World",
+    "comm_hooks",
+    "init",
+    "shutdown",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'phalanx' has no attribute {name!r}")
+    module_name, attr = _LAZY[name]
+    module = importlib.import_module(module_name)
+    value = module if attr is None else getattr(module, attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

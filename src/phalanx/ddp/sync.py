@@ -1,0 +1,94 @@
+"""Wrap-time agreement between ranks: same parameters everywhere, then rank 0's values.
+
+Ranks that disagree on the parameter list would pair up the wrong tensors in
+every all-reduce, or deadlock on the first one; catching it at wrap time turns
+that into one error that names the parameter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from phalanx.errors import ConfigurationError
+
+# Broadcast in chunks of this size: large enough for few calls, small enough
+# not to double peak memory on a big model (torch DDP uses 250 MiB too).
+BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024
+
+Signature = list[tuple[str, tuple[int, ...], str]]
+
+
+def parameter_signature(named: Sequence[tuple[str, torch.Tensor]]) -> Signature:
+    return [(name, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for name, p in named]
+
+
+def _entry(sig: Signature | None, i: int) -> tuple[str, tuple[int, ...], str] | None:
+    return sig[i] if sig is not None and i < len(sig) else None
+
+
+def _describe(entry: tuple[str, tuple[int, ...], str] | None) -> str:
+    if entry is None:
+        return "no such parameter"
+    name, shape, dtype = entry
+    return f"{name} {list(shape)} {dtype}"
+
+
+def verify_same_parameters(
+    named: Sequence[tuple[str, torch.Tensor]], group: dist.ProcessGroup
+) -> None:
+    """Raise the same error on every rank if any rank's parameters differ from rank 0's."""
+    everyone: list[Signature | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, parameter_signature(named), group=group)
+    longest = max(len(sig or []) for sig in everyone)
+    reference = everyone[0]
+    first_diff = next(
+        (i for i in range(longest) if any(_entry(s, i) != _entry(reference, i) for s in everyone)),
+        None,
+    )
+    if first_diff is None:
+        return
+    i = first_diff
+    ref = _entry(reference, i)
+    differing = [r for r, sig in enumerate(everyone) if _entry(sig, i) != ref]
+    counts = ", ".join(f"rank {r}: {len(sig or [])}" for r, sig in enumerate(everyone))
+    raise ConfigurationError(
+        f"parameters differ across ranks at position {i}: rank 0 has "
+        f"'{_describe(ref)}' but rank(s) {differing} have "
+        f"'{_describe(_entry(everyone[differing[0]], i))}' (parameter counts: {counts}) "
+        "— build the same model on every rank before wrapping it in DistributedDataParallel"
+    )
+
+
+def broadcast_coalesced(
+    tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, src: int = 0
+) -> None:
+    """Copy `src`'s values into `tensors` on every rank with few, large broadcasts."""
+    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        by_kind.setdefault((t.device, t.dtype), []).append(t)
+    global_src = dist.get_global_rank(group, src)
+    for members in by_kind.values():
+        chunk: list[torch.Tensor] = []
+        size = 0
+        for t in members:
+            chunk.append(t)
+            size += t.numel() * t.element_size()
+            if size >= BROADCAST_CHUNK_BYTES:
+                _broadcast_chunk(chunk, group, global_src)
+                chunk, size = [], 0
+        if chunk:
+            _broadcast_chunk(chunk, group, global_src)
+
+
+def _broadcast_chunk(chunk: list[torch.Tensor], group: dist.ProcessGroup, src: int) -> None:
+    with torch.no_grad():
+        flat = _flatten_dense_tensors([t.detach() for t in chunk])
+        dist.broadcast(flat, src=src, group=group)
+        if dist.get_rank() == src:
+            return
+        for t, value in zip(chunk, _unflatten_dense_tensors(flat, chunk)):
+            t.copy_(value)
