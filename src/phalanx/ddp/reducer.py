@@ -194,14 +194,11 @@ class Reducer:
         if self._ready[i]:
             self._raise_ready_twice(i)
         self._ready[i] = 1
-        grad: torch.Tensor = param.grad  # type: ignore[assignment]  # set: the hook follows it
         if self.gradient_as_bucket_view:
-            if grad is not view:
+            if param.grad is not view:
                 self._move_grad_into_view(param, view)
-        elif self.comm_hook is None:
-            torch.mul(grad, self._inv_world, out=view)
         else:
-            view.copy_(grad)
+            view.copy_(param.grad)  # type: ignore[arg-type]  # set: the hook follows it
         bucket = self._bucket_of[i]
         bucket.pending -= 1
         if bucket.pending == 0 and bucket.index == self._next_launch:
@@ -238,10 +235,8 @@ class Reducer:
                 self._saved_unused_grads[i] = grad.clone()
                 if grad is not view:
                     self._move_grad_into_view(param, view)
-            elif self.comm_hook is not None:
-                view.copy_(grad)
             else:
-                torch.mul(grad, self._inv_world, out=view)
+                view.copy_(grad)
         bucket = self._bucket_of[i]
         bucket.pending -= 1
         if bucket.pending == 0 and bucket.index == self._next_launch:
@@ -265,8 +260,8 @@ class Reducer:
             )
             bucket.work = self.comm_hook(self.comm_state, grad_bucket)
         else:
-            if self.gradient_as_bucket_view:
-                bucket.buffer.mul_(self._inv_world)
+            # Average before summing, like torch DDP: one pass over the flat buffer.
+            bucket.buffer.mul_(self._inv_world)
             bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
         self.stats.buckets_launched += 1
         self.stats.collectives += 1
