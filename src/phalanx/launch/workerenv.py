@@ -1,0 +1,82 @@
+"""The environment each worker starts with: torchrun's variables, so torchrun scripts run as is."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Mapping
+
+from phalanx.launch.config import LaunchConfig
+from phalanx.launch.devices import cpu_count
+
+
+def omp_threads(nproc_per_node: int) -> int:
+    """Cores per local worker, at least 1: N workers each using every core thrash the caches."""
+    return max(1, cpu_count() // nproc_per_node)
+
+
+def free_port(avoid: int | None = None) -> int:
+    """A TCP port nobody listens on now, different from `avoid`.
+
+    Binding the wildcard address (as rank 0's TCP store will) proves the port is
+    free on every interface. A restart avoids the previous port, whose sockets
+    may still sit in TIME_WAIT.
+    """
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            port = int(s.getsockname()[1])
+        if port != avoid:
+            return port
+
+
+def worker_env(
+    config: LaunchConfig,
+    *,
+    local_rank: int,
+    restart_count: int,
+    master_port: int,
+    base: Mapping[str, str],
+    extra: Mapping[str, str],
+) -> dict[str, str]:
+    """`base` (the launcher's environment) plus what this worker needs to join the world.
+
+    `extra` holds launcher-wide additions such as GLOO_SOCKET_IFNAME; the
+    caller already left out anything the user set.
+    """
+    rank = config.node_rank * config.nproc_per_node + local_rank
+    env = dict(base)
+    env.update(extra)
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(config.world_size),
+        LOCAL_WORLD_SIZE=str(config.nproc_per_node),
+        GROUP_RANK=str(config.node_rank),
+        GROUP_WORLD_SIZE=str(config.nnodes),
+        ROLE_RANK=str(rank),
+        ROLE_WORLD_SIZE=str(config.world_size),
+        ROLE_NAME="default",
+        MASTER_ADDR=config.master_addr,
+        MASTER_PORT=str(master_port),
+        PHALANX_RESTART_COUNT=str(restart_count),
+        PHALANX_MAX_RESTARTS=str(config.max_restarts),
+        TORCHELASTIC_RESTART_COUNT=str(restart_count),
+        TORCHELASTIC_MAX_RESTARTS=str(config.max_restarts),
+        TORCHELASTIC_RUN_ID=config.run_id,
+        # Rank 0's init_process_group must host the TCP store itself: there is no
+        # agent store, and an inherited "True" would make every rank wait for one.
+        TORCHELASTIC_USE_AGENT_STORE="False",
+        # Output goes through pipes; unbuffered, a print shows up when it happens.
+        PYTHONUNBUFFERED="1",
+    )
+    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    env.setdefault("OMP_NUM_THREADS", str(omp_threads(config.nproc_per_node)))
+    return env
+
+
+def worker_argv(config: LaunchConfig, python: str) -> list[str]:
+    """The command line of one worker: `python -u script args`, `python -u -m mod args`, or
+    the bare command with --no-python."""
+    if not config.use_python:
+        return list(config.command)
+    return [python, "-u", *config.command]
