@@ -1,0 +1,271 @@
+"""A DistributedSampler that gives torch's index sequences and can resume mid-epoch.
+
+Each rank reads a disjoint shard of the dataset per epoch. The shards must be
+index-for-index those of `torch.utils.data.DistributedSampler`, so a script
+moving from torch to phalanx sees the very same samples in the same order.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterator, Sized
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Dataset, Sampler
+
+from phalanx.errors import ConfigurationError
+
+# Keys a saved state must carry; all plain ints/bools so `torch.load(weights_only=True)` accepts it.
+_STATE_KEYS = ("epoch", "position", "seed", "num_replicas", "dataset_len", "shuffle", "drop_last")
+
+
+class DistributedSampler(Sampler[int]):
+    """Hand each rank its own shard of the dataset, reshuffled every epoch.
+
+    Arguments and index sequences are torch's: the order is a permutation drawn
+    from a generator seeded with `seed + epoch`; with `drop_last` the tail that
+    does not divide evenly is dropped, otherwise the order wraps around to pad
+    it; rank r takes every `num_replicas`-th index starting at r. So shards are
+    disjoint apart from padding, and together cover the dataset.
+
+    `num_replicas`/`rank` default to the initialised `torch.distributed` group,
+    else to the `WORLD_SIZE`/`RANK` environment a launcher sets, else 1/0.
+
+    `pad=False` (keyword only, for evaluation) drops the padding instead: every
+    sample is seen exactly once across ranks, ranks differ by at most one
+    sample, and `len()` is this rank's true count.
+
+    Resuming mid-epoch: `state_dict(consumed=None)` records the epoch and the
+    position in this rank's shard, i.e. how many of this epoch's indices the
+    training loop has used, counted from the start of the epoch (samples used
+    before an earlier resume included). Without `consumed` the position is the
+    number of indices this sampler's iterator has handed out, which is exact
+    when batches are fetched on demand (iterating the sampler yourself, or a
+    DataLoader with `num_workers=0`). A DataLoader with workers prefetches
+    indices ahead of training, so pass
+    `consumed=batches_done_this_epoch * batch_size` there. After
+    `load_state_dict(state)` the next iteration yields the rest of that epoch;
+    the iteration after it (or `set_epoch` to another epoch) starts from the
+    beginning as usual. Every rank consumes the same count, so the state saved
+    on rank 0 can be loaded on every rank; loading it with a different world
+    size, dataset length, seed or shuffle/drop_last setting is refused because
+    the saved position would point at different samples.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset[Any] | Sized,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        *,
+        pad: bool = True,
+    ) -> None:
+        super().__init__()
+        self.dataset = dataset
+        # Read once: like torch, the sampler assumes the dataset never changes size.
+        self._dataset_len = _dataset_length(dataset)
+        self.num_replicas = _default_world_size() if num_replicas is None else num_replicas
+        self.rank = _default_rank() if rank is None else rank
+        _check_rank(self.rank, self.num_replicas)
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.pad = pad
+        self.epoch = 0
+        self.total_size = self._epoch_total()
+        self.num_samples = _count_from(self.rank, self.total_size, self.num_replicas)
+        if drop_last and self.num_samples == 0:
+            raise ConfigurationError(
+                f"dataset has {self._dataset_len} samples for {self.num_replicas} ranks, and "
+                f"drop_last=True leaves rank {self.rank} with nothing to train on — use a "
+                "dataset with at least one sample per rank, fewer ranks, or drop_last=False"
+            )
+        # Where this epoch's iteration stands: indices handed out so far.
+        self._position = 0
+        # Where the next iteration starts; non-zero only right after load_state_dict.
+        self._resume_at = 0
+        # Epoch of the last iteration begun, to catch a forgotten set_epoch.
+        self._last_iterated_epoch: int | None = None
+        self._warned_same_epoch = False
+
+    def _epoch_total(self) -> int:
+        """Number of indices all ranks read per epoch, padding included."""
+        n, world = self._dataset_len, self.num_replicas
+        if self.drop_last:
+            return n - n % world
+        if self.pad:
+            return -(-n // world) * world
+        return n
+
+    def __len__(self) -> int:
+        """This rank's indices per epoch (the whole epoch, also after a resume)."""
+        return self.num_samples
+
+    def set_epoch(self, epoch: int) -> None:
+        """Choose the epoch whose order the next iteration uses.
+
+        Moving to another epoch forgets a pending resume position; setting the
+        epoch that was just loaded keeps it, so a loop that resumes and then
+        calls `set_epoch(start_epoch)` continues where it stopped.
+        """
+        if epoch != self.epoch:
+            self._resume_at = 0
+            self._position = 0
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        self._warn_if_epoch_repeats()
+        start, self._resume_at = self._resume_at, 0
+        self._position = start
+        return self._count_out(self._shard(start))
+
+    def _count_out(self, indices: list[int]) -> Iterator[int]:
+        """Yield indices while tracking how many were handed out, for `state_dict()`."""
+        for index in indices:
+            self._position += 1
+            yield index
+
+    def _shard(self, start: int) -> list[int]:
+        """This rank's indices of the current epoch, from position `start` on.
+
+        Position i of the padded epoch order is order[i % n]: wrapping around
+        the permutation is exactly how torch pads, and it lets us take this
+        rank's strided slice without building the padded list.
+        """
+        n = self._dataset_len
+        first = self.rank + start * self.num_replicas
+        if first >= self.total_size:
+            return []
+        slots = torch.arange(first, self.total_size, self.num_replicas) % n
+        if not self.shuffle:
+            return slots.tolist()
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)
+        order = torch.randperm(n, generator=generator)
+        return order[slots].tolist()
+
+    def _warn_if_epoch_repeats(self) -> None:
+        """Warn once when a shuffled epoch is replayed: the classic forgotten `set_epoch`."""
+        repeats = self.shuffle and self._last_iterated_epoch == self.epoch
+        if repeats and not self._warned_same_epoch:
+            self._warned_same_epoch = True
+            warnings.warn(
+                f"DistributedSampler iterated again with epoch {self.epoch}, so this pass "
+                "repeats the previous order — call sampler.set_epoch(epoch) at the start of "
+                "each epoch",
+                UserWarning,
+                stacklevel=3,
+            )
+        self._last_iterated_epoch = self.epoch
+
+    def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
+        """Where training stands in the epoch; see the class docstring for `consumed`."""
+        position = self._position if consumed is None else consumed
+        if not 0 <= position <= self.num_samples:
+            raise ConfigurationError(
+                f"consumed={position} is outside this epoch's shard of {self.num_samples} "
+                "samples — pass the number of samples this rank used since the epoch began"
+            )
+        return {
+            "epoch": self.epoch,
+            "position": position,
+            "seed": self.seed,
+            "num_replicas": self.num_replicas,
+            "dataset_len": self._dataset_len,
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue at the exact next sample of the saved epoch on the next iteration."""
+        missing = [key for key in _STATE_KEYS if key not in state]
+        if missing:
+            raise ConfigurationError(
+                f"sampler state lacks {missing} — pass a dict made by "
+                "DistributedSampler.state_dict()"
+            )
+        self._check_same_setup(state)
+        position = int(state["position"])
+        if not 0 <= position <= self.num_samples:
+            raise ConfigurationError(
+                f"saved sampler position {position} is outside this rank's shard of "
+                f"{self.num_samples} samples — the state belongs to another setup"
+            )
+        self.epoch = int(state["epoch"])
+        self._resume_at = position
+        self._position = position
+        self._last_iterated_epoch = None
+
+    def _check_same_setup(self, state: dict[str, Any]) -> None:
+        """Refuse a state whose position would name different samples here."""
+        if state["num_replicas"] != self.num_replicas:
+            raise ConfigurationError(
+                f"sampler state was saved with {state['num_replicas']} ranks but this run has "
+                f"{self.num_replicas} — resume with the same world size, or start the epoch afresh"
+            )
+        if state["dataset_len"] != self._dataset_len:
+            raise ConfigurationError(
+                f"sampler state was saved for a dataset of {state['dataset_len']} samples but "
+                f"this one has {self._dataset_len} — resume with the same dataset"
+            )
+        for key in ("seed", "shuffle", "drop_last"):
+            if state[key] != getattr(self, key):
+                raise ConfigurationError(
+                    f"sampler state was saved with {key}={state[key]!r} but this sampler has "
+                    f"{key}={getattr(self, key)!r} — construct it with the saved value to resume"
+                )
+
+
+def _dataset_length(dataset: object) -> int:
+    """len(dataset), or an error that says why a sampler needs it."""
+    if not isinstance(dataset, Sized):
+        raise ConfigurationError(
+            f"DistributedSampler needs a dataset with a length, and {type(dataset).__name__} "
+            "has no __len__ — give it __len__, or shard an IterableDataset yourself by rank"
+        )
+    return len(dataset)
+
+
+def _count_from(rank: int, total: int, world: int) -> int:
+    """How many of positions rank, rank + world, ... lie below `total`."""
+    return max(0, -(-(total - rank) // world))
+
+
+def _check_rank(rank: int, world: int) -> None:
+    if world < 1:
+        raise ConfigurationError(f"num_replicas={world} — it must be at least 1")
+    if not 0 <= rank < world:
+        raise ConfigurationError(
+            f"rank={rank} is outside [0, {world - 1}] for num_replicas={world} — "
+            "pass a rank below num_replicas"
+        )
+
+
+def _default_world_size() -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return _int_from_env("WORLD_SIZE", 1)
+
+
+def _default_rank() -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return _int_from_env("RANK", 0)
+
+
+def _int_from_env(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigurationError(
+            f"{name}={raw!r} is not an integer — fix or unset the {name} environment variable"
+        ) from None
