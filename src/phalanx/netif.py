@@ -1,0 +1,154 @@
+"""Which local network interface reaches a given host.
+
+Gloo advertises to its peers the address of the interface it binds. Left to
+itself it takes the address the hostname resolves to, which on many hosts
+(Debian's `127.0.1.1 myhost`, containers with `127.0.0.1 myhost`) is loopback:
+the peers on other machines then dial their own loopback and a 2-host job dies
+with "Connection refused". Pointing `GLOO_SOCKET_IFNAME` at the interface that
+routes to the master fixes that, and this module finds that interface.
+
+No torch import here: the launcher uses it and must start fast without torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import ipaddress
+import socket
+import struct
+from pathlib import Path
+
+__all__ = [
+    "interface_for_address",
+    "ipv4_address",
+    "is_loopback",
+    "route_interface",
+    "source_address",
+]
+
+# From <linux/sockios.h>: read the primary IPv4 address of an interface.
+_SIOCGIFADDR = 0x8915
+# Any port works: a UDP connect only picks a route and a source address; no packet leaves.
+_PROBE_PORT = 9
+_PROC_ROUTE = Path("/proc/net/route")
+_PROC_IF_INET6 = Path("/proc/net/if_inet6")
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+def _resolve(host: str) -> list[IPAddress]:
+    """Every address `host` resolves to, IPv4 first; empty when it does not resolve."""
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_UDP)
+    except (socket.gaierror, UnicodeError, OSError):
+        return []
+    found: list[IPAddress] = []
+    for _family, _type, _proto, _name, sockaddr in infos:
+        # IPv6 link-local results carry a "%scope" suffix that ip_address rejects.
+        addr = ipaddress.ip_address(str(sockaddr[0]).split("%", 1)[0])
+        if addr not in found:
+            found.append(addr)
+    return sorted(found, key=lambda a: a.version)
+
+
+def is_loopback(host: str) -> bool:
+    """True when `host` resolves only to loopback addresses (127.0.0.0/8, ::1).
+
+    A name that does not resolve is not loopback: we cannot tell, and treating
+    it as local would hide a typo in MASTER_ADDR behind a single-node setup.
+    """
+    addrs = _resolve(host)
+    return bool(addrs) and all(a.is_loopback for a in addrs)
+
+
+def source_address(host: str) -> str | None:
+    """The local address the kernel would send from to reach `host`, or None.
+
+    Connecting a UDP socket runs the routing decision (policy rules included)
+    without sending anything, and `getsockname` then tells the chosen source.
+    """
+    for addr in _resolve(host):
+        family = socket.AF_INET if addr.version == 4 else socket.AF_INET6
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as probe:
+                probe.connect((str(addr), _PROBE_PORT))
+                return str(probe.getsockname()[0]).split("%", 1)[0]
+        except OSError:  # no route for this family ("Network is unreachable"): try the next
+            continue
+    return None
+
+
+def ipv4_address(name: str) -> str | None:
+    """The primary IPv4 address of interface `name`, or None when it has none."""
+    request = struct.pack("256s", name.encode()[:15])
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            reply = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, request)
+        except OSError:  # EADDRNOTAVAIL: the interface has no IPv4 address
+            return None
+    # struct ifreq: 16 bytes of name, then a sockaddr_in whose address starts at byte 4.
+    return socket.inet_ntoa(reply[20:24])
+
+
+def _ipv6_interfaces() -> dict[IPAddress, str]:
+    """IPv6 address -> interface name, from /proc/net/if_inet6 (empty off Linux)."""
+    table: dict[IPAddress, str] = {}
+    with contextlib.suppress(OSError):
+        for line in _PROC_IF_INET6.read_text().splitlines():
+            fields = line.split()
+            if len(fields) == 6:
+                table[ipaddress.IPv6Address(int(fields[0], 16))] = fields[5]
+    return table
+
+
+def interface_for_address(ip: str) -> str | None:
+    """The name of the local interface that holds address `ip`, or None."""
+    addr = ipaddress.ip_address(ip)
+    if addr.version == 6:
+        return _ipv6_interfaces().get(addr)
+    for _index, name in socket.if_nameindex():
+        if ipv4_address(name) == ip:
+            return name
+    return None
+
+
+def _proc_ipv4(field: str) -> int:
+    """An address from /proc/net/route: the kernel prints the network-order word as a
+    host-order integer, so packing it back natively restores the network bytes."""
+    return int.from_bytes(struct.pack("=I", int(field, 16)), "big")
+
+
+def _route_table_interface(ip: str) -> str | None:
+    """Longest-prefix match of IPv4 `ip` in /proc/net/route.
+
+    The fallback for a source address that is not an interface's primary one
+    (an alias added with `ip addr add`), which SIOCGIFADDR cannot see.
+    """
+    target = int(ipaddress.IPv4Address(ip))
+    best: tuple[int, str] | None = None
+    with contextlib.suppress(OSError):
+        for line in _PROC_ROUTE.read_text().splitlines()[1:]:
+            fields = line.split()
+            if len(fields) < 8:
+                continue
+            dest, mask = _proc_ipv4(fields[1]), _proc_ipv4(fields[7])
+            if target & mask == dest and (best is None or mask > best[0]):
+                best = (mask, fields[0])
+    return best[1] if best else None
+
+
+def route_interface(host: str) -> str | None:
+    """The local interface the kernel would use to reach `host`.
+
+    None when that route is loopback (the host is this machine's loopback,
+    so loopback is right) or when no route or interface can be found.
+    """
+    source = source_address(host)
+    if source is None or ipaddress.ip_address(source).is_loopback:
+        return None
+    name = interface_for_address(source)
+    if name is None and ipaddress.ip_address(source).version == 4:
+        target = next((a for a in _resolve(host) if a.version == 4), None)
+        name = _route_table_interface(str(target)) if target is not None else None
+    return None if name == "lo" else name
