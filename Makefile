@@ -11,9 +11,8 @@ venv: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test,examples,yaml,hf]"
 	touch $@
 
 lint: venv
@@ -27,8 +26,10 @@ test: lint
 test-slow: venv
 	$(VENV)/bin/pytest -q -m slow
 
+# The main job: 2 ranks through our launcher, first the hand-written loop, then the Trainer.
 demo: venv
-	$(PY) examples/demo.py
+	$(VENV)/bin/phalanx launch --nproc-per-node 2 examples/digits.py
+	$(VENV)/bin/phalanx launch --nproc-per-node 2 examples/digits_trainer.py
 
 bench: venv
 	$(PY) benchmarks/ddp_step.py
