@@ -15,7 +15,8 @@ if TYPE_CHECKING:
     from phalanx.data.sampler import DistributedSampler
     from phalanx.ddp import comm_hooks
     from phalanx.ddp.module import DistributedDataParallel
-    from phalanx.runtime import World, init, shutdown
+    from phalanx.runtime import World, init, launched_by_launcher, shutdown
+    from phalanx.train import Trainer, TrainingArguments
 
 __version__ = "0.1.0"
 
@@ -23,6 +24,9 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "init": ("phalanx.runtime", "init"),
     "shutdown": ("phalanx.runtime", "shutdown"),
     "World": ("phalanx.runtime", "World"),
+    "launched_by_launcher": ("phalanx.runtime", "launched_by_launcher"),
+    "Trainer": ("phalanx.train", "Trainer"),
+    "TrainingArguments": ("phalanx.train", "TrainingArguments"),
     "DistributedDataParallel": ("phalanx.ddp.module", "DistributedDataParallel"),
     "DistributedSampler": ("phalanx.data.sampler", "DistributedSampler"),
     "comm_hooks": ("phalanx.ddp.comm_hooks", None),
@@ -34,9 +38,12 @@ __all__ = [
     "DistributedSampler",
     "PhalanxError",
     "ReducerError",
+    "Trainer",
+    "TrainingArguments",
     "World",
     "comm_hooks",
     "init",
+    "launched_by_launcher",
     "shutdown",
 ]
 

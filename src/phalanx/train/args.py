@@ -1,0 +1,395 @@
+"""`TrainingArguments`: everything that steers a `Trainer` run, checked before it starts.
+
+One `@dataclass(kw_only=True, slots=True)` with a docstring under each field,
+in the order a reader thinks about a run: where it writes, how long it runs,
+how batches are built, the optimizer, precision and memory, logging and
+saving, then the DDP knobs. `__post_init__` validates every field, so a bad
+value fails at once on the laptop instead of an hour into a cluster job.
+Loading from the command line, JSON and YAML lives in `argsio.py`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from phalanx.errors import ConfigurationError
+
+SCHEDULES = ("constant", "linear", "cosine")
+REPORTERS = ("console", "jsonl", "csv", "tensorboard")
+DEFAULT_REPORT_TO = ("console", "jsonl")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainingArguments:
+    """What a `Trainer` run does: data, optimizer, precision, logging, checkpoints and DDP.
+
+    Build it in code, or load it with `from_cli()`, `from_json(path)` or
+    `from_yaml(path)`; every field is checked when the object is made.
+    """
+
+    # ----------------------------------------------------------- where and what
+    output_dir: str = "trainer_output"
+    """Directory for checkpoints (checkpoint-<step>/) and metric logs; created when needed."""
+    seed: int = 42
+    """Seeds Python, NumPy and torch on every rank, and the sampler's shuffle."""
+
+    # ----------------------------------------------------------- how long
+    num_train_epochs: float = 3.0
+    """Passes over the training set; a fraction stops part-way. Ignored when max_steps > 0."""
+    max_steps: int = -1
+    """Optimizer steps to train for; -1 trains for num_train_epochs instead."""
+
+    # ----------------------------------------------------------- batches
+    per_device_train_batch_size: int = 8
+    """Samples per micro-batch on each rank; a step sees this x accumulation x world size."""
+    per_device_eval_batch_size: int = 8
+    """Samples per evaluation batch on each rank."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step; only the last one all-reduces (the rest run no_sync)."""
+    dataloader_num_workers: int = 0
+    """DataLoader worker processes per rank; 0 loads in the training process."""
+    dataloader_drop_last: bool = False
+    """Drop each rank's last micro-batch of an epoch when it is smaller than the others."""
+
+    # ----------------------------------------------------------- optimizer
+    learning_rate: float = 5e-5
+    """Peak learning rate of the default AdamW, reached after warmup_steps."""
+    weight_decay: float = 0.0
+    """AdamW weight decay, applied to matrices only (not to biases and norm weights)."""
+    lr_scheduler_type: str = "linear"
+    """Learning-rate shape after warmup: "constant", "linear" (to 0) or "cosine" (to 0)."""
+    warmup_steps: int = 0
+    """Optimizer steps over which the learning rate rises linearly from 0."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this after the all-reduce; 0 turns clipping off."""
+
+    # ----------------------------------------------------------- precision and memory
+    bf16: bool = False
+    """Run forward and loss under bfloat16 autocast (CPU and recent GPUs)."""
+    fp16: bool = False
+    """Run forward and loss under float16 autocast with a GradScaler; needs a CUDA device."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory; calls the model's
+    gradient_checkpointing_enable(), so the model must have one."""
+    zero_stage: int = 0
+    """Optimizer-state sharding (ZeRO); only 0 (none) is implemented in the Trainer so far."""
+
+    # ----------------------------------------------------------- logging, evaluation, saving
+    logging_steps: int = 10
+    """Log loss, learning rate, throughput and communication wait every this many steps."""
+    eval_steps: int = 0
+    """Evaluate on eval_dataset every this many steps; 0 evaluates only when you call evaluate()."""
+    save_steps: int = 500
+    """Write a checkpoint every this many steps and at the end; 0 never saves."""
+    save_total_limit: int | None = None
+    """Keep only the newest this-many checkpoints; None keeps all of them."""
+    report_to: list[str] = field(default_factory=lambda: list(DEFAULT_REPORT_TO))
+    """Where metrics go: any of "console", "jsonl", "csv", "tensorboard" (needs the
+    tensorboard package); an empty list logs nowhere."""
+    disable_tqdm: bool = False
+    """Hide the progress bar (it is only ever shown on rank 0)."""
+
+    # ----------------------------------------------------------- DDP
+    ddp_backend: str | None = None
+    """torch.distributed backend: "nccl", "gloo", or any other this torch build has;
+    None picks nccl with GPUs and gloo without."""
+    ddp_timeout: float = 1800.0
+    """Seconds a collective may block before the job fails instead of hanging."""
+    ddp_find_unused_parameters: bool | None = None
+    """Search the graph each step for parameters that got no gradient. None means False:
+    the search costs time, and the reducer names any unused parameter if you need it.
+    Do not use with gradient_checkpointing."""
+    ddp_bucket_cap_mb: float | None = None
+    """Size of the gradient buckets all-reduced together, in MiB; None means DDP's 25."""
+    ddp_broadcast_buffers: bool | None = None
+    """Broadcast rank 0's buffers (e.g. BatchNorm statistics) before each forward.
+    None means True, or False with gradient_checkpointing (it must be False with it)."""
+
+    def __post_init__(self) -> None:
+        _normalize(self)
+        _check_types(self)
+        _check_values(self)
+        _check_combinations(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values only (lists copied), fit for JSON and `torch.load(weights_only=True)`."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = list(value) if isinstance(value, list) else value
+        return out
+
+    @property
+    def find_unused_parameters(self) -> bool:
+        """What DDP gets for find_unused_parameters once None is resolved."""
+        return bool(self.ddp_find_unused_parameters)
+
+    @property
+    def broadcast_buffers(self) -> bool:
+        """What DDP gets for broadcast_buffers once None is resolved."""
+        if self.ddp_broadcast_buffers is None:
+            return not self.gradient_checkpointing
+        return self.ddp_broadcast_buffers
+
+    @classmethod
+    def from_cli(
+        cls, argv: list[str] | None = None, defaults: Mapping[str, Any] | None = None
+    ) -> TrainingArguments:
+        """Parse `--field value` flags (booleans as `--bf16` / `--no-bf16`).
+
+        `argv` defaults to sys.argv[1:]; `defaults` are the script's own
+        defaults, which the flags override. An unknown flag is an error.
+        """
+        from phalanx.train.argsio import parse_cli
+
+        args, _ = parse_cli(cls, argv, defaults, allow_unknown=False)
+        return args
+
+    @classmethod
+    def from_cli_known(
+        cls, argv: list[str] | None = None, defaults: Mapping[str, Any] | None = None
+    ) -> tuple[TrainingArguments, list[str]]:
+        """Like from_cli, but return the flags it does not know, for the script's own parser."""
+        from phalanx.train.argsio import parse_cli
+
+        return parse_cli(cls, argv, defaults, allow_unknown=True)
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> TrainingArguments:
+        """Load a JSON object whose keys are field names."""
+        from phalanx.train.argsio import load_json
+
+        return cls(**load_json(cls, path))
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> TrainingArguments:
+        """Load a YAML mapping whose keys are field names (needs PyYAML)."""
+        from phalanx.train.argsio import load_yaml
+
+        return cls(**load_yaml(cls, path))
+
+
+# --------------------------------------------------------------------- validation
+
+_INT_FIELDS = (
+    "seed",
+    "max_steps",
+    "per_device_train_batch_size",
+    "per_device_eval_batch_size",
+    "gradient_accumulation_steps",
+    "dataloader_num_workers",
+    "warmup_steps",
+    "zero_stage",
+    "logging_steps",
+    "eval_steps",
+    "save_steps",
+)
+_FLOAT_FIELDS = (
+    "num_train_epochs",
+    "learning_rate",
+    "weight_decay",
+    "max_grad_norm",
+    "ddp_timeout",
+)
+_BOOL_FIELDS = ("dataloader_drop_last", "bf16", "fp16", "gradient_checkpointing", "disable_tqdm")
+_OPTIONAL_BOOL_FIELDS = ("ddp_find_unused_parameters", "ddp_broadcast_buffers")
+
+
+def _normalize(args: TrainingArguments) -> None:
+    """Accept the obvious spellings: a Path, a single reporter name, "none", ints for floats."""
+    if isinstance(args.output_dir, Path):
+        args.output_dir = str(args.output_dir)
+    if isinstance(args.report_to, str):
+        args.report_to = [] if args.report_to == "none" else [args.report_to]
+    elif isinstance(args.report_to, tuple):
+        args.report_to = list(args.report_to)
+    if isinstance(args.ddp_backend, str):
+        args.ddp_backend = args.ddp_backend.strip().lower()
+    if isinstance(args.lr_scheduler_type, str):
+        args.lr_scheduler_type = args.lr_scheduler_type.strip().lower()
+    for name in (*_FLOAT_FIELDS, "ddp_bucket_cap_mb"):
+        value = getattr(args, name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            setattr(args, name, float(value))
+
+
+def _type_error(name: str, value: Any, expected: str) -> ConfigurationError:
+    return ConfigurationError(
+        f"{name}={value!r} is a {type(value).__name__}, not {expected} — pass {expected}"
+    )
+
+
+def _check_types(args: TrainingArguments) -> None:
+    """Reject e.g. bf16="yes" or a float batch size before any value check reads them."""
+    for name in _INT_FIELDS:
+        value = getattr(args, name)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise _type_error(name, value, "an integer")
+    for name in _FLOAT_FIELDS:
+        if not isinstance(getattr(args, name), float):
+            raise _type_error(name, getattr(args, name), "a number")
+    for name in _BOOL_FIELDS:
+        if not isinstance(getattr(args, name), bool):
+            raise _type_error(name, getattr(args, name), "True or False")
+    for name in _OPTIONAL_BOOL_FIELDS:
+        value = getattr(args, name)
+        if value is not None and not isinstance(value, bool):
+            raise _type_error(name, getattr(args, name), "True, False or None")
+    for name in ("output_dir", "lr_scheduler_type"):
+        if not isinstance(getattr(args, name), str):
+            raise _type_error(name, getattr(args, name), "a string")
+    if args.ddp_backend is not None and not isinstance(args.ddp_backend, str):
+        raise _type_error("ddp_backend", args.ddp_backend, "a backend name or None")
+    if args.ddp_bucket_cap_mb is not None and not isinstance(args.ddp_bucket_cap_mb, float):
+        raise _type_error("ddp_bucket_cap_mb", args.ddp_bucket_cap_mb, "a number of MiB or None")
+    limit = args.save_total_limit
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool)):
+        raise _type_error("save_total_limit", limit, "an integer or None")
+    if not isinstance(args.report_to, list) or not all(isinstance(r, str) for r in args.report_to):
+        raise _type_error("report_to", args.report_to, 'a list of names like ["console"]')
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigurationError(message)
+
+
+def _check_values(args: TrainingArguments) -> None:
+    _check_run_length(args)
+    _check_batches(args)
+    _check_optimizer(args)
+    _check_reporting(args)
+    _check_ddp(args)
+
+
+def _check_run_length(args: TrainingArguments) -> None:
+    _require(args.output_dir.strip() != "", "output_dir is empty — name a directory to write to")
+    _require(
+        0 <= args.seed < 2**32,
+        f"seed={args.seed} is outside [0, 2**32) — NumPy cannot take it; pick a smaller seed",
+    )
+    _require(
+        math.isfinite(args.num_train_epochs) and args.num_train_epochs > 0,
+        f"num_train_epochs={args.num_train_epochs} must be > 0 — pass how many passes over "
+        "the data to make, or set max_steps",
+    )
+    _require(
+        args.max_steps == -1 or args.max_steps > 0,
+        f"max_steps={args.max_steps} trains nothing — pass a positive number of optimizer "
+        "steps, or -1 to train for num_train_epochs",
+    )
+
+
+def _check_batches(args: TrainingArguments) -> None:
+    for name in (
+        "per_device_train_batch_size",
+        "per_device_eval_batch_size",
+        "gradient_accumulation_steps",
+    ):
+        _require(
+            getattr(args, name) >= 1,
+            f"{name}={getattr(args, name)} must be >= 1 — it counts samples (or micro-batches)",
+        )
+    _require(
+        args.dataloader_num_workers >= 0,
+        f"dataloader_num_workers={args.dataloader_num_workers} must be >= 0 — 0 loads batches "
+        "in the training process",
+    )
+
+
+def _check_optimizer(args: TrainingArguments) -> None:
+    for name in ("learning_rate", "weight_decay", "max_grad_norm"):
+        value = getattr(args, name)
+        _require(
+            math.isfinite(value) and value >= 0,
+            f"{name}={value} must be a finite number >= 0 — pass 0 or more"
+            + (" (0 turns clipping off)" if name == "max_grad_norm" else ""),
+        )
+    _require(
+        args.lr_scheduler_type in SCHEDULES,
+        f"lr_scheduler_type={args.lr_scheduler_type!r} is unknown — use one of {list(SCHEDULES)}",
+    )
+    _require(
+        args.warmup_steps >= 0,
+        f"warmup_steps={args.warmup_steps} must be >= 0 — 0 starts at the full learning rate",
+    )
+
+
+def _check_reporting(args: TrainingArguments) -> None:
+    _require(
+        args.logging_steps >= 1,
+        f"logging_steps={args.logging_steps} must be >= 1 — it is how many steps lie "
+        "between two log lines",
+    )
+    for name in ("eval_steps", "save_steps"):
+        _require(
+            getattr(args, name) >= 0,
+            f"{name}={getattr(args, name)} must be >= 0 — 0 turns it off",
+        )
+    limit = args.save_total_limit
+    _require(
+        limit is None or limit >= 1,
+        f"save_total_limit={limit} would delete every checkpoint — pass >= 1, or None to keep all",
+    )
+    unknown = [r for r in args.report_to if r not in REPORTERS]
+    _require(
+        not unknown,
+        f"report_to names {unknown}, which phalanx does not know — use any of {list(REPORTERS)}",
+    )
+    if "tensorboard" in args.report_to:
+        _require(
+            importlib.util.find_spec("tensorboard") is not None,
+            'report_to includes "tensorboard" but the tensorboard package is not installed — '
+            "pip install tensorboard, or drop it from report_to",
+        )
+
+
+def _check_ddp(args: TrainingArguments) -> None:
+    _require(
+        args.ddp_backend is None or args.ddp_backend != "",
+        "ddp_backend is empty — name a backend such as 'gloo' or 'nccl', or pass None",
+    )
+    _require(
+        math.isfinite(args.ddp_timeout) and args.ddp_timeout > 0,
+        f"ddp_timeout={args.ddp_timeout} must be a finite number of seconds > 0 — it bounds how "
+        "long a collective may block before the job fails instead of hanging (default 1800)",
+    )
+    cap = args.ddp_bucket_cap_mb
+    _require(
+        cap is None or (math.isfinite(cap) and cap > 0),
+        f"ddp_bucket_cap_mb={cap} must be > 0 MiB — the default is 25",
+    )
+    _require(
+        args.zero_stage not in (1, 2),
+        f"zero_stage={args.zero_stage} is not implemented in the Trainer yet — use zero_stage=0, "
+        "or phalanx.ZeroRedundancyOptimizer in your own loop",
+    )
+    _require(args.zero_stage == 0, f"zero_stage={args.zero_stage} is not a ZeRO stage — use 0")
+
+
+def _check_combinations(args: TrainingArguments) -> None:
+    """The documents' warnings, made errors: each combination gives wrong results or crashes."""
+    _require(
+        not (args.bf16 and args.fp16),
+        "bf16 and fp16 are both set — choose one precision (bf16 needs no loss scaling)",
+    )
+    if not args.gradient_checkpointing:
+        return
+    _require(
+        args.ddp_find_unused_parameters is not True,
+        "ddp_find_unused_parameters=True does not work with gradient_checkpointing — "
+        "checkpointing drops activations and recomputes them in backward, so the graph "
+        "searched after forward is not the one backward runs, and parameters get marked "
+        "ready twice; leave ddp_find_unused_parameters unset",
+    )
+    _require(
+        args.ddp_broadcast_buffers is not True,
+        "ddp_broadcast_buffers=True does not work with gradient_checkpointing — the "
+        "broadcast rewrites buffers in place between forward and the recomputation in "
+        "backward, which then sees different values; leave ddp_broadcast_buffers unset",
+    )

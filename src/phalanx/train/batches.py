@@ -1,0 +1,143 @@
+"""What the Trainer does with a batch: move it, feed it to the model, find the loss.
+
+The contract is small on purpose. The model gets the collated batch as its
+one argument, except that a dict batch is spread into keyword arguments when
+the model's forward names them (Hugging Face models: `model(**batch)`). The
+loss is `loss_fn(outputs, batch)`, or else whatever loss the model returned.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from phalanx.errors import ConfigurationError
+
+LossFn = Callable[[Any, Any], Tensor]
+_LABEL_KEYS = ("labels", "label", "label_ids")
+_LOGIT_KEYS = ("logits", "predictions")
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Move every tensor inside nested dicts, lists and tuples; leave the rest."""
+    if isinstance(batch, Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):
+        return {key: to_device(value, device) for key, value in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple keeps its type
+        return type(batch)(*(to_device(v, device) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
+
+def batch_size(batch: Any) -> int:
+    """Samples in a batch: the leading size of its first tensor, else its length."""
+    if isinstance(batch, Tensor):
+        return int(batch.shape[0]) if batch.dim() > 0 else 1
+    if isinstance(batch, Mapping):
+        values = list(batch.values())
+    elif isinstance(batch, (list, tuple)):
+        values = list(batch)
+    else:
+        return 1
+    for value in values:
+        if isinstance(value, (Tensor, Mapping, list, tuple)):
+            return batch_size(value)
+    return len(values)  # a list of plain samples (strings, numbers)
+
+
+def takes_keyword_batch(model: nn.Module, sample: Any) -> bool:
+    """Whether `model(**batch)` is meant: a dict batch whose keys the forward names.
+
+    At least one key must match a named parameter, so a `forward(self, batch)`
+    that takes the whole dict, or a catch-all `forward(*args, **kwargs)`
+    wrapper, still gets the dict as its one argument.
+    """
+    if not isinstance(sample, Mapping) or not sample:
+        return False
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    named = {name for name, p in params.items() if p.kind is not p.VAR_KEYWORD}
+    catch_all = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    keys = [str(key) for key in sample]
+    if not any(key in named for key in keys):
+        return False
+    return catch_all or all(key in named for key in keys)
+
+
+def call_model(model: nn.Module, batch: Any, keyword: bool) -> Any:
+    return model(**batch) if keyword else model(batch)
+
+
+def _returned_loss(outputs: Any) -> Tensor | None:
+    if isinstance(outputs, Tensor):
+        return outputs if outputs.numel() == 1 else None
+    if isinstance(outputs, Mapping):
+        return outputs.get("loss")
+    loss = getattr(outputs, "loss", None)
+    if isinstance(loss, Tensor):
+        return loss
+    if isinstance(outputs, (list, tuple)) and outputs and isinstance(outputs[0], Tensor):
+        return outputs[0] if outputs[0].numel() == 1 else None  # HF's return_dict=False
+    return None
+
+
+def find_loss(outputs: Any, batch: Any, loss_fn: LossFn | None) -> Tensor | None:
+    """The batch's loss, or None when neither loss_fn nor the model provides one."""
+    loss = loss_fn(outputs, batch) if loss_fn is not None else _returned_loss(outputs)
+    if loss is None:
+        return None
+    if not isinstance(loss, Tensor) or loss.numel() != 1:
+        where = "loss_fn" if loss_fn is not None else "the model"
+        raise ConfigurationError(
+            f"{where} gave a loss of {_describe(loss)}, not a single-element tensor — "
+            "reduce it to a scalar (e.g. .mean()) before returning it"
+        )
+    return loss.reshape(())
+
+
+def require_loss(outputs: Any, batch: Any, loss_fn: LossFn | None) -> Tensor:
+    loss = find_loss(outputs, batch, loss_fn)
+    if loss is None:
+        raise ConfigurationError(
+            f"the model returned {_describe(outputs)} with no loss in it — pass "
+            "loss_fn=lambda outputs, batch: ... to the Trainer, or return the loss from "
+            "forward (a scalar tensor, or a dict/object with a 'loss')"
+        )
+    return loss
+
+
+def find_predictions(outputs: Any) -> Tensor | None:
+    """What compute_metrics sees as predictions: the logits, or the output tensor itself."""
+    if isinstance(outputs, Tensor):
+        return outputs
+    if isinstance(outputs, Mapping):
+        return next((outputs[k] for k in _LOGIT_KEYS if k in outputs), None)
+    logits = getattr(outputs, "logits", None)
+    if isinstance(logits, Tensor):
+        return logits
+    if isinstance(outputs, (list, tuple)) and outputs and isinstance(outputs[0], Tensor):
+        return outputs[0]
+    return None
+
+
+def find_labels(batch: Any) -> Tensor | None:
+    """A dict batch's "labels" (or "label"), or the last element of a tuple batch."""
+    if isinstance(batch, Mapping):
+        return next((batch[k] for k in _LABEL_KEYS if k in batch), None)
+    if isinstance(batch, (list, tuple)) and len(batch) >= 2 and isinstance(batch[-1], Tensor):
+        return batch[-1]
+    return None
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__}"

@@ -1,0 +1,162 @@
+"""Where logged metrics go: the console, metrics.jsonl, metrics.csv, TensorBoard.
+
+Only rank 0 makes sinks; the numbers it logs are already reduced over ranks.
+The files are appended to, line by line and flushed, so a killed run keeps
+everything it logged; on resume `forget_after(step)` drops the lines the
+killed run wrote past its last checkpoint, so each step appears once.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Protocol
+
+JSONL_NAME = "metrics.jsonl"
+CSV_NAME = "metrics.csv"
+TENSORBOARD_DIR = "tensorboard"
+_CSV_HEADER = ["step", "metric", "value"]
+
+
+class MetricsSink(Protocol):
+    def log(self, step: int, metrics: Mapping[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _format(name: str, value: float) -> str:
+    if name in ("lr", "learning_rate"):
+        return f"{name} {value:.3e}"
+    if name.endswith("samples"):
+        return f"{name} {value:g}"
+    if name == "epoch":
+        return f"{name} {value:.2f}"
+    return f"{name} {value:.4g}"
+
+
+class ConsoleSink:
+    """One line per log: `step 40 | loss 0.3132 | lr 1.000e-03 | ...`."""
+
+    def __init__(self, write: Callable[[str], None] = print) -> None:
+        self.write = write
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        self.write(" | ".join([f"step {step}", *(_format(k, v) for k, v in metrics.items())]))
+
+    def close(self) -> None:
+        pass
+
+
+class JsonlSink:
+    """One JSON object per log, `{"step": ..., "loss": ...}`, for scripts and plots."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = path.open("a", encoding="utf-8")
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        clean = {k: (v if math.isfinite(v) else str(v)) for k, v in metrics.items()}
+        self._file.write(json.dumps({"step": step, **clean}) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class CsvSink:
+    """Long format, `step,metric,value`: training and evaluation rows share one header."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fresh = not path.exists() or path.stat().st_size == 0
+        self._file = path.open("a", encoding="utf-8", newline="")
+        self._writer = csv.writer(self._file)
+        if fresh:
+            self._writer.writerow(_CSV_HEADER)
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        self._writer.writerows([step, name, repr(value)] for name, value in metrics.items())
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class TensorBoardSink:
+    def __init__(self, log_dir: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.log_dir = log_dir
+        self._writer = SummaryWriter(log_dir=str(log_dir))
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        for name, value in metrics.items():
+            self._writer.add_scalar(name, value, step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+def make_sinks(
+    report_to: list[str], output_dir: Path, write: Callable[[str], None] = print
+) -> list[MetricsSink]:
+    sinks: list[MetricsSink] = []
+    for name in report_to:
+        if name == "console":
+            sinks.append(ConsoleSink(write))
+        elif name == "jsonl":
+            sinks.append(JsonlSink(output_dir / JSONL_NAME))
+        elif name == "csv":
+            sinks.append(CsvSink(output_dir / CSV_NAME))
+        elif name == "tensorboard":
+            sinks.append(TensorBoardSink(output_dir / TENSORBOARD_DIR))
+    return sinks
+
+
+def _rewrite_keeping(path: Path, keep: Callable[[str], bool]) -> None:
+    """Rewrite `path` with only the lines `keep` accepts, atomically."""
+    if not path.is_file():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    kept = [line for line in lines if keep(line)]
+    if len(kept) == len(lines):
+        return
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text("".join(kept), encoding="utf-8")
+    os.replace(partial, path)
+
+
+def _step_of_json(line: str) -> int | None:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _step_of_csv(line: str) -> int | None:
+    head = line.split(",", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def forget_after(output_dir: Path, step: int) -> None:
+    """Drop metric lines past `step` (a resumed run logs those steps again) and torn lines."""
+
+    def keep_json(line: str) -> bool:
+        found = _step_of_json(line)
+        return found is not None and found <= step
+
+    def keep_csv(line: str) -> bool:
+        if line.startswith(_CSV_HEADER[0] + ","):
+            return True
+        found = _step_of_csv(line)
+        return found is not None and found <= step and line.endswith("\n")
+
+    _rewrite_keeping(output_dir / JSONL_NAME, keep_json)
+    _rewrite_keeping(output_dir / CSV_NAME, keep_csv)

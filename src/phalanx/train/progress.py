@@ -1,0 +1,107 @@
+"""The rank-0 progress bar, and the step window whose numbers are logged.
+
+The window keeps its running loss as a tensor so no step waits on the GPU
+for a `.item()`; only logging (every `logging_steps`) reads it, in one
+all-reduce that every rank joins.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from phalanx.train.args import TrainingArguments
+from phalanx.train.ranks import Ranks
+
+try:
+    from tqdm.auto import tqdm
+except ImportError:  # the bar is a nicety: train without it
+    tqdm = None
+
+
+class Progress:
+    """A tqdm bar over optimizer steps; console lines go through it so they do not tear it."""
+
+    def __init__(self, total: int, initial: int, args: TrainingArguments) -> None:
+        self.bar: Any = None
+        if tqdm is not None and not args.disable_tqdm:
+            self.bar = tqdm(total=total, initial=initial, desc="train", unit="step")
+
+    def write(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def advance(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def show_loss(self, loss: float) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class StepWindow:
+    """Loss, samples, time and communication wait since the last reset."""
+
+    def __init__(self, comm_wait_now: float) -> None:
+        self.reset(comm_wait_now)
+
+    def reset(self, comm_wait_now: float) -> None:
+        self.started = time.perf_counter()
+        self.comm_wait_start = comm_wait_now
+        self.steps = 0
+        self.samples = 0
+        self.loss_sum: Tensor | None = None
+        self.last_loss: Tensor | None = None
+        self.grad_norm_sum: Tensor | None = None
+
+    def add_samples(self, count: int) -> None:
+        self.samples += count
+
+    def add_step(self, loss: Tensor, grad_norm: Tensor | None) -> None:
+        self.steps += 1
+        self.last_loss = loss
+        self.loss_sum = loss if self.loss_sum is None else self.loss_sum + loss
+        if grad_norm is not None:
+            norm = grad_norm.detach().float()
+            self.grad_norm_sum = norm if self.grad_norm_sum is None else self.grad_norm_sum + norm
+
+    def reduce(self, ranks: Ranks, comm_wait_now: float) -> dict[str, float]:
+        """Averages over steps and ranks; every rank must call it at the same step."""
+        local = [
+            _value(self.loss_sum),
+            _value(self.last_loss),
+            _value(self.grad_norm_sum),
+            float(self.samples),
+            comm_wait_now - self.comm_wait_start,
+            time.perf_counter() - self.started,
+        ]
+        loss, last, norm, samples, comm, elapsed = ranks.all_reduce_sum(local)
+        world, steps = ranks.world_size, max(1, self.steps)
+        wall = elapsed / world  # every rank ran the same steps: average their clocks
+        out = {
+            "loss": loss / (steps * world),
+            "last_loss": last / world,
+            "samples_per_second": samples / wall if wall > 0 else 0.0,
+            "step_time_s": wall / steps,
+            "comm_wait_s": comm / (steps * world),
+            "window_s": wall,
+        }
+        if self.grad_norm_sum is not None:
+            out["grad_norm"] = norm / (steps * world)
+        if self.steps == 0:
+            out = {"samples_per_second": 0.0, "window_s": wall}
+        return out
+
+
+def _value(tensor: Tensor | None) -> float:
+    return 0.0 if tensor is None else float(tensor.detach().to(torch.float64).cpu())

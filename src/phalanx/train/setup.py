@@ -1,0 +1,136 @@
+"""A Trainer's world: joining it, the model on its device, the optimizer, and letting go."""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import AdamW, Optimizer
+
+from phalanx.ddp.module import DistributedDataParallel
+from phalanx.errors import ConfigurationError
+from phalanx.jobenv import launched_by_launcher
+from phalanx.train.args import TrainingArguments
+from phalanx.train.ranks import Ranks
+
+# The DDP wrapper each model last got from a Trainer, so a second Trainer on the same
+# model can unhook the first: two reducers hooked on one parameter would both all-reduce.
+# Weak both ways: the wrapper holds the model, so a strong value would keep the key alive.
+_WRAPPERS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[DistributedDataParallel]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def join_world(args: TrainingArguments) -> Ranks:
+    """DDP when a launcher started us (or a group exists already); else one plain process.
+
+    A plain `python train.py` sets up no process group at all: nothing to
+    rendezvous with, nothing to tear down, and errors point at the model.
+    """
+    if launched_by_launcher() or (dist.is_available() and dist.is_initialized()):
+        from phalanx.runtime import init  # the runtime validates ddp_backend, naming the fix
+
+        world = init(backend=args.ddp_backend, timeout=args.ddp_timeout)
+        ranks = Ranks(world.rank, world.world_size, world.device, world.process_group)
+    else:
+        device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        ranks = Ranks(0, 1, device, None)
+    _check_precision(args, ranks.device)
+    return ranks
+
+
+def _check_precision(args: TrainingArguments, device: torch.device) -> None:
+    if args.fp16 and device.type != "cuda":
+        raise ConfigurationError(
+            f"fp16 needs a CUDA device (its loss scaling is GPU-only here), but this run is "
+            f"on {device} — use bf16=True on CPU, or run on GPUs"
+        )
+    if args.bf16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigurationError(
+            "bf16 is not supported by this GPU — use fp16=True, or a GPU with bfloat16 "
+            "(Ampere or newer)"
+        )
+
+
+def prepare_model(model: nn.Module, args: TrainingArguments, device: torch.device) -> nn.Module:
+    """Turn on gradient checkpointing if asked, and move the model to this rank's device."""
+    if args.gradient_checkpointing:
+        _enable_gradient_checkpointing(model)
+    return model.to(device)
+
+
+def _enable_gradient_checkpointing(model: nn.Module) -> None:
+    enable = getattr(model, "gradient_checkpointing_enable", None)
+    if not callable(enable):
+        raise ConfigurationError(
+            f"gradient_checkpointing=True but {type(model).__name__} has no "
+            "gradient_checkpointing_enable() method — add one that wraps your blocks in "
+            "torch.utils.checkpoint.checkpoint(..., use_reentrant=False), or turn "
+            "gradient_checkpointing off"
+        )
+    try:
+        accepts_kwargs = "gradient_checkpointing_kwargs" in inspect.signature(enable).parameters
+    except (TypeError, ValueError):
+        accepts_kwargs = False
+    if accepts_kwargs:
+        # Non-reentrant checkpointing runs one backward, so each gradient hook fires
+        # once, as DDP's reducer requires; the reentrant kind runs nested backwards.
+        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        enable()
+
+
+def build_optimizer(model: nn.Module, args: TrainingArguments) -> Optimizer:
+    """AdamW; weight decay on matrices only, since decaying biases and norm gains hurts."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if not trainable:
+        raise ConfigurationError(
+            "the model has no trainable parameter — unfreeze some (requires_grad=True)"
+        )
+    decay = [p for p in trainable if p.dim() >= 2]
+    no_decay = [p for p in trainable if p.dim() < 2]
+    groups = [
+        {"params": decay, "weight_decay": args.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return AdamW([g for g in groups if g["params"]], lr=args.learning_rate)
+
+
+def wrap_model(model: nn.Module, args: TrainingArguments, ranks: Ranks) -> nn.Module:
+    """phalanx DDP with the arguments' DDP fields, or the model itself on one plain process."""
+    if not ranks.distributed:
+        return model
+    previous = _WRAPPERS.pop(model, None)
+    stale = previous() if previous is not None else None
+    if stale is not None:
+        stale.reducer.remove_hooks()
+    wrapper = DistributedDataParallel(
+        model,
+        device_ids=[ranks.device] if ranks.device.type == "cuda" else None,
+        process_group=ranks.group,
+        bucket_cap_mb=args.ddp_bucket_cap_mb,
+        find_unused_parameters=args.find_unused_parameters,
+        broadcast_buffers=args.broadcast_buffers,
+    )
+    _WRAPPERS[model] = weakref.ref(wrapper)
+    return wrapper
+
+
+def release(wrapped: nn.Module | None, owns_group: bool) -> None:
+    """Drop what keeps the process group alive, and destroy it if we created it.
+
+    A gloo group still alive when the interpreter finalizes can abort the
+    process ("terminate called without an active exception") after training
+    succeeded. Its C++ side is torn down only when the last Python reference
+    goes: the reducer's gradient hooks hold one through the model's
+    parameters, hence remove_hooks and a collection of the cycles left.
+    """
+    if isinstance(wrapped, DistributedDataParallel):
+        wrapped.reducer.remove_hooks()
+    if owns_group and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()

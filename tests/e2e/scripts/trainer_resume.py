@@ -1,0 +1,93 @@
+"""A Trainer job for the exact-resume test: dropout, shuffled data, epochs crossed.
+
+Usage: trainer_resume.py OUTPUT_DIR RESULT_FILE [--kill-after-step N] [--resume]
+                         [--save-steps N] [--max-steps N]
+
+120 samples over 2 ranks in micro-batches of 4 with 2-step accumulation is
+15 micro-batches, so 8 optimizer steps, per epoch (the last step of each epoch
+has one micro-batch): 20 steps cross two epoch boundaries. With
+--kill-after-step N, rank 0 SIGKILLs itself at the first micro-batch after
+step N, a real crash mid-run; the launcher then stops the other rank.
+Rank 0 writes the final parameters to RESULT_FILE.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import TensorDataset
+
+from phalanx.train import Trainer, TrainingArguments
+
+SAMPLES = 120
+
+
+class DropoutMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 3))
+
+    def forward(self, batch: list[Tensor]) -> Tensor:
+        return self.net(batch[0])
+
+
+def dataset() -> TensorDataset:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(SAMPLES, 8, generator=gen)
+    return TensorDataset(x, (x[:, :3].sum(1) * 2).long().clamp(-1, 1) + 1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("output_dir")
+    parser.add_argument("result")
+    parser.add_argument("--kill-after-step", type=int, default=0)
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--save-steps", type=int, default=0)
+    parser.add_argument("--max-steps", type=int, default=20)
+    opts = parser.parse_args()
+    torch.set_num_threads(1)
+    args = TrainingArguments(
+        output_dir=opts.output_dir,
+        max_steps=opts.max_steps,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        learning_rate=3e-3,
+        warmup_steps=3,
+        lr_scheduler_type="cosine",
+        weight_decay=0.01,
+        save_steps=opts.save_steps,
+        logging_steps=4,
+        report_to=["jsonl"],
+        disable_tqdm=True,
+        ddp_backend="gloo",
+        ddp_timeout=60,
+    )
+    torch.manual_seed(0)
+    model = DropoutMLP()
+    trainer: Trainer
+
+    def loss_fn(outputs: Tensor, batch: Any) -> Tensor:
+        crash_here = trainer.state.global_step == opts.kill_after_step > 0
+        if crash_here and trainer.ranks.rank == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return nn.functional.cross_entropy(outputs, batch[1])
+
+    trainer = Trainer(model=model, args=args, train_dataset=dataset(), loss_fn=loss_fn)
+    result = trainer.train(resume_from_checkpoint=True if opts.resume else None)
+    if trainer.ranks.rank == 0:
+        torch.save(trainer.model.state_dict(), opts.result)
+        summary = {"global_step": result.global_step, "resumed_from": result.resumed_from}
+        Path(opts.result).with_suffix(".json").write_text(json.dumps(summary))
+        print(f"done: {summary}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
