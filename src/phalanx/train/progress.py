@@ -12,14 +12,10 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from tqdm.auto import tqdm
 
 from phalanx.train.args import TrainingArguments
 from phalanx.train.ranks import Ranks
-
-try:
-    from tqdm.auto import tqdm
-except ImportError:  # the bar is a nicety: train without it
-    tqdm = None
 
 
 class Progress:
@@ -27,7 +23,7 @@ class Progress:
 
     def __init__(self, total: int, initial: int, args: TrainingArguments) -> None:
         self.bar: Any = None
-        if tqdm is not None and not args.disable_tqdm:
+        if not args.disable_tqdm:
             self.bar = tqdm(total=total, initial=initial, desc="train", unit="step")
 
     def write(self, text: str) -> None:
