@@ -71,7 +71,9 @@ class Reducer:
         self.comm_state: Any = None
 
         n = len(self.params)
-        self._inv_world = 1.0 / self.world_size
+        # A 0-dim tensor, not a float: torch.mul with a Python scalar costs twice as much
+        # per call, and this runs once per parameter per step.
+        self._inv_world = torch.tensor(1.0 / self.world_size)
         self._state = IDLE
         self._sync = True
         self._backward_started = False
@@ -198,11 +200,18 @@ class Reducer:
             if param.grad is not view:
                 self._move_grad_into_view(param, view)
         else:
-            view.copy_(param.grad)  # type: ignore[arg-type]  # set: the hook follows it
+            self._copy_into_slot(param.grad, view)  # type: ignore[arg-type]  # set: hook follows it
         bucket = self._bucket_of[i]
         bucket.pending -= 1
         if bucket.pending == 0 and bucket.index == self._next_launch:
             self._launch_ready_buckets()
+
+    def _copy_into_slot(self, grad: torch.Tensor, view: torch.Tensor) -> None:
+        if self.comm_hook is None:
+            # Average while copying, as torch DDP does: no second pass over the bucket.
+            torch.mul(grad, self._inv_world, out=view)
+        else:
+            view.copy_(grad)  # a comm hook averages in its own way
 
     @staticmethod
     def _move_grad_into_view(param: torch.Tensor, view: torch.Tensor) -> None:
@@ -236,7 +245,7 @@ class Reducer:
                 if grad is not view:
                     self._move_grad_into_view(param, view)
             else:
-                view.copy_(grad)
+                self._copy_into_slot(grad, view)
         bucket = self._bucket_of[i]
         bucket.pending -= 1
         if bucket.pending == 0 and bucket.index == self._next_launch:
@@ -260,8 +269,9 @@ class Reducer:
             )
             bucket.work = self.comm_hook(self.comm_state, grad_bucket)
         else:
-            # Average before summing, like torch DDP: one pass over the flat buffer.
-            bucket.buffer.mul_(self._inv_world)
+            if self.gradient_as_bucket_view:
+                # The gradients were accumulated in place, not copied: average them here.
+                bucket.buffer.mul_(self._inv_world)
             bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
         self.stats.buckets_launched += 1
         self.stats.collectives += 1
