@@ -20,41 +20,19 @@ slightly differently (SyncBatchNorm would make them agree).
 
 from __future__ import annotations
 
-import argparse
-import os
-import time
-from pathlib import Path
-
 import torch
-import torch.distributed as dist
+
+# The split, the batch and the loop are digits.py's: only the model and the images' shape differ.
+from digits import SPLIT_SEED, TEST_FRACTION, parse_args, run
 from sklearn.datasets import load_digits
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
 
-import phalanx
-
-# The whole batch across ranks, split between them: the recipe does not depend on the world size.
-GLOBAL_BATCH = 64
 # Adam decayed to zero on a cosine; BatchNorm lets a small CNN take a high rate.
 LEARNING_RATE = 3e-3
 EPOCHS = 20
 # Two 3x3 conv layers of 16 and 32 channels are plenty for 8x8 images.
 CHANNELS = (16, 32)
-# The classic split: hold out a fifth of the images, fixed by its own seed so
-# that every run and every rank tests on the same 359 images.
-TEST_FRACTION = 0.2
-SPLIT_SEED = 1234
-
-
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--epochs", type=int, default=EPOCHS)
-    parser.add_argument("--steps", type=int, default=None, help="stop after this many steps")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--lr", type=float, default=LEARNING_RATE)
-    parser.add_argument("--batch-size", type=int, default=GLOBAL_BATCH, help="across all ranks")
-    parser.add_argument("--out", type=Path, default=Path("runs/examples/cnn_digits.pt"))
-    return parser.parse_args()
 
 
 def load_splits() -> tuple[TensorDataset, TensorDataset]:
@@ -84,116 +62,9 @@ def build_model() -> nn.Module:
     )
 
 
-def all_reduce(values: list[float], op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> list[float]:
-    """Combine per-rank numbers (a world of one has a real group too, so no special case)."""
-    tensor = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(tensor, op=op)
-    return tensor.tolist()
-
-
-def evaluate(model: nn.Module, test_set: TensorDataset, world: phalanx.World) -> float:
-    """Exact test accuracy: each rank scores a disjoint share, and the counts are summed.
-
-    `model` is the DDP wrapper on purpose: its first forward after training
-    broadcasts rank 0's BatchNorm statistics, so every rank scores with the same
-    model. pad=False makes every test image count exactly once.
-    """
-    sampler = phalanx.DistributedSampler(test_set, shuffle=False, pad=False)
-    correct = seen = 0
-    model.eval()
-    with torch.no_grad():
-        for x, y in DataLoader(test_set, batch_size=256, sampler=sampler):
-            correct += int((model(x.to(world.device)).argmax(1) == y.to(world.device)).sum())
-            seen += len(y)
-    model.train()
-    correct_all, seen_all = all_reduce([correct, seen])
-    return correct_all / seen_all
-
-
-def replica_gap(model: nn.Module) -> float:
-    """Largest |difference| between this replica and rank 0's, weights and buffers alike."""
-    flat = torch.cat([t.detach().flatten().double().cpu() for t in model.state_dict().values()])
-    reference = flat.clone()
-    dist.broadcast(reference, src=0)
-    (gap,) = all_reduce([float((flat - reference).abs().max())], op=dist.ReduceOp.MAX)
-    return gap
-
-
-def save(model: nn.Module, path: Path) -> None:
-    """Write to a temporary name then rename, so a crash never leaves half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(path.suffix + ".partial")
-    torch.save(model.state_dict(), partial)
-    os.replace(partial, path)
-
-
-def train_epoch(
-    model: nn.Module,
-    loader: DataLoader,
-    optimizer: torch.optim.Optimizer,
-    schedule: torch.optim.lr_scheduler.LRScheduler,
-    steps_left: int,
-    world: phalanx.World,
-) -> tuple[float, int, int]:
-    """One pass over this rank's shard (or fewer steps): mean loss, steps, samples seen."""
-    loss_fn = nn.CrossEntropyLoss()
-    loss_sum, steps, samples = 0.0, 0, 0
-    for x, y in loader:
-        loss = loss_fn(model(x.to(world.device)), y.to(world.device))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # phalanx all-reduces the gradients during this call
-        optimizer.step()
-        schedule.step()
-        loss_sum, steps, samples = loss_sum + loss.item(), steps + 1, samples + len(y)
-        if steps >= steps_left:
-            break
-    return loss_sum / max(1, steps), steps, samples * world.world_size
-
-
 def main() -> None:
-    args = parse_args()
-    world = phalanx.init()
-    torch.manual_seed(args.seed)  # same initial weights everywhere; DDP broadcasts rank 0's anyway
-    train_set, test_set = load_splits()
-    per_rank_batch = max(1, args.batch_size // world.world_size)
-    sampler = phalanx.DistributedSampler(train_set, shuffle=True, seed=args.seed)
-    loader = DataLoader(train_set, batch_size=per_rank_batch, sampler=sampler, drop_last=True)
-    model = phalanx.DistributedDataParallel(build_model().to(world.device))
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    # --steps, when given, replaces --epochs as the budget (a short run for tests).
-    budget = args.steps if args.steps is not None else args.epochs * len(loader)
-    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=budget)
-    if world.is_main:
-        print(
-            f"world size {world.world_size}, {world.backend} on {world.device}, "
-            f"{len(train_set)} train / {len(test_set)} test images, "
-            f"batch {per_rank_batch} per rank, {budget} steps"
-        )
-
-    step, samples, train_time, epoch = 0, 0, 0.0, 0
-    while step < budget:
-        sampler.set_epoch(epoch)
-        started = time.perf_counter()
-        loss, steps, seen = train_epoch(model, loader, optimizer, schedule, budget - step, world)
-        train_time += time.perf_counter() - started
-        step, samples = step + steps, samples + seen
-        (mean_loss,) = all_reduce([loss / world.world_size])
-        if world.is_main and (epoch % 5 == 0 or step >= budget):
-            print(f"epoch {epoch:3d} step {step:5d} train loss {mean_loss:.4f}")
-        epoch += 1
-
-    accuracy = evaluate(model, test_set, world)
-    gap = replica_gap(model.module)
-    if world.is_main:
-        print(f"test accuracy: {accuracy:.4f}")
-        print(
-            f"throughput: {samples / max(train_time, 1e-9):.0f} samples/s "
-            f"({world.world_size} ranks, {train_time:.2f}s training)"
-        )
-        print(f"replicas identical: {'yes' if gap == 0 else 'no'} (max |diff| {gap:.3g})")
-        save(model.module, args.out)
-        print(f"saved {args.out}")
-    phalanx.shutdown()
+    args = parse_args(__doc__, EPOCHS, LEARNING_RATE, "runs/examples/cnn_digits.pt")
+    run(args, load_splits, build_model)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -44,14 +45,20 @@ TEST_FRACTION = 0.2
 SPLIT_SEED = 1234
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--epochs", type=int, default=EPOCHS)
+def parse_args(
+    description: str = __doc__,
+    epochs: int = EPOCHS,
+    lr: float = LEARNING_RATE,
+    out: str = "runs/examples/digits.pt",
+) -> argparse.Namespace:
+    """The flags of this example and of cnn_digits.py, which passes its own defaults."""
+    parser = argparse.ArgumentParser(description=description.split("\n\n")[0])
+    parser.add_argument("--epochs", type=int, default=epochs)
     parser.add_argument("--steps", type=int, default=None, help="stop after this many steps")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--lr", type=float, default=LEARNING_RATE)
+    parser.add_argument("--lr", type=float, default=lr)
     parser.add_argument("--batch-size", type=int, default=GLOBAL_BATCH, help="across all ranks")
-    parser.add_argument("--out", type=Path, default=Path("runs/examples/digits.pt"))
+    parser.add_argument("--out", type=Path, default=Path(out))
     return parser.parse_args()
 
 
@@ -90,6 +97,9 @@ def evaluate(model: nn.Module, test_set: TensorDataset, world: phalanx.World) ->
     """Exact test accuracy: each rank scores a disjoint share, and the counts are summed.
 
     pad=False makes every test image count exactly once, whatever the world size.
+    `model` is the DDP wrapper on purpose: its first forward after training
+    broadcasts rank 0's buffers (BatchNorm statistics in cnn_digits.py), so
+    every rank scores with the same model.
     """
     sampler = phalanx.DistributedSampler(test_set, shuffle=False, pad=False)
     correct = seen = 0
@@ -144,7 +154,15 @@ def train_epoch(
 
 
 def main() -> None:
-    args = parse_args()
+    run(parse_args(), load_splits, build_model)
+
+
+def run(
+    args: argparse.Namespace,
+    load_splits: Callable[[], tuple[TensorDataset, TensorDataset]],
+    build_model: Callable[[], nn.Module],
+) -> None:
+    """Train, evaluate, check the replicas and save: shared with cnn_digits.py."""
     world = phalanx.init()
     torch.manual_seed(args.seed)  # same initial weights everywhere; DDP broadcasts rank 0's anyway
     train_set, test_set = load_splits()
@@ -175,7 +193,7 @@ def main() -> None:
             print(f"epoch {epoch:3d} step {step:5d} train loss {mean_loss:.4f}")
         epoch += 1
 
-    accuracy = evaluate(model.module, test_set, world)
+    accuracy = evaluate(model, test_set, world)
     gap = replica_gap(model.module)
     if world.is_main:
         print(f"test accuracy: {accuracy:.4f}")
