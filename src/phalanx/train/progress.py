@@ -24,7 +24,9 @@ class Progress:
     def __init__(self, total: int, initial: int, args: TrainingArguments) -> None:
         self.bar: Any = None
         if not args.disable_tqdm:
-            self.bar = tqdm(total=total, initial=initial, desc="train", unit="step")
+            # disable=None: no bar when stderr is not a terminal (a log file, a launcher pipe),
+            # where every redraw would pile up on one line.
+            self.bar = tqdm(total=total, initial=initial, desc="train", unit="step", disable=None)
 
     def write(self, text: str) -> None:
         if self.bar is not None:
