@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import inspect
 import weakref
 
@@ -121,16 +120,12 @@ def wrap_model(model: nn.Module, args: TrainingArguments, ranks: Ranks) -> nn.Mo
 
 
 def release(wrapped: nn.Module | None, owns_group: bool) -> None:
-    """Drop what keeps the process group alive, and destroy it if we created it.
+    """Unhook DDP from the model, and destroy the process group if we created it.
 
-    A gloo group still alive when the interpreter finalizes can abort the
-    process ("terminate called without an active exception") after training
-    succeeded. Its C++ side is torn down only when the last Python reference
-    goes: the reducer's gradient hooks hold one through the model's
-    parameters, hence remove_hooks and a collection of the cycles left.
+    The model outlives the Trainer (`trainer.model`): left hooked, its
+    parameters would keep reporting gradients to a reducer nobody drives.
     """
     if isinstance(wrapped, DistributedDataParallel):
         wrapped.reducer.remove_hooks()
     if owns_group and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    gc.collect()

@@ -12,11 +12,9 @@ between steps, on every rank together.
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import logging
 import math
-import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -52,14 +50,6 @@ from phalanx.train.schedules import make_scheduler
 from phalanx.train.setup import build_optimizer, join_world, prepare_model, release, wrap_model
 
 logger = logging.getLogger("phalanx.train")
-_LIVE: weakref.WeakSet[Trainer] = weakref.WeakSet()
-
-
-@atexit.register
-def _release_at_exit() -> None:
-    """Tear process groups down while the interpreter is whole; see Trainer.close."""
-    for trainer in list(_LIVE):
-        trainer.close()
 
 
 @dataclass(frozen=True)
@@ -101,7 +91,6 @@ class Trainer:
         self.ranks = join_world(self.args)
         self._owns_group = self._owns_group and self.ranks.distributed
         self._closed = False
-        _LIVE.add(self)
         self.model: nn.Module = prepare_model(model, self.args, self.ranks.device)
         """The unwrapped module: what you save, export, or evaluate yourself."""
         self.wrapped_model: nn.Module = wrap_model(self.model, self.args, self.ranks)
@@ -345,9 +334,9 @@ class Trainer:
         """Let go of the process group; the Trainer cannot train or evaluate afterwards.
 
         Unhooks DDP from the model (`trainer.model` stays usable) and destroys
-        the group if this Trainer created it. Runs by itself at interpreter
-        exit, so that the group is torn down while Python can still serve its
-        threads; call it to release the group earlier.
+        the group if this Trainer created it. At interpreter exit the group is
+        torn down by the hook `phalanx.init()` registers; call this to release
+        it earlier.
         """
         if self._closed:
             return
