@@ -72,6 +72,25 @@ def test_a_job_killed_mid_run_resumes_to_bit_identical_parameters(tmp_path: Path
     assert logged == [4, 8, 12, 16, 20]
 
 
+def test_the_launcher_restarts_a_killed_job_and_it_ends_bit_identical(tmp_path: Path) -> None:
+    """Lose a worker without losing the run: --max-restarts plus resume_from_checkpoint=True."""
+    whole, restarted = tmp_path / "whole", tmp_path / "restarted"
+    _ok(_run(PHALANX, whole, tmp_path / "a.pt"))
+    launcher = [*PHALANX[:-2], "--max-restarts", "1", *PHALANX[-2:]]
+    run = _run(
+        launcher,
+        *(restarted, tmp_path / "b.pt", "--save-steps", "5", "--resume"),
+        *("--kill-after-step", "13", "--kill-on-first-attempt-only"),
+    )
+    _ok(run)
+    assert "SIGKILL" in run.stdout + run.stderr, "the first attempt should have been killed"
+    summary = json.loads((tmp_path / "b.json").read_text())
+    assert summary == {"global_step": 20, "resumed_from": str(restarted / "checkpoint-10")}
+    a, b = torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt")
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
 # ------------------------------------------------------------ one plain process
 
 

@@ -1,13 +1,16 @@
 """A Trainer job for the exact-resume test: dropout, shuffled data, epochs crossed.
 
 Usage: trainer_resume.py OUTPUT_DIR RESULT_FILE [--kill-after-step N] [--resume]
-                         [--save-steps N] [--max-steps N]
+                         [--save-steps N] [--max-steps N] [--kill-on-first-attempt-only]
 
 120 samples over 2 ranks in micro-batches of 4 with 2-step accumulation is
 15 micro-batches, so 8 optimizer steps, per epoch (the last step of each epoch
 has one micro-batch): 20 steps cross two epoch boundaries. With
 --kill-after-step N, rank 0 SIGKILLs itself at the first micro-batch after
-step N, a real crash mid-run; the launcher then stops the other rank.
+step N, a real crash mid-run; the launcher then stops the other rank. With
+--kill-on-first-attempt-only it does so only when the launcher has not
+restarted the job yet (PHALANX_RESTART_COUNT 0), so `--max-restarts 1` brings
+the job back, and `--resume` carries it on from the last checkpoint.
 Rank 0 writes the final parameters to RESULT_FILE.
 """
 
@@ -52,6 +55,7 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--save-steps", type=int, default=0)
     parser.add_argument("--max-steps", type=int, default=20)
+    parser.add_argument("--kill-on-first-attempt-only", action="store_true")
     opts = parser.parse_args()
     torch.set_num_threads(1)
     args = TrainingArguments(
@@ -76,6 +80,8 @@ def main() -> None:
 
     def loss_fn(outputs: Tensor, batch: Any) -> Tensor:
         crash_here = trainer.state.global_step == opts.kill_after_step > 0
+        if opts.kill_on_first_attempt_only:
+            crash_here = crash_here and os.environ.get("PHALANX_RESTART_COUNT", "0") == "0"
         if crash_here and trainer.ranks.rank == 0:
             os.kill(os.getpid(), signal.SIGKILL)
         return nn.functional.cross_entropy(outputs, batch[1])
