@@ -93,6 +93,14 @@ def _branch_used_on_rank0_only_without_flag(rank: int, world_size: int) -> str:
     return _train_steps(ddp_under_test()(BranchNet()), steps=3, use_branch=rank == 0)
 
 
+def _branch_used_on_rank0_only_with_comm_hook(rank: int, world_size: int) -> str:
+    # The same, with a compression hook: the hook owns the wire format, so the
+    # failure flag must still reach every rank by some other way.
+    model = ddp_under_test()(BranchNet())
+    model.register_comm_hook(None, phalanx.comm_hooks.fp16_compress_hook)
+    return _train_steps(model, steps=3, use_branch=rank == 0)
+
+
 def _backward_twice_retain_graph(rank: int, world_size: int) -> str:
     model = ddp_under_test()(MLP())
     x, y = regression_batch(rank, 0, 0)
@@ -141,6 +149,15 @@ def test_parameter_unused_on_one_rank_fails_every_rank_without_hang() -> None:
     assert_error_on_every_rank(outcomes, "find_unused_parameters=True")
     # Only rank 1 knows which of its parameters got no gradient; rank 0 may just
     # point at rank 1's error.
+    assert "branch.weight" in (outcomes[1].error or ""), _messages(outcomes)
+
+
+@pytest.mark.timeout(90)
+def test_parameter_unused_on_one_rank_fails_every_rank_with_a_comm_hook() -> None:
+    outcomes = run_workers(
+        _branch_used_on_rank0_only_with_comm_hook, 2, allow_errors=True, timeout=DEADLINE
+    )
+    assert_error_on_every_rank(outcomes, "find_unused_parameters=True")
     assert "branch.weight" in (outcomes[1].error or ""), _messages(outcomes)
 
 

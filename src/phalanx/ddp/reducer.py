@@ -83,8 +83,7 @@ class Reducer:
         self._unused_now: list[int] = []  # graph search result for this iteration
         self._static_unused: list[int] | None = None
         self._saved_unused_grads: dict[int, torch.Tensor] = {}
-        self._used_map_work: Any = None
-        self._used_map: torch.Tensor | None = None
+        self._flags_work: Any = None  # the flag slots' all-reduce when a comm hook runs
         self._arrival: list[int] = []  # first backward's gradient order, for the rebuild
         self._backwards_seen = 0
         self._rebuilt = False
@@ -268,6 +267,10 @@ class Reducer:
                 bucket.index == len(self.buckets) - 1,
             )
             bucket.work = self.comm_hook(self.comm_state, grad_bucket)
+            if bucket is self.buckets[-1]:
+                # A hook's wire format is its own, so the flag slots travel on their own.
+                self._flags_work = dist.all_reduce(bucket.flags, group=self.group, async_op=True)
+                self.stats.collectives += 1
         else:
             if self.gradient_as_bucket_view:
                 # The gradients were accumulated in place, not copied: average them here.
@@ -361,10 +364,6 @@ class Reducer:
         The other ranks are waiting in those all-reduces; sending them keeps every
         rank in step, and the flag tells all of them to stop with an error.
         """
-        if self.comm_hook is not None:
-            # A hook's wire format is its own: no flag slots travel with it.
-            self._wait(self.buckets[: self._next_launch])
-            self._raise_missing_gradients()
         with torch.no_grad():
             for i in range(len(self.params)):
                 if not self._ready[i]:
@@ -375,8 +374,11 @@ class Reducer:
         self._launch_ready_buckets()
 
     def _raise_if_any_rank_failed(self) -> None:
+        if self._flags_work is not None:
+            self._flags_work.wait()
+            self._flags_work = None
         flags = self.buckets[-1].flags
-        if self.comm_hook is not None or not bool(flags.any()):
+        if not bool(flags.any()):
             return
         failed = [r for r, f in enumerate(flags.tolist()) if f != 0]
         flags.zero_()
