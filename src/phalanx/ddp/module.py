@@ -7,6 +7,8 @@ arguments and defaults, `no_sync()`, `register_comm_hook()`, `.module`, and
 
 from __future__ import annotations
 
+import logging
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -23,6 +25,12 @@ from phalanx.ddp.sync import broadcast_coalesced, verify_same_parameters
 from phalanx.errors import ConfigurationError, ReducerError
 
 DEFAULT_BUCKET_CAP_MB = 25.0
+logger = logging.getLogger("phalanx")
+# Which reducer's hooks sit on a parameter. Hooks are process-wide state attached to
+# the tensor itself, so this side table is too; weak both ways, it keeps nothing alive
+# and, unlike an attribute on the parameter, never travels with a pickled model.
+# Keyed by id(): tensors compare elementwise, so they cannot be dictionary keys.
+_REDUCER_OF: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[Reducer]]] = {}
 
 
 class DistributedDataParallel(nn.Module):
@@ -93,6 +101,7 @@ class DistributedDataParallel(nn.Module):
             if broadcast_buffers:
                 state += [b.detach() for b in self._buffers_to_sync]
             broadcast_coalesced(state, self.process_group)
+        _detach_earlier_reducers(trainable)
         self.reducer = Reducer(
             trainable,
             self.process_group,
@@ -101,6 +110,8 @@ class DistributedDataParallel(nn.Module):
             find_unused_parameters=find_unused_parameters,
             static_graph=static_graph,
         )
+        for _, p in trainable:
+            _REDUCER_OF[id(p)] = (weakref.ref(p), weakref.ref(self.reducer))
         # torch's rule, kept for parity: buffers are broadcast before a forward that
         # follows a synced training forward (and before the very first one).
         self._sync_buffers_next_forward = True
@@ -170,6 +181,27 @@ class DistributedDataParallel(nn.Module):
             )
         self.reducer.comm_hook = hook
         self.reducer.comm_state = state
+
+
+def _detach_earlier_reducers(trainable: Sequence[tuple[str, nn.Parameter]]) -> None:
+    """Unhook any earlier wrapper's reducer from these parameters.
+
+    Wrapping a model again (a second Trainer, a new DDP after a change of
+    plan) must not leave two reducers hooked on one parameter: both would
+    all-reduce every gradient, and the stale one would wait for buckets forever.
+    """
+    for key, (param_ref, reducer_ref) in list(_REDUCER_OF.items()):
+        if param_ref() is None or reducer_ref() is None:
+            del _REDUCER_OF[key]  # prune: that parameter or reducer is gone
+    earlier: dict[int, Reducer] = {}
+    for _, p in trainable:
+        entry = _REDUCER_OF.get(id(p))
+        reducer = entry[1]() if entry is not None and entry[0]() is p else None
+        if reducer is not None:
+            earlier[id(reducer)] = reducer
+    for reducer in earlier.values():
+        logger.info("re-wrapping: detaching the earlier DistributedDataParallel from the model")
+        reducer.remove_hooks()
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import weakref
 
 import torch
 import torch.distributed as dist
@@ -15,13 +14,6 @@ from phalanx.errors import ConfigurationError
 from phalanx.jobenv import launched_by_launcher
 from phalanx.train.args import TrainingArguments
 from phalanx.train.ranks import Ranks
-
-# The DDP wrapper each model last got from a Trainer, so a second Trainer on the same
-# model can unhook the first: two reducers hooked on one parameter would both all-reduce.
-# Weak both ways: the wrapper holds the model, so a strong value would keep the key alive.
-_WRAPPERS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[DistributedDataParallel]] = (
-    weakref.WeakKeyDictionary()
-)
 
 
 def join_world(args: TrainingArguments) -> Ranks:
@@ -103,11 +95,8 @@ def wrap_model(model: nn.Module, args: TrainingArguments, ranks: Ranks) -> nn.Mo
     """phalanx DDP with the arguments' DDP fields, or the model itself on one plain process."""
     if not ranks.distributed:
         return model
-    previous = _WRAPPERS.pop(model, None)
-    stale = previous() if previous is not None else None
-    if stale is not None:
-        stale.reducer.remove_hooks()
-    wrapper = DistributedDataParallel(
+    # A model wrapped before (by an earlier Trainer) is unhooked from that wrapper by DDP itself.
+    return DistributedDataParallel(
         model,
         device_ids=[ranks.device] if ranks.device.type == "cuda" else None,
         process_group=ranks.group,
@@ -115,8 +104,6 @@ def wrap_model(model: nn.Module, args: TrainingArguments, ranks: Ranks) -> nn.Mo
         find_unused_parameters=args.find_unused_parameters,
         broadcast_buffers=args.broadcast_buffers,
     )
-    _WRAPPERS[model] = weakref.ref(wrapper)
-    return wrapper
 
 
 def release(wrapped: nn.Module | None, owns_group: bool) -> None:
