@@ -296,6 +296,7 @@ def run_parity(
     seed: int = 0,
     prepare_ours: Callable[[nn.Module], nn.Module] = lambda net: net,
     setup_ours: Callable[[Any], None] = lambda ddp: None,
+    after_wrap: Callable[[Any], Any] = lambda ddp: ddp,
 ) -> dict[str, Any]:
     """Train torch DDP, then ours, from the same per-rank start and data; compare.
 
@@ -315,7 +316,7 @@ def run_parity(
     ref = torch.nn.parallel.DistributedDataParallel(ref_net, **recipe.ddp_kwargs)
     ref_losses = train(ref, recipe, rank, opt_name, steps)
 
-    ours = ddp_under_test()(prepare_ours(our_net), **recipe.ddp_kwargs)
+    ours = after_wrap(ddp_under_test()(prepare_ours(our_net), **recipe.ddp_kwargs))
     wrap_diff = float((flat(ours.module.parameters()) - rank0_initial).abs().max())
     setup_ours(ours)
     our_losses = train(ours, recipe, rank, opt_name, steps)

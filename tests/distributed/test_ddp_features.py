@@ -57,6 +57,17 @@ def allreduce_then_divide(state, bucket):  # type: ignore[no-untyped-def]
     return fut.then(lambda f: f.value()[0].div_(world))
 
 
+class MLPBatchNorm(nn.Module):
+    """BatchNorm1d between linears: buffers broadcast before every compiled forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)  # type: ignore[no-any-return]
+
+
 def compile_aot_eager(net: nn.Module) -> nn.Module:
     return torch.compile(net, backend="aot_eager")  # type: ignore[return-value]
 
@@ -71,6 +82,7 @@ class Feature:
     # ulp per op. Five steps keep that far under 1e-5, not always under 1e-6.
     tol: float = 1e-6
     prepare_ours: Callable[[nn.Module], nn.Module] = field(default=lambda net: net)
+    after_wrap: Callable[[Any], Any] = field(default=lambda ddp: ddp)
     comm_hook: bool = False
 
 
@@ -88,6 +100,10 @@ FEATURES: dict[str, Feature] = {
         Recipe(ConvBN, image_batch, ce_loss, {"broadcast_buffers": False})
     ),
     "compiled_aot_eager": Feature(MLP_RECIPE, tol=1e-5, prepare_ours=compile_aot_eager),
+    # torch.compile(DDP(model)): the wrapper's bookkeeping stays eager, the module compiles.
+    "compiled_wrapper_aot_eager": Feature(
+        Recipe(MLPBatchNorm, regression_batch, mse_loss), tol=1e-5, after_wrap=compile_aot_eager
+    ),
     "autocast_bf16_mlp": Feature(Recipe(MLP, regression_batch, mse_loss, autocast_bf16=True)),
     "autocast_bf16_cnn": Feature(Recipe(ConvBN, image_batch, ce_loss, autocast_bf16=True)),
     "comm_hook": Feature(MLP_RECIPE, comm_hook=True),
@@ -107,7 +123,12 @@ def _run_feature(feature: Feature, rank: int) -> dict[str, Any]:
             ddp.register_comm_hook(state, allreduce_then_divide)
 
     result = run_parity(
-        feature.recipe, rank, feature.opt, prepare_ours=feature.prepare_ours, setup_ours=setup
+        feature.recipe,
+        rank,
+        feature.opt,
+        prepare_ours=feature.prepare_ours,
+        setup_ours=setup,
+        after_wrap=feature.after_wrap,
     )
     result["hook_calls"] = state.calls
     return result

@@ -139,18 +139,29 @@ class DistributedDataParallel(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        grad_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
-        if grad_sync:
-            self.reducer.rebuild_if_due()
-        if self._sync_buffers_next_forward and self.forward_sync_buffers:
-            self._broadcast_buffers()
+        self._before_forward()
         if self.device_ids is not None:
             inputs, kwargs = _to_device((inputs, kwargs), self.device_ids[0])
         output = self.module(*inputs, **kwargs)
+        self._after_forward(output)
+        return output
+
+    # The bookkeeping around the module's forward runs eagerly even under
+    # torch.compile(DDP(model)): it talks to the process group and keeps Python
+    # state, which a compiled graph must not capture. The module itself compiles.
+    @torch.compiler.disable
+    def _before_forward(self) -> None:
+        if torch.is_grad_enabled() and self.require_backward_grad_sync:
+            self.reducer.rebuild_if_due()
+        if self._sync_buffers_next_forward and self.forward_sync_buffers:
+            self._broadcast_buffers()
+
+    @torch.compiler.disable
+    def _after_forward(self, output: Any) -> None:
+        grad_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         if torch.is_grad_enabled():
             self.reducer.prepare_for_backward(output, sync=self.require_backward_grad_sync)
         self._sync_buffers_next_forward = grad_sync
-        return output
 
     def _broadcast_buffers(self) -> None:
         if self.world_size > 1 and self._buffers_to_sync:
