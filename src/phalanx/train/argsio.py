@@ -131,11 +131,15 @@ def _check_keys(cls: type, data: Any, source: str) -> dict[str, Any]:
     return data
 
 
-def load_json(cls: type, path: str | Path) -> dict[str, Any]:
+def _read(path: str | Path) -> str:
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        return Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigurationError(f"cannot read {path} ({exc}) — check the path") from exc
+
+
+def load_json(cls: type, path: str | Path) -> dict[str, Any]:
+    text = _read(path)
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -151,10 +155,7 @@ def load_yaml(cls: type, path: str | Path) -> dict[str, Any]:
             "reading YAML needs PyYAML, which is not installed — pip install pyyaml, "
             "or use TrainingArguments.from_json"
         ) from exc
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigurationError(f"cannot read {path} ({exc}) — check the path") from exc
+    text = _read(path)
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
