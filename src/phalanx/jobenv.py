@@ -64,6 +64,31 @@ class LaunchInfo:
     """torchrun's agent already serves the store on MASTER_PORT: rank 0 joins, not hosts."""
 
 
+def _placed(
+    launcher: str,
+    rank: int,
+    world: int,
+    local_world: int,
+    local_rank: int | None,
+    node: int | None,
+    addr: str | None,
+    port: int | None,
+    agent_store: bool = False,
+) -> LaunchInfo:
+    """A LaunchInfo whose missing local rank and node come from block placement of ranks."""
+    return LaunchInfo(
+        launcher,
+        rank,
+        rank % local_world if local_rank is None else local_rank,
+        world,
+        local_world,
+        rank // local_world if node is None else node,
+        addr,
+        port,
+        agent_store,
+    )
+
+
 def _opt_int(environ: Mapping[str, str], *names: str) -> int | None:
     """The first of `names` that is set, as an int; None when none is set."""
     for name in names:
@@ -180,13 +205,13 @@ def _from_env_launcher(environ: Mapping[str, str]) -> LaunchInfo:
         )
     if addr is None or port is None:
         addr, port = None, None
-    return LaunchInfo(
+    return _placed(
         "env",
         rank,
-        rank % local_world if local_rank is None else local_rank,
         world,
         local_world,
-        rank // local_world if node is None else node,
+        local_rank,
+        node,
         addr,
         port,
         agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
@@ -229,13 +254,13 @@ def _from_slurm(environ: Mapping[str, str]) -> LaunchInfo | None:
     rank, node = _req_int(environ, "SLURM_PROCID"), _opt_int(environ, "SLURM_NODEID")
     local_world = _slurm_local_world(environ, node or 0, world)
     local_rank = _opt_int(environ, "SLURM_LOCALID")
-    return LaunchInfo(
+    return _placed(
         "slurm",
         rank,
-        rank % local_world if local_rank is None else local_rank,
         world,
         local_world,
-        rank // local_world if node is None else node,
+        local_rank,
+        node,
         environ.get("MASTER_ADDR") or _slurm_master(environ),
         _opt_int(environ, "MASTER_PORT") or _slurm_port(environ),
     )
@@ -263,16 +288,8 @@ def _from_mpi(environ: Mapping[str, str]) -> LaunchInfo | None:
                 f"mpirun started {world} ranks over several nodes and MASTER_ADDR is not set "
                 "— export MASTER_ADDR=<rank 0's host> to every rank (mpirun -x MASTER_ADDR)"
             )
-        return LaunchInfo(
-            "mpi",
-            rank,
-            rank % local_world if local_rank is None else local_rank,
-            world,
-            local_world,
-            rank // local_world,
-            addr,
-            _opt_int(environ, "MASTER_PORT") or _mpi_port(environ),
-        )
+        port = _opt_int(environ, "MASTER_PORT") or _mpi_port(environ)
+        return _placed("mpi", rank, world, local_world, local_rank, None, addr, port)
     return None
 
 
