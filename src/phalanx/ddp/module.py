@@ -97,9 +97,9 @@ class DistributedDataParallel(nn.Module):
         self._buffers_to_sync = [b for b in module.buffers()]
         if init_sync:
             verify_same_parameters(all_params, self.process_group)
-            state = [p.detach() for _, p in all_params]
+            state: list[torch.Tensor] = [p for _, p in all_params]
             if broadcast_buffers:
-                state += [b.detach() for b in self._buffers_to_sync]
+                state += self._buffers_to_sync
             broadcast_coalesced(state, self.process_group)
         _detach_earlier_reducers(trainable)
         self.reducer = Reducer(
@@ -165,7 +165,7 @@ class DistributedDataParallel(nn.Module):
 
     def _broadcast_buffers(self) -> None:
         if self.world_size > 1 and self._buffers_to_sync:
-            broadcast_coalesced([b.detach() for b in self._buffers_to_sync], self.process_group)
+            broadcast_coalesced(self._buffers_to_sync, self.process_group)
 
     # --------------------------------------------------------------- public API
     @contextmanager

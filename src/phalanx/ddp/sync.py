@@ -86,7 +86,7 @@ def broadcast_coalesced(
 
 def _broadcast_chunk(chunk: list[torch.Tensor], group: dist.ProcessGroup, src: int) -> None:
     with torch.no_grad():
-        flat = _flatten_dense_tensors([t.detach() for t in chunk])
+        flat = _flatten_dense_tensors(chunk)
         dist.broadcast(flat, src=src, group=group)
         if dist.get_rank() == src:
             return
