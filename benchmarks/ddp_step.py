@@ -71,8 +71,8 @@ class BenchConfig:
     tiny: bool
     """Use the tiny models: a smoke test of the benchmark itself, not a measurement."""
     phalanx_impl: str
-    """'auto' (phalanx if importable), 'phalanx', or a stand-in that tests the benchmark:
-    'torch' (torch DDP in phalanx's place), 'nocomm' (no communication: the check must fail)."""
+    """'phalanx', or 'nocomm': a reducer that communicates nothing, so the final parameter
+    check must fail (how the benchmark's own guard is tested)."""
     tolerance: float
     """Largest |phalanx - torch| parameter difference accepted at the end."""
 
@@ -102,18 +102,10 @@ def no_communication(module: nn.Module) -> nn.Module:
 
 def phalanx_ddp_class(impl: str) -> tuple[Wrapper, str]:
     """The wrapper to time as 'phalanx', and what it really is (recorded in the JSON)."""
-    if impl in ("torch", "nocomm"):
-        return (TorchDDP if impl == "torch" else no_communication), f"{impl}-standin"
-    try:
-        from phalanx import DistributedDataParallel
-    except ImportError:
-        if impl == "phalanx":
-            raise
-        print(
-            "WARNING: phalanx.DistributedDataParallel not importable; timing torch DDP instead",
-            flush=True,
-        )
-        return TorchDDP, "torch-standin"
+    if impl == "nocomm":
+        return no_communication, "nocomm-standin"
+    from phalanx import DistributedDataParallel
+
     return DistributedDataParallel, "phalanx"
 
 
@@ -386,7 +378,7 @@ def parse_args(argv: list[str] | None) -> tuple[BenchConfig, Path, float]:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tiny", action="store_true", help="tiny models: smoke-test the benchmark")
-    p.add_argument("--phalanx-impl", choices=("auto", "phalanx", "torch", "nocomm"), default="auto")
+    p.add_argument("--phalanx-impl", choices=("phalanx", "nocomm"), default="phalanx")
     p.add_argument("--tolerance", type=float, default=1e-4, help="max |phalanx - torch| param")
     p.add_argument("--timeout", type=float, default=1800.0, help="kill the ranks after this")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where to write the JSON")

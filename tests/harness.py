@@ -12,9 +12,10 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -158,3 +159,19 @@ def run_workers(
         what = f"timed out after {timeout:.0f}s (deadlock?)" if timed_out else "failed"
         raise WorkersFailed(f"workers {what}:\n{report}")
     return ordered
+
+
+def run_scenarios(scenarios: Mapping[str, Callable[[], Any]], rank: int) -> dict[str, Any]:
+    """Run each scenario in this rank, in order; one that raises is recorded, not fatal.
+
+    So one bug does not hide the results of the others (unless it desyncs the
+    ranks). Progress goes to stderr, which a timed-out test shows.
+    """
+    results: dict[str, Any] = {}
+    for name, scenario in scenarios.items():
+        print(f"[rank {rank}] scenario {name}", file=sys.stderr, flush=True)
+        try:
+            results[name] = scenario()
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
+    return results

@@ -409,3 +409,15 @@ def parity_problems(outcomes: list[Any], tol: float = 1e-6) -> list[str]:
     if first["spread_ours"] != 0.0:
         problems.append(f"replicas differ across ranks by {first['spread_ours']:.3g}")
     return problems
+
+
+def hook_call_problems(per_rank: list[Any]) -> list[str]:
+    """The hook, not the built-in all-reduce, must have reduced every bucket."""
+    problems = []
+    for o in per_rank:
+        calls, stats = o.value["hook_calls"], o.value["stats"]
+        # torch's DDP has no counters; it still must call the hook once per step at least.
+        launched = stats["buckets_launched"] if stats else o.value["steps"]
+        if calls < launched or calls == 0:
+            problems.append(f"rank {o.rank}: comm hook called {calls} times; stats {stats}")
+    return problems

@@ -8,8 +8,7 @@ match), computed inside each rank. One spawn serves all scenarios.
 
 from __future__ import annotations
 
-import sys
-import traceback
+import functools
 from dataclasses import replace
 from typing import Any
 
@@ -28,7 +27,7 @@ from tests.distributed.models import (
     spread_from_rank0,
     train,
 )
-from tests.harness import Outcome, run_workers
+from tests.harness import Outcome, run_scenarios, run_workers
 
 STEPS = 5
 SCENARIOS: dict[str, Recipe] = {
@@ -75,14 +74,13 @@ def _equivalence(recipe: Recipe, rank: int, world_size: int) -> dict[str, Any]:
 
 
 def _all_scenarios(rank: int, world_size: int) -> dict[str, dict[str, Any]]:
-    results: dict[str, dict[str, Any]] = {}
-    for name, recipe in SCENARIOS.items():
-        print(f"[rank {rank}] equivalence {name}", file=sys.stderr, flush=True)
-        try:
-            results[name] = _equivalence(recipe, rank, world_size)
-        except Exception:
-            results[name] = {"error": traceback.format_exc()}
-    return results
+    return run_scenarios(
+        {
+            name: functools.partial(_equivalence, recipe, rank, world_size)
+            for name, recipe in SCENARIOS.items()
+        },
+        rank,
+    )
 
 
 @pytest.fixture(scope="module")

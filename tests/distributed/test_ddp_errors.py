@@ -101,6 +101,16 @@ def _branch_used_on_rank0_only_with_comm_hook(rank: int, world_size: int) -> str
     return _train_steps(model, steps=3, use_branch=rank == 0)
 
 
+def _branch_used_on_rank0_only_with_chaining_hook(rank: int, world_size: int) -> str:
+    # A hook that issues a second all-reduce from its future's callback: the
+    # failure flags must not travel while that chain is still running.
+    from tests.distributed.test_comm_hooks import chained_allreduce_hook
+
+    model = ddp_under_test()(BranchNet(), bucket_cap_mb=0.0001)
+    model.register_comm_hook(None, chained_allreduce_hook)
+    return _train_steps(model, steps=3, use_branch=rank == 0)
+
+
 def _backward_twice_retain_graph(rank: int, world_size: int) -> str:
     model = ddp_under_test()(MLP())
     x, y = regression_batch(rank, 0, 0)
@@ -156,6 +166,15 @@ def test_parameter_unused_on_one_rank_fails_every_rank_without_hang() -> None:
 def test_parameter_unused_on_one_rank_fails_every_rank_with_a_comm_hook() -> None:
     outcomes = run_workers(
         _branch_used_on_rank0_only_with_comm_hook, 2, allow_errors=True, timeout=DEADLINE
+    )
+    assert_error_on_every_rank(outcomes, "find_unused_parameters=True")
+    assert "branch.weight" in (outcomes[1].error or ""), _messages(outcomes)
+
+
+@pytest.mark.timeout(90)
+def test_parameter_unused_on_one_rank_fails_every_rank_with_a_chaining_hook() -> None:
+    outcomes = run_workers(
+        _branch_used_on_rank0_only_with_chaining_hook, 2, allow_errors=True, timeout=DEADLINE
     )
     assert_error_on_every_rank(outcomes, "find_unused_parameters=True")
     assert "branch.weight" in (outcomes[1].error or ""), _messages(outcomes)

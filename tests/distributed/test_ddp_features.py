@@ -9,8 +9,7 @@ are rejected: see test_ddp_errors.py.)
 
 from __future__ import annotations
 
-import sys
-import traceback
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,13 +27,14 @@ from tests.distributed.models import (
     Recipe,
     ce_loss,
     ddp_under_test,
+    hook_call_problems,
     image_batch,
     mse_loss,
     parity_problems,
     regression_batch,
     run_parity,
 )
-from tests.harness import Outcome, run_workers
+from tests.harness import Outcome, run_scenarios, run_workers
 
 
 class HookState:
@@ -152,18 +152,11 @@ def _wrapper_surface(rank: int) -> dict[str, Any]:
 
 
 def _all_features(rank: int, world_size: int) -> dict[str, Any]:
-    results: dict[str, Any] = {}
-    for name, feature in FEATURES.items():
-        print(f"[rank {rank}] feature {name}", file=sys.stderr, flush=True)
-        try:
-            results[name] = _run_feature(feature, rank)
-        except Exception:
-            results[name] = {"error": traceback.format_exc()}
-    try:
-        results["wrapper_surface"] = _wrapper_surface(rank)
-    except Exception:
-        results["wrapper_surface"] = {"error": traceback.format_exc()}
-    return results
+    scenarios: dict[str, Callable[[], Any]] = {
+        name: functools.partial(_run_feature, feature, rank) for name, feature in FEATURES.items()
+    }
+    scenarios["wrapper_surface"] = functools.partial(_wrapper_surface, rank)
+    return run_scenarios(scenarios, rank)
 
 
 @pytest.fixture(scope="module")
@@ -172,25 +165,13 @@ def feature_run() -> list[Outcome]:
     return run_workers(_all_features, 2, timeout=150)
 
 
-def _hook_problems(per_rank: list[Outcome]) -> list[str]:
-    """The hook, not the built-in all-reduce, must have reduced every bucket."""
-    problems = []
-    for o in per_rank:
-        calls, stats = o.value["hook_calls"], o.value["stats"]
-        # torch's DDP has no counters; it still must call the hook once per step at least.
-        launched = stats["buckets_launched"] if stats else o.value["steps"]
-        if calls < launched or calls == 0:
-            problems.append(f"rank {o.rank}: comm hook called {calls} times; stats {stats}")
-    return problems
-
-
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("name", list(FEATURES))
 def test_feature_matches_torch_ddp(feature_run: list[Outcome], name: str) -> None:
     per_rank = [Outcome(o.rank, o.exitcode, value=o.value[name]) for o in feature_run]
     problems = parity_problems(per_rank, tol=FEATURES[name].tol)
     if FEATURES[name].comm_hook and not problems:
-        problems = _hook_problems(per_rank)
+        problems = hook_call_problems(per_rank)
     if problems:
         pytest.fail("\n".join(problems), pytrace=False)
 

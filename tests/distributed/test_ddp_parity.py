@@ -8,8 +8,7 @@ skips the wrap-time broadcast or the all-reduce cannot pass.
 
 from __future__ import annotations
 
-import sys
-import traceback
+import functools
 from typing import Any
 
 import pytest
@@ -33,7 +32,7 @@ from tests.distributed.models import (
     run_parity,
     token_batch,
 )
-from tests.harness import Outcome, run_workers
+from tests.harness import Outcome, run_scenarios, run_workers
 
 UNUSED = {"find_unused_parameters": True}
 
@@ -81,17 +80,14 @@ WORLD_SIZES = (2, 3)
 
 
 def _all_scenarios(rank: int, world_size: int) -> dict[str, dict[str, Any]]:
-    """Runs in every rank. A scenario that raises is recorded, not fatal, so one
-    bug does not hide the results of the others (unless it desyncs the ranks)."""
-    results: dict[str, dict[str, Any]] = {}
-    for opt in OPTIMIZERS:
-        for name, recipe in SCENARIOS.items():
-            print(f"[rank {rank}] parity {opt}-{name}", file=sys.stderr, flush=True)
-            try:
-                results[f"{opt}-{name}"] = run_parity(recipe, rank, opt)
-            except Exception:
-                results[f"{opt}-{name}"] = {"error": traceback.format_exc()}
-    return results
+    return run_scenarios(
+        {
+            f"{opt}-{name}": functools.partial(run_parity, recipe, rank, opt)
+            for opt in OPTIMIZERS
+            for name, recipe in SCENARIOS.items()
+        },
+        rank,
+    )
 
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"ws{w}")

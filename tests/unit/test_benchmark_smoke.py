@@ -49,7 +49,7 @@ def test_tiny_run_writes_table_and_json(tmp_path: Path) -> None:
     assert config["world_size"] == 2 and config["threads"] == 1
     assert config["threads_seen_by_torch"] == 1 and config["omp_num_threads"] == "1"
     assert config["steps"] == 2 and config["warmup"] == 1 and config["torch_version"]
-    assert config["phalanx_impl_used"] in ("phalanx", "torch-standin")
+    assert config["phalanx_impl_used"] == "phalanx"
     assert list(result["models"]) == ["mlp"]
     mlp = result["models"]["mlp"]
     assert mlp["params"] == 16 * 32 + 32 + 32 * 10 + 10 and mlp["tensors"] == 4

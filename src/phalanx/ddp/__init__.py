@@ -3,6 +3,6 @@
 from __future__ import annotations
 
 from phalanx.ddp.module import DistributedDataParallel
-from phalanx.ddp.reducer import Reducer, ReducerStats
+from phalanx.ddp.reducer import Phase, Reducer, ReducerStats
 
-__all__ = ["DistributedDataParallel", "Reducer", "ReducerStats"]
+__all__ = ["DistributedDataParallel", "Phase", "Reducer", "ReducerStats"]

@@ -1,16 +1,23 @@
-"""Bucket assignment and the flat buffers the reducer all-reduces.
+"""Bucket assignment, and the bucket: one flat buffer that is reduced as a whole.
 
 Gradients are reduced in buckets rather than one by one: a few large
-all-reduces cost far less than hundreds of small ones, and a bucket can be
+collectives cost far less than hundreds of small ones, and a bucket can be
 sent as soon as its last gradient is ready, while backward is still running.
+A `Bucket` owns its life in one iteration: gradients marked ready into their
+slots, the launch of its collective once full, the wait, and the write-back
+to `.grad`. What the collective *is* belongs to a `BucketReduction`
+(phalanx.ddp.reductions), which the bucket only calls.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from phalanx.ddp.reductions import BucketReduction
 
 MIB = 1024 * 1024
 # The first bucket is small so the first all-reduce starts as early as possible
@@ -54,54 +61,137 @@ def assign_buckets(
     return done
 
 
-@dataclass(eq=False)
 class Bucket:
-    """One flat gradient buffer and the parameters whose gradients live in it.
+    """One flat gradient buffer, the parameters whose gradients live in it, and its collective.
 
-    `views[i]` is shaped like `params[i]` and aliases its slice of `buffer`, so
-    copying a gradient in (or, with gradient_as_bucket_view, using the view as
-    the `.grad` itself) needs no offset arithmetic on the hot path.
+    `views[slot]` is shaped like `params[slot]` and aliases its part of
+    `buffer`, so filling a slot (or, with gradient_as_bucket_view, using the
+    view as the `.grad` itself) needs no offset arithmetic on the hot path.
     """
 
-    index: int
-    param_indices: list[int]
-    params: list[torch.Tensor]
-    buffer: torch.Tensor  # what the all-reduce sends: gradients, then any flag slots
-    grads: torch.Tensor  # the gradient part of `buffer`
-    views: list[torch.Tensor]
-    flags: torch.Tensor  # one slot per rank after the gradients (last bucket only)
-    # Gradients still missing in this iteration; the bucket is launched at zero.
-    pending: int = 0
-    # The in-flight all-reduce: a torch Work, or a Future when a comm hook runs.
-    work: object | None = None
-    # Positions in `params` of the parameters marked ready without a gradient.
-    missing_grad: list[int] = field(default_factory=list)
+    __slots__ = (
+        "buffer",
+        "flags",
+        "grads",
+        "grads_in_views",
+        "index",
+        "is_last",
+        "param_indices",
+        "params",
+        "pending",
+        "scale",
+        "views",
+        "work",
+    )
+
+    def __init__(
+        self,
+        index: int,
+        param_indices: list[int],
+        params: Sequence[torch.Tensor],
+        *,
+        is_last: bool,
+        flag_slots: int,
+        grads_in_views: bool,
+    ) -> None:
+        self.index = index
+        """Launch position: every rank launches bucket k before bucket k + 1."""
+        self.param_indices = list(param_indices)
+        """Each slot's parameter, as an index into the reducer's parameter list."""
+        self.params = [params[i] for i in param_indices]
+        total = sum(p.numel() for p in self.params)
+        first = self.params[0]
+        self.buffer = torch.zeros(total + flag_slots, dtype=first.dtype, device=first.device)
+        """What a reduction may send whole: the gradients, then any flag slots."""
+        self.grads = self.buffer[:total]
+        """The gradient part of `buffer`."""
+        self.flags = self.buffer[total:]
+        """One slot per rank after the gradients (phalanx.ddp.signals), last bucket only."""
+        self.views: list[torch.Tensor] = []
+        offset = 0
+        for p in self.params:
+            self.views.append(self.buffer[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+        self.is_last = is_last
+        self.grads_in_views = grads_in_views
+        """gradient_as_bucket_view: `.grad` is the slot itself, accumulated in place."""
+        self.scale: torch.Tensor | None = None
+        """Multiply gradients by this on their way into the slots (None: copy them as they are)."""
+        self.pending = len(self.params)
+        """Slots still waiting for their gradient in this iteration; launched at zero."""
+        self.work: Any = None
+        """What the reduction's launch returned, until the bucket is finished."""
+
+    @property
+    def scaled(self) -> bool:
+        """Whether the slots already hold `scale` x the gradients (False: raw sums)."""
+        return self.scale is not None and not self.grads_in_views
 
     def reset(self) -> None:
         self.pending = len(self.params)
         self.work = None
-        self.missing_grad.clear()
 
+    # ------------------------------------------------------------- one iteration
+    def mark_ready(self, slot: int, param: torch.Tensor) -> bool:
+        """Put `param`'s gradient (None: zeros) in its slot; True once every slot is filled."""
+        grad = param.grad
+        view = self.views[slot]
+        if grad is None:
+            view.zero_()
+        elif self.grads_in_views:
+            if grad is not view:
+                view.copy_(grad)
+                param.grad = view
+        elif self.scale is None:
+            view.copy_(grad)
+        else:
+            # Average while copying, as torch DDP does: no second pass over the bucket.
+            torch.mul(grad, self.scale, out=view)
+        self.pending -= 1
+        return self.pending == 0
 
-def make_bucket(
-    index: int, param_indices: list[int], params: Sequence[torch.Tensor], flag_slots: int = 0
-) -> Bucket:
-    """Allocate the flat buffer for `param_indices` and carve one view per parameter.
+    def mark_missing(self, slot: int) -> None:
+        """A gradient that never came: send zeros, so the collective still happens."""
+        self.views[slot].zero_()
+        self.pending -= 1
 
-    `flag_slots` extra elements ride along with the gradients: a rank that
-    cannot finish the iteration raises its slot, so every rank learns of it
-    from the same all-reduce instead of waiting forever for the missing rank.
-    """
-    members = [params[i] for i in param_indices]
-    total = sum(p.numel() for p in members)
-    first = members[0]
-    buffer = torch.zeros(total + flag_slots, dtype=first.dtype, device=first.device)
-    views = []
-    offset = 0
-    for p in members:
-        views.append(buffer[offset : offset + p.numel()].view_as(p))
-        offset += p.numel()
-    grads, flags = buffer[:total], buffer[total:]
-    bucket = Bucket(index, list(param_indices), members, buffer, grads, views, flags)
-    bucket.reset()
-    return bucket
+    def accumulate_in_view(self, slot: int, param: torch.Tensor) -> None:
+        """no_sync() with gradient_as_bucket_view: keep `.grad` living in its slot."""
+        view = self.views[slot]
+        if param.grad is not None and param.grad is not view:
+            view.copy_(param.grad)
+            param.grad = view
+
+    def launch(self, reduction: BucketReduction) -> None:
+        self.work = reduction.launch(self)
+
+    def wait(self, reduction: BucketReduction) -> None:
+        """Block until this bucket's collective is done and `grads` holds the result."""
+        if self.work is not None:
+            reduction.finish(self, self.work)
+            self.work = None
+
+    def write_back(self, skip: set[int]) -> None:
+        """Hand the reduced slots to `.grad`, except for parameters in `skip` (by index)."""
+        if self.grads_in_views:
+            for i, p, view in zip(self.param_indices, self.params, self.views):
+                if p.grad is None and i not in skip:
+                    p.grad = view  # an unused parameter that had no .grad yet
+            return
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
+        for i, p, view in zip(self.param_indices, self.params, self.views):
+            if i in skip:
+                continue
+            if p.grad is None:
+                p.grad = view.clone()
+            else:
+                dst.append(p.grad)
+                src.append(view)
+        if dst:
+            torch._foreach_copy_(dst, src)
+
+    def bind_grads_to_views(self) -> None:
+        """gradient_as_bucket_view after a (re)build: move existing `.grad`s into the slots."""
+        for slot, p in enumerate(self.params):
+            self.accumulate_in_view(slot, p)

@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _get_default_group
 
 CommHook = Callable[[Any, "GradBucket"], torch.futures.Future[torch.Tensor]]
 
@@ -56,8 +55,9 @@ class GradBucket:
         return self._is_last
 
 
-def _group(state: Any) -> dist.ProcessGroup:
-    return state if isinstance(state, dist.ProcessGroup) else _get_default_group()
+def _group(state: Any) -> dist.ProcessGroup | None:
+    """torch's convention: the hook state is a process group, or None for the default one."""
+    return state if isinstance(state, dist.ProcessGroup) else dist.group.WORLD
 
 
 def allreduce_hook(state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:

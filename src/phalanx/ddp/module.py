@@ -8,6 +8,7 @@ arguments and defaults, `no_sync()`, `register_comm_hook()`, `.module`, and
 from __future__ import annotations
 
 import logging
+import warnings
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -16,13 +17,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.distributed_c10d import _get_default_group
 
 from phalanx.ddp.buckets import MIB
 from phalanx.ddp.comm_hooks import CommHook
 from phalanx.ddp.reducer import Reducer
+from phalanx.ddp.reductions import AllReduce, CommHookReduction
 from phalanx.ddp.sync import broadcast_coalesced, verify_same_parameters
 from phalanx.errors import ConfigurationError, ReducerError
+from phalanx.nested import map_tensors
 
 DEFAULT_BUCKET_CAP_MB = 25.0
 logger = logging.getLogger("phalanx")
@@ -66,11 +68,10 @@ class DistributedDataParallel(nn.Module):
                 "torch.distributed.init_process_group) before wrapping the model in "
                 "DistributedDataParallel"
             )
+        _warn_ignored_arguments(dim, check_reduction)
         self.module = module
-        self.process_group = process_group if process_group is not None else _get_default_group()
+        self.process_group = process_group if process_group is not None else _world_group()
         self.device_ids = self._check_devices(module, device_ids)
-        self.output_device = output_device
-        self.dim = dim
         self.broadcast_buffers = broadcast_buffers
         self.forward_sync_buffers = (
             broadcast_buffers if forward_sync_buffers is None else forward_sync_buffers
@@ -141,7 +142,9 @@ class DistributedDataParallel(nn.Module):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         self._before_forward()
         if self.device_ids is not None:
-            inputs, kwargs = _to_device((inputs, kwargs), self.device_ids[0])
+            device = self.device_ids[0]
+            moved = map_tensors(lambda t: t.to(device, non_blocking=True), (inputs, kwargs))
+            inputs, kwargs = moved
         output = self.module(*inputs, **kwargs)
         self._after_forward(output)
         return output
@@ -180,7 +183,7 @@ class DistributedDataParallel(nn.Module):
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         """Replace the all-reduce of each bucket by `hook(state, bucket) -> Future[Tensor]`."""
-        if self.reducer.comm_hook is not None:
+        if not isinstance(self.reducer.reduction, AllReduce):
             raise ReducerError(
                 "a communication hook is already registered — register_comm_hook may be "
                 "called once, before the first backward"
@@ -190,8 +193,7 @@ class DistributedDataParallel(nn.Module):
                 "register_comm_hook was called after training started — register it right "
                 "after wrapping the model, before the first backward"
             )
-        self.reducer.comm_hook = hook
-        self.reducer.comm_state = state
+        self.reducer.set_reduction(CommHookReduction(hook, state))
 
 
 def _detach_earlier_reducers(trainable: Sequence[tuple[str, nn.Parameter]]) -> None:
@@ -215,14 +217,30 @@ def _detach_earlier_reducers(trainable: Sequence[tuple[str, nn.Parameter]]) -> N
         reducer.remove_hooks()
 
 
-def _to_device(obj: Any, device: torch.device) -> Any:
-    """Move the tensors inside nested tuples, lists and dicts, like torch DDP does."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, tuple):
-        return tuple(_to_device(o, device) for o in obj)
-    if isinstance(obj, list):
-        return [_to_device(o, device) for o in obj]
-    if isinstance(obj, dict):
-        return {k: _to_device(v, device) for k, v in obj.items()}
-    return obj
+def _world_group() -> dist.ProcessGroup:
+    group = dist.group.WORLD
+    assert group is not None  # the constructor checked dist.is_initialized()
+    return group
+
+
+def _warn_ignored_arguments(dim: int, check_reduction: bool) -> None:
+    """torch's arguments that mean nothing for one device per process, accepted for scripts.
+
+    `output_device` is accepted silently: torch, too, leaves a single-device
+    module's outputs where the module put them. `check_reduction` is deprecated
+    and ignored by torch; `dim` only matters to torch's `scatter()`, which we
+    do not have. A non-default value of either may be a user's expectation we
+    do not meet, so it is named once.
+    """
+    ignored = []
+    if dim != 0:
+        ignored.append(f"dim={dim}")
+    if check_reduction:
+        ignored.append("check_reduction=True")
+    if ignored:
+        warnings.warn(
+            f"DistributedDataParallel ignores {', '.join(ignored)}: with one device per process "
+            "there is nothing to scatter or check — drop the argument",
+            UserWarning,
+            stacklevel=3,
+        )

@@ -1,51 +1,71 @@
-"""The gradient reducer: per-parameter hooks, in-order async all-reduce, finalize.
+"""The gradient reducer: routes each gradient to its bucket and drives one iteration.
 
-Life of one synced iteration:
-  forward  -> `prepare_for_backward` arms the reducer (and, with
-              find_unused_parameters, lists the parameters the graph misses);
-  backward -> each parameter's hook copies its gradient into its bucket; a
-              bucket whose last gradient arrived is all-reduced asynchronously,
-              strictly in bucket order so every rank issues the same sequence;
-  end      -> `_finalize` (an autograd-engine callback) waits, and hands the
-              averaged gradients back to `.grad`.
+Life of one synced iteration (docs/architecture.md draws it):
+  forward  -> `prepare_for_backward` arms the reducer; with unused-parameter
+              tracking, `UnusedParameters` lists what the graph misses;
+  backward -> each parameter's hook marks it ready in its `Bucket`; a full
+              bucket is launched through the `BucketReduction`, strictly in
+              bucket order so every rank issues the same collectives;
+  end      -> `_finalize` (run by the autograd engine when backward ends)
+              waits for every bucket, exchanges the `StepSignals` (failure
+              flags, used map) and writes the reduced gradients to `.grad`.
 The hook runs once per parameter per step in Python, so it is kept minimal.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.autograd import Variable
 
-from phalanx.ddp.buckets import FIRST_BUCKET_BYTES, Bucket, assign_buckets, make_bucket
-from phalanx.ddp.comm_hooks import CommHook, GradBucket
-from phalanx.ddp.graph import reachable_leaves
+from phalanx.ddp.autograd import at_end_of_backward
+from phalanx.ddp.buckets import FIRST_BUCKET_BYTES, Bucket, assign_buckets
+from phalanx.ddp.reductions import AllReduce, BucketReduction
+from phalanx.ddp.signals import StepSignals
+from phalanx.ddp.unused import UnusedParameters
 from phalanx.errors import ReducerError
 
-# Where the reducer is in the current iteration.
-IDLE = 0  # no DDP forward since the last reduction: hooks are ignored
-ARMED = 1  # a DDP forward ran: hooks are expected
-REDUCED = 2  # this iteration's gradients are reduced: another hook is an error
+
+class Phase(Enum):
+    """Where the reducer stands in the current iteration."""
+
+    IDLE = "idle"
+    """No DDP forward since the last reduction: gradients are ignored."""
+    LOCAL_ARMED = "local_armed"
+    """A forward ran under no_sync(): its backward only accumulates."""
+    LOCAL = "local"
+    """A no_sync() backward is running."""
+    ARMED = "armed"
+    """A synced forward ran: its backward will reduce."""
+    REDUCING = "reducing"
+    """A synced backward is running: buckets fill and launch in order."""
+    REDUCED = "reduced"
+    """Reduced: another gradient before the next forward is an error."""
+
+
+# The hook compares against this module constant: no attribute lookup on Phase per call.
+_REDUCING = Phase.REDUCING
 
 
 @dataclass
 class ReducerStats:
     """Counters a user (or a test) can read to see what the reducer really did."""
 
-    sync_rounds: int = 0  # backward passes whose gradients were all-reduced
-    buckets_launched: int = 0  # gradient all-reduces launched
-    collectives: int = 0  # every collective launched from backward (buckets + used-maps)
-    comm_wait_s: float = 0.0  # time spent waiting on communication at end of backward
+    sync_rounds: int = 0  # backward passes whose gradients were reduced
+    buckets_launched: int = 0  # bucket collectives launched
+    collectives: int = 0  # every collective launched for gradients (buckets + step signals)
+    comm_wait_s: float = 0.0  # time spent waiting on communication at the end of backward
     rebuilds: int = 0  # bucket rebuilds (at most one)
 
 
 class Reducer:
-    """Averages the gradients of `params` across `group` during backward."""
+    """Averages the gradients of `named_params` across `group` during backward."""
 
     def __init__(
         self,
@@ -64,33 +84,21 @@ class Reducer:
         # A cap below the usual small first bucket is a cap on every bucket.
         self._first_cap = min(FIRST_BUCKET_BYTES, bucket_cap_bytes)
         self.gradient_as_bucket_view = gradient_as_bucket_view
-        self.find_unused_parameters = find_unused_parameters
-        self.static_graph = static_graph
         self.stats = ReducerStats()
-        self.comm_hook: CommHook | None = None
-        self.comm_state: Any = None
-
-        n = len(self.params)
-        # A 0-dim tensor, not a float: torch.mul with a Python scalar costs twice as much
-        # per call, and this runs once per parameter per step.
-        self._inv_world = torch.tensor(1.0 / self.world_size)
-        self._state = IDLE
-        self._sync = True
-        self._backward_started = False
-        self._ready = bytearray(n)
-        self._used = bytearray(n)  # got a gradient since the last reduction
+        self.reduction: BucketReduction = AllReduce(group)
+        self.unused = UnusedParameters(self.params, find_unused_parameters, static_graph)
+        self.signals = StepSignals(group, self.params[0].device)
+        self.phase = Phase.IDLE
+        self._used = self.unused.used  # the same bytearray, reset in place
+        self._ready = bytearray(len(self.params))
         self._next_launch = 0
-        self._unused_now: list[int] = []  # graph search result for this iteration
-        self._static_unused: list[int] | None = None
-        self._saved_unused_grads: dict[int, torch.Tensor] = {}
-        self._flags_work: Any = None  # the flag slots' all-reduce when a comm hook runs
-        self._arrival: list[int] = []  # first backward's gradient order, for the rebuild
         self._backwards_seen = 0
+        self._recording_arrival = False
+        self._arrival: list[int] = []  # first backward's gradient order, for the rebuild
         self._rebuilt = False
-        self._leaf_index = {id(p): i for i, p in enumerate(self.params)}
-        self._build(list(reversed(range(n))))
+        self._build(list(reversed(range(len(self.params)))))
         self._handles = [
-            p.register_post_accumulate_grad_hook(self._make_hook(i))
+            p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, i))
             for i, p in enumerate(self.params)
         ]
 
@@ -99,25 +107,35 @@ class Reducer:
         """(Re)allocate the buckets for arrival `order`, keeping any gradients already there."""
         assignment = assign_buckets(self.params, order, self.bucket_cap_bytes, self._first_cap)
         last = len(assignment) - 1
-        self.buckets: list[Bucket] = [
-            make_bucket(k, idx, self.params, self.world_size if k == last else 0)
-            for k, idx in enumerate(assignment)
+        self.buckets = [
+            Bucket(
+                k,
+                indices,
+                self.params,
+                is_last=k == last,
+                flag_slots=self.world_size if k == last else 0,
+                grads_in_views=self.gradient_as_bucket_view,
+            )
+            for k, indices in enumerate(assignment)
         ]
         self._bucket_of: list[Bucket] = [self.buckets[0]] * len(self.params)
-        self._view_of: list[torch.Tensor] = [self.buckets[0].buffer] * len(self.params)
+        self._slot_of = [0] * len(self.params)
+        self._views: list[torch.Tensor] = [self.buckets[0].buffer] * len(self.params)
         for bucket in self.buckets:
-            for i, view in zip(bucket.param_indices, bucket.views):
-                self._bucket_of[i] = bucket
-                self._view_of[i] = view
+            for slot, i in enumerate(bucket.param_indices):
+                self._bucket_of[i], self._slot_of[i] = bucket, slot
+                self._views[i] = bucket.views[slot]
+        self.set_reduction(self.reduction)
         if self.gradient_as_bucket_view:
-            self._bind_grads_to_views()
+            for bucket in self.buckets:
+                bucket.bind_grads_to_views()
 
-    def _bind_grads_to_views(self) -> None:
-        with torch.no_grad():
-            for p, view in zip(self.params, self._view_of):
-                if p.grad is not None and p.grad is not view:
-                    view.copy_(p.grad)
-                    p.grad = view
+    def set_reduction(self, reduction: BucketReduction) -> None:
+        """Choose what a full bucket does (phalanx.ddp.reductions)."""
+        self.reduction = reduction
+        scale = reduction.slot_scale()
+        for bucket in self.buckets:
+            bucket.scale = scale
 
     def bucket_order(self) -> list[list[str]]:
         """Parameter names per bucket, in launch order (for logs and tests)."""
@@ -131,223 +149,138 @@ class Reducer:
         if self._rebuilt or self._backwards_seen == 0:
             return
         self._rebuilt = True
+        self._recording_arrival = False
         n = len(self.params)
         order = torch.full((n,), -1, dtype=torch.int64)
         arrival = self._arrival[:n]
         if arrival:
             order[: len(arrival)] = torch.tensor(arrival, dtype=torch.int64)
+        order = order.to(self.signals.device)
         dist.broadcast(order, src=dist.get_global_rank(self.group, 0), group=self.group)
         seen = [i for i in order.tolist() if i >= 0]
         seen_set = set(seen)
-        rest = [i for i in reversed(range(n)) if i not in seen_set]
-        new_order = seen + rest
+        new_order = seen + [i for i in reversed(range(n)) if i not in seen_set]
         self._arrival = []
         self.stats.rebuilds += 1
-        if assign_buckets(self.params, new_order, self.bucket_cap_bytes, self._first_cap) == [
-            b.param_indices for b in self.buckets
-        ]:
-            return
-        self._build(new_order)
+        new = assign_buckets(self.params, new_order, self.bucket_cap_bytes, self._first_cap)
+        if new != [b.param_indices for b in self.buckets]:
+            self._build(new_order)
 
     # ------------------------------------------------------------- iteration
     def prepare_for_backward(self, outputs: Any, sync: bool) -> None:
         """Called after each grad-enabled DDP forward: expect hooks for this graph."""
-        self._state = ARMED
-        self._sync = sync
-        self._backward_started = False
         if not sync:
+            self.phase = Phase.LOCAL_ARMED
             return
+        self.phase = Phase.ARMED
         self._next_launch = 0
+        self._ready = bytearray(len(self.params))
         for bucket in self.buckets:
             bucket.reset()
-        if self.static_graph and self._static_unused is not None:
-            self._unused_now = self._static_unused
-        elif self.find_unused_parameters or self.static_graph:
-            reached = reachable_leaves(outputs)
-            index = self._leaf_index
-            self._unused_now = [i for p, i in index.items() if p not in reached]
-            self._unused_now.sort()
-            if self.static_graph:
-                self._static_unused = self._unused_now
-
-    def _make_hook(self, i: int) -> Any:
-        def hook(param: torch.Tensor) -> None:
-            self._on_grad_ready(i, param)
-
-        return hook
+        self.unused.search(outputs)
 
     def _on_grad_ready(self, i: int, param: torch.Tensor) -> None:
-        state = self._state
-        if state != ARMED:
-            if state == REDUCED:
-                self._raise_ready_twice(i)
+        """The hot path: one call per parameter per backward."""
+        if self.phase is not _REDUCING and not self._enter_reduction(i, param):
             return
         self._used[i] = 1
-        if not self._backward_started:
-            self._start_backward()
-        if self._backwards_seen == 1 and not self._rebuilt:
+        if self._recording_arrival:
             self._arrival.append(i)
-        view = self._view_of[i]
-        if not self._sync:
-            if self.gradient_as_bucket_view and param.grad is not view:
-                self._move_grad_into_view(param, view)
-            return
         if self._ready[i]:
             self._raise_ready_twice(i)
         self._ready[i] = 1
-        if self.gradient_as_bucket_view:
-            if param.grad is not view:
-                self._move_grad_into_view(param, view)
-        else:
-            self._copy_into_slot(param.grad, view)  # type: ignore[arg-type]  # set: hook follows it
         bucket = self._bucket_of[i]
-        bucket.pending -= 1
-        if bucket.pending == 0 and bucket.index == self._next_launch:
+        if bucket.mark_ready(self._slot_of[i], param) and bucket.index == self._next_launch:
             self._launch_ready_buckets()
 
-    def _copy_into_slot(self, grad: torch.Tensor, view: torch.Tensor) -> None:
-        if self.comm_hook is None:
-            # Average while copying, as torch DDP does: no second pass over the bucket.
-            torch.mul(grad, self._inv_world, out=view)
-        else:
-            view.copy_(grad)  # a comm hook averages in its own way
+    def _enter_reduction(self, i: int, param: torch.Tensor) -> bool:
+        """A gradient outside REDUCING: start a backward, accumulate, ignore, or refuse.
 
-    @staticmethod
-    def _move_grad_into_view(param: torch.Tensor, view: torch.Tensor) -> None:
-        with torch.no_grad():
-            view.copy_(param.grad)  # type: ignore[arg-type]
-        param.grad = view
+        True when the gradient should go on through the reducing path.
+        """
+        phase = self.phase
+        if phase is Phase.ARMED:
+            self._begin_backward()
+            self.phase = Phase.REDUCING
+            at_end_of_backward(self._finalize)
+            self._mark_unused_ready()
+            return True
+        if phase is Phase.LOCAL_ARMED:
+            self._begin_backward()
+            self.phase = phase = Phase.LOCAL
+        if phase is Phase.LOCAL:
+            self._used[i] = 1
+            if self._recording_arrival:
+                self._arrival.append(i)
+            if self.gradient_as_bucket_view:
+                self._bucket_of[i].accumulate_in_view(self._slot_of[i], param)
+        elif phase is Phase.REDUCED:
+            self._raise_ready_twice(i)
+        return False
 
-    def _start_backward(self) -> None:
-        self._backward_started = True
+    def _begin_backward(self) -> None:
         self._backwards_seen += 1
-        if not self._sync:
-            return
-        Variable._execution_engine.queue_callback(self._finalize)
-        for i in self._unused_now:
-            self._mark_unused_ready(i)
+        self._recording_arrival = self._backwards_seen == 1 and not self._rebuilt
 
-    def _mark_unused_ready(self, i: int) -> None:
+    def _mark_unused_ready(self) -> None:
         """A parameter the graph does not reach still fills its slot, or its bucket never goes."""
-        if self._ready[i]:
-            self._raise_ready_twice(i)
-        self._ready[i] = 1
-        param, view = self.params[i], self._view_of[i]
-        grad = param.grad
-        with torch.no_grad():
-            if grad is None:
-                view.zero_()
-            elif self.gradient_as_bucket_view:
-                # .grad is the bucket slot itself, and the all-reduce will overwrite it:
-                # keep the local value in case no rank used this parameter.
-                self._saved_unused_grads[i] = grad.clone()
-                if grad is not view:
-                    self._move_grad_into_view(param, view)
-            else:
-                self._copy_into_slot(grad, view)
-        bucket = self._bucket_of[i]
-        bucket.pending -= 1
-        if bucket.pending == 0 and bucket.index == self._next_launch:
-            self._launch_ready_buckets()
+        for i in self.unused.now:
+            if self._ready[i]:
+                self._raise_ready_twice(i)
+            self._ready[i] = 1
+            param = self.params[i]
+            if self.gradient_as_bucket_view and param.grad is not None:
+                self.unused.save_local(i, param.grad)
+            bucket = self._bucket_of[i]
+            if bucket.mark_ready(self._slot_of[i], param) and bucket.index == self._next_launch:
+                self._launch_ready_buckets()
 
     def _launch_ready_buckets(self) -> None:
-        """Launch every consecutive ready bucket from `_next_launch`: same order on all ranks."""
-        buckets = self.buckets
-        while self._next_launch < len(buckets) and buckets[self._next_launch].pending == 0:
-            self._launch(buckets[self._next_launch])
-            self._next_launch += 1
-
-    def _launch(self, bucket: Bucket) -> None:
-        if self.comm_hook is not None:
-            grad_bucket = GradBucket(
-                bucket.index,
-                bucket.grads,
-                bucket.params,
-                bucket.views,
-                bucket.index == len(self.buckets) - 1,
-            )
-            bucket.work = self.comm_hook(self.comm_state, grad_bucket)
-            if bucket is self.buckets[-1]:
-                # A hook's wire format is its own, so the flag slots travel on their own.
-                self._flags_work = dist.all_reduce(bucket.flags, group=self.group, async_op=True)
-                self.stats.collectives += 1
-        else:
-            if self.gradient_as_bucket_view:
-                # The gradients were accumulated in place, not copied: average them here.
-                bucket.buffer.mul_(self._inv_world)
-            bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
-        self.stats.buckets_launched += 1
-        self.stats.collectives += 1
+        """Launch every consecutive full bucket from `_next_launch`: same order on all ranks."""
+        buckets, k = self.buckets, self._next_launch
+        while k < len(buckets) and buckets[k].pending == 0:
+            buckets[k].launch(self.reduction)
+            self.stats.buckets_launched += 1
+            self.stats.collectives += 1
+            k += 1
+        self._next_launch = k
 
     # --------------------------------------------------------------- finalize
     def _finalize(self) -> None:
-        """End of backward: wait for every bucket and hand the averages to `.grad`."""
+        """End of backward: wait for every bucket, learn what the other ranks saw, write back."""
         with torch.profiler.record_function("phalanx.ddp.finalize"):
-            self._state = REDUCED
+            self.phase = Phase.REDUCED
             start = time.perf_counter()
             if self._next_launch < len(self.buckets):
                 self._launch_despite_missing_gradients()
-            # Every rank takes part in the used-map reduction whenever unused parameters are
-            # tracked at all, even with none unused locally: a collective skipped by one
-            # rank would pair the next ones wrongly.
-            track = self.find_unused_parameters or self.static_graph
-            globally_unused = self._reduce_used_map() if track else []
-            self._wait(self.buckets)
+            for bucket in self.buckets:
+                bucket.wait(self.reduction)
+            outcome = self.signals.exchange(
+                self.buckets[-1].flags if self.reduction.carries_flags else None,
+                self._used if self.unused.tracked else None,
+            )
             self.stats.comm_wait_s += time.perf_counter() - start
-            self._raise_if_any_rank_failed()
-            self._write_back(globally_unused)
+            self.stats.collectives += outcome.collectives
+            if outcome.failed_ranks:
+                self._raise_for_failed_ranks(outcome.failed_ranks)
+            unused_everywhere = self.unused.unused_everywhere(outcome.used_counts)
+            self.unused.restore_saved(self._views, unused_everywhere)
+            for bucket in self.buckets:
+                bucket.write_back(unused_everywhere)
             self.stats.sync_rounds += 1
-            self._ready = bytearray(len(self.params))
-            self._used = bytearray(len(self.params))
-            self._saved_unused_grads.clear()
+            self.unused.end_iteration()
 
-    def _wait(self, buckets: Sequence[Bucket]) -> None:
-        for bucket in buckets:
-            work = bucket.work
-            if work is None:
-                continue
-            if self.comm_hook is not None:
-                work.wait()  # type: ignore[attr-defined]
-                result = work.value()  # type: ignore[attr-defined]
-                if isinstance(result, list):
-                    result = result[0]
-                if result is not bucket.grads:
-                    bucket.grads.copy_(result)
-            else:
-                work.wait()  # type: ignore[attr-defined]
-            bucket.work = None
+    def _launch_despite_missing_gradients(self) -> None:
+        """Some gradients never came: still send every bucket, with this rank's flag raised.
 
-    def _reduce_used_map(self) -> list[int]:
-        """Which of this rank's unused parameters went unused on every rank."""
-        used = torch.frombuffer(bytearray(self._used), dtype=torch.uint8).to(torch.int32)
-        dist.all_reduce(used, group=self.group)
-        self.stats.collectives += 1
-        counts = used.tolist()
-        return [i for i in self._unused_now if counts[i] == 0]
-
-    def _write_back(self, globally_unused: list[int]) -> None:
-        skip = set(globally_unused)
-        with torch.no_grad():
-            for i, saved in self._saved_unused_grads.items():
-                if i in skip:
-                    self._view_of[i].copy_(saved)
-            if self.gradient_as_bucket_view:
-                for i in self._unused_now:
-                    if i not in skip and self.params[i].grad is None:
-                        self.params[i].grad = self._view_of[i]
-                return
-            dst: list[torch.Tensor] = []
-            src: list[torch.Tensor] = []
-            for i, (p, view) in enumerate(zip(self.params, self._view_of)):
-                if i in skip:
-                    continue
-                if p.grad is None:
-                    p.grad = view.clone()
-                else:
-                    dst.append(p.grad)
-                    src.append(view)
-            if dst:
-                torch._foreach_copy_(dst, src)
+        The other ranks are waiting in those collectives; sending them keeps every
+        rank in step, and the flag tells all of them to stop with an error.
+        """
+        for i, ready in enumerate(self._ready):
+            if not ready:
+                self._bucket_of[i].mark_missing(self._slot_of[i])
+        self.signals.raise_flag(self.buckets[-1].flags if self.reduction.carries_flags else None)
+        self._launch_ready_buckets()
 
     # ----------------------------------------------------------------- errors
     def _raise_ready_twice(self, i: int) -> None:
@@ -358,30 +291,7 @@ class Reducer:
             "one forward per backward through the DDP model, or accumulate with no_sync()"
         )
 
-    def _launch_despite_missing_gradients(self) -> None:
-        """Some gradients never came: still send every bucket, with this rank's flag raised.
-
-        The other ranks are waiting in those all-reduces; sending them keeps every
-        rank in step, and the flag tells all of them to stop with an error.
-        """
-        with torch.no_grad():
-            for i in range(len(self.params)):
-                if not self._ready[i]:
-                    self._view_of[i].zero_()
-            self.buckets[-1].flags[dist.get_rank(self.group)] = 1
-        for bucket in self.buckets[self._next_launch :]:
-            bucket.pending = 0
-        self._launch_ready_buckets()
-
-    def _raise_if_any_rank_failed(self) -> None:
-        if self._flags_work is not None:
-            self._flags_work.wait()
-            self._flags_work = None
-        flags = self.buckets[-1].flags
-        if not bool(flags.any()):
-            return
-        failed = [r for r, f in enumerate(flags.tolist()) if f != 0]
-        flags.zero_()
+    def _raise_for_failed_ranks(self, failed: list[int]) -> None:
         if not all(self._ready):
             self._raise_missing_gradients(failed)
         raise ReducerError(
@@ -390,16 +300,16 @@ class Reducer:
             "DistributedDataParallel if some parameters are legitimately unused on some ranks"
         )
 
-    def _raise_missing_gradients(self, failed: list[int] | None = None) -> None:
-        missing = [self.names[i] for i in range(len(self.params)) if not self._ready[i]]
+    def _raise_missing_gradients(self, failed: list[int]) -> None:
+        missing = [self.names[i] for i, ready in enumerate(self._ready) if not ready]
         shown = ", ".join(missing[:20]) + (
             f" and {len(missing) - 20} more" if len(missing) > 20 else ""
         )
-        where = f" (ranks with missing gradients: {failed})" if failed else ""
         raise ReducerError(
-            f"{len(missing)} parameter(s) received no gradient in this backward{where}: {shown} — "
-            "pass find_unused_parameters=True to DistributedDataParallel if some parameters "
-            "are legitimately unused, or make sure every parameter contributes to the loss"
+            f"{len(missing)} parameter(s) received no gradient in this backward (ranks with "
+            f"missing gradients: {failed}): {shown} — pass find_unused_parameters=True to "
+            "DistributedDataParallel if some parameters are legitimately unused, or make sure "
+            "every parameter contributes to the loss"
         )
 
     def remove_hooks(self) -> None:

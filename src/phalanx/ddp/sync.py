@@ -11,7 +11,6 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from phalanx.errors import ConfigurationError
 
@@ -86,9 +85,9 @@ def broadcast_coalesced(
 
 def _broadcast_chunk(chunk: list[torch.Tensor], group: dist.ProcessGroup, src: int) -> None:
     with torch.no_grad():
-        flat = _flatten_dense_tensors(chunk)
+        flat = torch.cat([t.reshape(-1) for t in chunk])
         dist.broadcast(flat, src=src, group=group)
         if dist.get_rank() == src:
             return
-        for t, value in zip(chunk, _unflatten_dense_tensors(flat, chunk)):
-            t.copy_(value)
+        values = torch.split(flat, [t.numel() for t in chunk])
+        torch._foreach_copy_(chunk, [v.view_as(t) for v, t in zip(values, chunk)])

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from phalanx.errors import ConfigurationError
+from phalanx.nested import map_tensors
 
 LossFn = Callable[[Any, Any], Tensor]
 _LABEL_KEYS = ("labels", "label", "label_ids")
@@ -23,16 +24,8 @@ _LOGIT_KEYS = ("logits", "predictions")
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
-    """Move every tensor inside nested dicts, lists and tuples; leave the rest."""
-    if isinstance(batch, Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, Mapping):
-        return {key: to_device(value, device) for key, value in batch.items()}
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple keeps its type
-        return type(batch)(*(to_device(v, device) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(v, device) for v in batch)
-    return batch
+    """Move every tensor inside the batch; containers keep their types, the rest stays."""
+    return map_tensors(lambda t: t.to(device, non_blocking=True), batch)
 
 
 def batch_size(batch: Any) -> int:

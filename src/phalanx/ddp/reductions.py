@@ -1,0 +1,123 @@
+"""What a full bucket does: the strategy that reduces it across ranks.
+
+The reducer fills buckets and launches them in order; which collective a
+launch starts, and how its result lands back in the bucket, is decided here
+and nowhere else. A new way to reduce (a comm hook, a reduce-scatter for
+sharded gradients) is a new `BucketReduction`: the per-parameter hook path
+does not change. The strategy only tells the hook path one thing up front,
+`slot_scale`: a factor to apply while copying gradients in, so the default
+path averages without a second pass over the bucket.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from phalanx.ddp.buckets import Bucket
+from phalanx.ddp.comm_hooks import CommHook, GradBucket
+
+
+class BucketReduction(ABC):
+    """Starts a bucket's collective, and finishes it into the bucket's `grads`."""
+
+    carries_flags: bool = False
+    """True when the collective sends the whole `bucket.buffer`, flag slots included, and
+    sums them: the missing-gradient flags then ride in the last bucket for free."""
+
+    def slot_scale(self) -> torch.Tensor | None:
+        """Multiply gradients by this while copying them into a bucket; None copies as is."""
+        return None
+
+    @abstractmethod
+    def launch(self, bucket: Bucket) -> Any:
+        """Start the collective for a full bucket; return what `finish` needs."""
+
+    @abstractmethod
+    def finish(self, bucket: Bucket, handle: Any) -> None:
+        """Wait for `handle`; afterwards `bucket.grads` holds the reduced gradients."""
+
+
+class AllReduce(BucketReduction):
+    """The default: average the whole buffer with one async all-reduce (torch DDP's path)."""
+
+    carries_flags = True
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        # A 0-dim tensor, not a float: torch.mul with a Python scalar costs twice as
+        # much per call, and the hook path calls it once per parameter per step.
+        self._inverse_world = torch.tensor(1.0 / dist.get_world_size(group))
+
+    def slot_scale(self) -> torch.Tensor:
+        return self._inverse_world
+
+    def launch(self, bucket: Bucket) -> Any:
+        if not bucket.scaled:
+            # gradient_as_bucket_view accumulated raw sums in place: average them now.
+            bucket.grads.mul_(self._inverse_world)
+        return dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+
+    def finish(self, bucket: Bucket, handle: Any) -> None:
+        handle.wait()
+
+
+class CommHookReduction(BucketReduction):
+    """A user's `register_comm_hook(state, hook)`: the hook owns the wire format.
+
+    It gets the bucket's raw gradient sums and returns a Future of the averaged
+    flat tensor, exactly as torch's comm hooks do, so torch's hooks work too.
+
+    Buckets go through the hook one after another: bucket k's hook starts when
+    bucket k-1's future is done. A hook may issue more collectives from its
+    future's callbacks (PowerSGD does), and on gloo those callbacks run on a
+    communication thread at a time no rank controls; started beside them,
+    the next bucket's collective would be paired with a different one on each
+    rank. (On NCCL a future is done once its work is enqueued, so the chain
+    runs inline and nothing waits.)
+    """
+
+    def __init__(self, hook: CommHook, state: Any) -> None:
+        self.hook = hook
+        self.state = state
+        self._previous: torch.futures.Future[Any] | None = None
+
+    def launch(self, bucket: Bucket) -> Any:
+        grad_bucket = GradBucket(
+            bucket.index, bucket.grads, bucket.params, bucket.views, bucket.is_last
+        )
+        previous = self._previous
+        if previous is None or previous.done():
+            future = self.hook(self.state, grad_bucket)
+        else:
+            future = torch.futures.Future()
+            previous.add_done_callback(lambda _: self._start_after(grad_bucket, future))
+        self._previous = future
+        return future
+
+    def _start_after(self, grad_bucket: GradBucket, result: torch.futures.Future[Any]) -> None:
+        """Run the hook now that the previous bucket is done; forward its outcome to `result`."""
+        try:
+            inner = self.hook(self.state, grad_bucket)
+        except Exception as exc:  # surfaces in the reducer's wait, on the training thread
+            result.set_exception(exc)
+            return
+
+        def forward(done: torch.futures.Future[Any]) -> None:
+            try:
+                result.set_result(done.value())
+            except Exception as exc:
+                result.set_exception(exc)
+
+        inner.add_done_callback(forward)
+
+    def finish(self, bucket: Bucket, handle: Any) -> None:
+        handle.wait()
+        result = handle.value()
+        if isinstance(result, list):
+            result = result[0]
+        if result is not bucket.grads:
+            bucket.grads.copy_(result)

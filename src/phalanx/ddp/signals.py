@@ -1,0 +1,84 @@
+"""What every rank must learn at the end of a synced backward: who failed, what was used.
+
+A rank that misses gradients cannot simply raise: the others are waiting in
+that iteration's bucket collectives and would hang. So it sends its buckets
+anyway (with zeros where gradients are missing) and raises its *flag*; every
+rank then learns from the same message that some rank failed, and all of
+them raise. With unused-parameter tracking, the same message carries the
+used map, so parameters that no rank used keep their `.grad` untouched.
+
+Where the flags travel:
+- in the last bucket, when the reduction sums the whole buffer (the default
+  all-reduce): free, no extra collective;
+- otherwise in one small all-reduce issued after every bucket has finished,
+  never beside one. A comm hook may chain collectives inside future callbacks
+  (PowerSGD does), at times no rank controls; a message sent while such a
+  chain runs would pair with different collectives on different ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What the ranks told each other about one synced backward."""
+
+    failed_ranks: list[int]
+    """Ranks that missed gradients (their own error names the parameters)."""
+    used_counts: list[int] | None
+    """Per parameter, how many ranks gave it a gradient; None when not tracked."""
+    collectives: int
+    """Collectives this exchange issued (0 when everything rode in a bucket)."""
+
+
+class StepSignals:
+    """The missing-gradient flags and the used map: laid out, raised and exchanged here only."""
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.device = device
+        self._missing_here = False
+
+    def raise_flag(self, carrier: torch.Tensor | None) -> None:
+        """This rank misses gradients; `carrier` is the last bucket's flag slots if they ride."""
+        self._missing_here = True
+        if carrier is not None:
+            carrier[self.rank] = 1
+
+    def exchange(self, carrier: torch.Tensor | None, used: bytearray | None) -> StepOutcome:
+        """After every bucket finished: send what did not ride in a bucket, read everything.
+
+        `carrier`: the last bucket's flag slots, already summed by its collective,
+        or None when the flags must travel here. `used`: this rank's used map, or
+        None when unused parameters are not tracked.
+        """
+        parts: list[torch.Tensor] = []
+        if carrier is None:
+            mine = torch.zeros(self.world_size, dtype=torch.int32)
+            mine[self.rank] = int(self._missing_here)
+            parts.append(mine)
+        if used is not None:
+            parts.append(torch.frombuffer(bytearray(used), dtype=torch.uint8).to(torch.int32))
+        counts: list[int] = []
+        if parts:
+            message = torch.cat(parts).to(self.device)
+            dist.all_reduce(message, group=self.group)
+            counts = message.tolist()
+        if carrier is None:
+            flags, counts = counts[: self.world_size], counts[self.world_size :]
+        else:
+            flags = carrier.tolist()
+            carrier.zero_()
+        self._missing_here = False
+        return StepOutcome(
+            failed_ranks=[r for r, f in enumerate(flags) if f != 0],
+            used_counts=counts if used is not None else None,
+            collectives=1 if parts else 0,
+        )

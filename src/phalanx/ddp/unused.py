@@ -1,0 +1,90 @@
+"""Parameters that a forward leaves out of the graph: found before backward, handled after.
+
+With `find_unused_parameters=True` (or `static_graph=True`) the reducer must
+know, before backward, which parameters will get no gradient this iteration:
+their buckets would otherwise never fill and every rank would wait forever.
+They are marked ready at the start of backward (zeros, or the gradient they
+accumulated under no_sync), and after the reduction the used map tells which
+of them no rank used at all: those keep their local `.grad` (or None), as in
+torch DDP, instead of a meaningless average of zeros.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from phalanx.nested import iter_tensors
+
+
+def reachable_leaves(outputs: Any) -> set[int]:
+    """The `id()`s of the leaf tensors whose AccumulateGrad the outputs' graph reaches."""
+    seen: set[Any] = set()
+    leaves: set[int] = set()
+    stack = [t.grad_fn for t in iter_tensors(outputs) if t.grad_fn is not None]
+    while stack:
+        fn = stack.pop()
+        if fn in seen:
+            continue
+        seen.add(fn)
+        variable = getattr(fn, "variable", None)
+        if variable is not None:
+            leaves.add(id(variable))
+        for nxt, _ in fn.next_functions:
+            if nxt is not None and nxt not in seen:
+                stack.append(nxt)
+    return leaves
+
+
+class UnusedParameters:
+    """The graph search, the used map, and the local gradients kept for unused parameters."""
+
+    def __init__(
+        self, params: Sequence[torch.Tensor], find_unused: bool, static_graph: bool
+    ) -> None:
+        self.tracked = find_unused or static_graph
+        """Whether unused parameters are searched for (and the used map exchanged) at all."""
+        self.static_graph = static_graph
+        self._index_of = {id(p): i for i, p in enumerate(params)}
+        self.now: list[int] = []
+        """This iteration's unused parameters (indices), sorted."""
+        self.used = bytearray(len(params))
+        """1 where the parameter got a gradient since the last reduction (written by the hook)."""
+        self._static: list[int] | None = None  # static_graph: the one search's result
+        self._saved: dict[int, torch.Tensor] = {}
+
+    def search(self, outputs: Any) -> None:
+        """After a synced forward: which parameters the outputs' graph does not reach."""
+        if not self.tracked:
+            return
+        if self._static is not None:
+            self.now = self._static
+            return
+        reached = reachable_leaves(outputs)
+        self.now = sorted(i for p, i in self._index_of.items() if p not in reached)
+        if self.static_graph:
+            self._static = self.now
+
+    def save_local(self, i: int, grad: torch.Tensor) -> None:
+        """Keep a copy of a gradient that lives in its bucket slot (gradient_as_bucket_view):
+        the collective overwrites the slot, and if no rank used the parameter the local
+        value must come back."""
+        self._saved[i] = grad.clone()
+
+    def unused_everywhere(self, used_counts: list[int] | None) -> set[int]:
+        """Of this rank's unused parameters, those that no rank gave a gradient."""
+        if used_counts is None:
+            return set()
+        return {i for i in self.now if used_counts[i] == 0}
+
+    def restore_saved(self, views: Sequence[torch.Tensor], unused: set[int]) -> None:
+        """Put back the local gradient of every saved parameter that no rank used."""
+        for i, saved in self._saved.items():
+            if i in unused:
+                views[i].copy_(saved)
+
+    def end_iteration(self) -> None:
+        self.used[:] = bytes(len(self.used))
+        self._saved.clear()
