@@ -1,13 +1,19 @@
-"""The typed-field engine: TrainingArguments' types, choices and flags come from its annotations."""
+"""The typed-field engine: TrainingArguments' types, choices and flags come from its annotations.
+
+Also DDPOptions, what TrainingArguments hands to DistributedDataParallel.
+"""
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import pytest
 
+from phalanx.ddp.module import DistributedDataParallel
+from phalanx.ddp.options import DDPOptions
 from phalanx.errors import ConfigurationError
 from phalanx.train import TrainingArguments
 from phalanx.train.argsio import field_docs
@@ -187,3 +193,33 @@ def test_a_subclass_gets_flags_checks_and_help_for_its_own_fields(
         _WithExtras.from_cli(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "Matmul precision the script sets" in text and "{fp32,tf32}" in text
+
+
+# ------------------------------------------------------------------ DDP options
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ({}, DDPOptions(bucket_cap_mb=25.0, find_unused_parameters=False, broadcast_buffers=True)),
+        ({"ddp_bucket_cap_mb": 50}, DDPOptions(bucket_cap_mb=50.0)),
+        ({"ddp_find_unused_parameters": True}, DDPOptions(find_unused_parameters=True)),
+        ({"ddp_broadcast_buffers": False}, DDPOptions(broadcast_buffers=False)),
+        ({"gradient_checkpointing": True}, DDPOptions(broadcast_buffers=False)),
+        (
+            {"gradient_checkpointing": True, "ddp_broadcast_buffers": False},
+            DDPOptions(broadcast_buffers=False),
+        ),
+    ],
+)
+def test_ddp_options_resolve_the_unset_fields(
+    overrides: dict[str, Any], expected: DDPOptions
+) -> None:
+    assert TrainingArguments(**overrides).ddp_options() == expected
+
+
+def test_ddp_options_are_ddp_constructor_arguments_with_its_defaults() -> None:
+    parameters = inspect.signature(DistributedDataParallel.__init__).parameters
+    for f in fields(DDPOptions):
+        assert f.name in parameters, f.name
+        assert f.default == parameters[f.name].default, f.name

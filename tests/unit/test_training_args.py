@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from phalanx.ddp.options import DDPOptions
 from phalanx.errors import ConfigurationError
 from phalanx.train import Trainer, TrainingArguments
 from phalanx.train.argsio import field_docs
@@ -132,9 +133,10 @@ def test_gradient_checkpointing_refuses_the_ddp_flags_the_documents_warn_about(f
     with pytest.raises(ConfigurationError, match="recomput"):
         TrainingArguments(gradient_checkpointing=True, **{flag: True})
     # Unset, they resolve to what works with checkpointing.
-    args = TrainingArguments(gradient_checkpointing=True)
-    assert (args.find_unused_parameters, args.broadcast_buffers) == (False, False)
-    assert TrainingArguments().broadcast_buffers is True
+    assert TrainingArguments(gradient_checkpointing=True).ddp_options() == DDPOptions(
+        find_unused_parameters=False, broadcast_buffers=False
+    )
+    assert TrainingArguments().ddp_options().broadcast_buffers is True
 
 
 @pytest.mark.skipif(HAS_TENSORBOARD, reason="tensorboard is installed here")

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from phalanx.ddp.module import DEFAULT_BUCKET_CAP_MB
+from phalanx.ddp.options import DDPOptions
 from phalanx.errors import ConfigurationError
 from phalanx.train.fields import Config, check_fields
 from phalanx.train.metrics import Reporter
@@ -134,17 +136,19 @@ class TrainingArguments(Config):
             out[f.name] = list(value) if isinstance(value, list) else value
         return out
 
-    @property
-    def find_unused_parameters(self) -> bool:
-        """What DDP gets for find_unused_parameters once None is resolved."""
-        return bool(self.ddp_find_unused_parameters)
+    def ddp_options(self) -> DDPOptions:
+        """What DistributedDataParallel gets, with the ddp_* fields' None resolved.
 
-    @property
-    def broadcast_buffers(self) -> bool:
-        """What DDP gets for broadcast_buffers once None is resolved."""
-        if self.ddp_broadcast_buffers is None:
-            return not self.gradient_checkpointing
-        return self.ddp_broadcast_buffers
+        find_unused_parameters: None means False. broadcast_buffers: None means True,
+        or False with gradient_checkpointing. bucket_cap_mb: None means DDP's 25.
+        """
+        broadcast = self.ddp_broadcast_buffers
+        cap = self.ddp_bucket_cap_mb
+        return DDPOptions(
+            bucket_cap_mb=DEFAULT_BUCKET_CAP_MB if cap is None else cap,
+            find_unused_parameters=bool(self.ddp_find_unused_parameters),
+            broadcast_buffers=not self.gradient_checkpointing if broadcast is None else broadcast,
+        )
 
     @classmethod
     def from_cli(
