@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from phalanx.ddp.options import DDPOptions
 from phalanx.errors import ConfigurationError
 from phalanx.train import Trainer, TrainingArguments
 from phalanx.train.argsio import field_docs
@@ -65,7 +66,8 @@ BAD_VALUES: list[tuple[str, Any, str]] = [
     ("report_to", ["console", "wandb"], "report_to names ['wandb']"),
     ("zero_stage", 1, "not implemented in the Trainer yet"),
     ("zero_stage", 2, "not implemented in the Trainer yet"),
-    ("zero_stage", 3, "zero_stage=3 is not a ZeRO stage"),
+    ("zero_stage", 3, "zero_stage=3 is not implemented in the Trainer yet"),
+    ("zero_stage", 4, "zero_stage=4 is unknown — use one of [0, 1, 2, 3]"),
     ("ddp_backend", "", "ddp_backend is empty"),
     ("ddp_timeout", 0.0, "ddp_timeout=0.0"),
     ("ddp_timeout", math.inf, "ddp_timeout=inf"),
@@ -131,9 +133,10 @@ def test_gradient_checkpointing_refuses_the_ddp_flags_the_documents_warn_about(f
     with pytest.raises(ConfigurationError, match="recomput"):
         TrainingArguments(gradient_checkpointing=True, **{flag: True})
     # Unset, they resolve to what works with checkpointing.
-    args = TrainingArguments(gradient_checkpointing=True)
-    assert (args.find_unused_parameters, args.broadcast_buffers) == (False, False)
-    assert TrainingArguments().broadcast_buffers is True
+    assert TrainingArguments(gradient_checkpointing=True).ddp_options() == DDPOptions(
+        find_unused_parameters=False, broadcast_buffers=False
+    )
+    assert TrainingArguments().ddp_options().broadcast_buffers is True
 
 
 @pytest.mark.skipif(HAS_TENSORBOARD, reason="tensorboard is installed here")

@@ -5,7 +5,12 @@ in the order a reader thinks about a run: where it writes, how long it runs,
 how batches are built, the optimizer, precision and memory, logging and
 saving, then the DDP knobs. `__post_init__` validates every field, so a bad
 value fails at once on the laptop instead of an hour into a cluster job.
-Loading from the command line, JSON and YAML lives in `argsio.py`.
+
+The annotations are the types: `fields.py` reads them to accept the obvious
+spellings, refuse a value of the wrong type or outside a `Literal`, and
+build the command-line flags; the checks here are about values and their
+combinations only. Loading from the command line, JSON and YAML lives in
+`argsio.py`.
 """
 
 from __future__ import annotations
@@ -15,17 +20,22 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, TypeVar
 
+from phalanx.ddp.module import DEFAULT_BUCKET_CAP_MB
+from phalanx.ddp.options import DDPOptions
 from phalanx.errors import ConfigurationError
+from phalanx.train.fields import Config, check_fields
+from phalanx.train.metrics import Reporter
+from phalanx.train.schedules import ScheduleName
 
-SCHEDULES = ("constant", "linear", "cosine")
-REPORTERS = ("console", "jsonl", "csv", "tensorboard")
-DEFAULT_REPORT_TO = ("console", "jsonl")
+DEFAULT_REPORT_TO: tuple[Reporter, ...] = ("console", "jsonl")
+ZeroStage = Literal[0, 1, 2, 3]
+_Args = TypeVar("_Args", bound="TrainingArguments")
 
 
 @dataclass(kw_only=True, slots=True)
-class TrainingArguments:
+class TrainingArguments(Config):
     """What a `Trainer` run does: data, optimizer, precision, logging, checkpoints and DDP.
 
     Build it in code, or load it with `from_cli()`, `from_json(path)` or
@@ -61,7 +71,7 @@ class TrainingArguments:
     """Peak learning rate of the default AdamW, reached after warmup_steps."""
     weight_decay: float = 0.0
     """AdamW weight decay, applied to matrices only (not to biases and norm weights)."""
-    lr_scheduler_type: str = "linear"
+    lr_scheduler_type: ScheduleName = "linear"
     """Learning-rate shape after warmup: "constant", "linear" (to 0) or "cosine" (to 0)."""
     warmup_steps: int = 0
     """Optimizer steps over which the learning rate rises linearly from 0."""
@@ -76,8 +86,9 @@ class TrainingArguments:
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory; calls the model's
     gradient_checkpointing_enable(), so the model must have one."""
-    zero_stage: int = 0
-    """Optimizer-state sharding (ZeRO); only 0 (none) is implemented in the Trainer so far."""
+    zero_stage: ZeroStage = 0
+    """ZeRO sharding: 1 shards optimizer state, 2 also gradients, 3 also parameters;
+    only 0 (no sharding) is implemented in the Trainer so far."""
 
     # ----------------------------------------------------------- logging, evaluation, saving
     logging_steps: int = 10
@@ -88,7 +99,7 @@ class TrainingArguments:
     """Write a checkpoint every this many steps and at the end; 0 never saves."""
     save_total_limit: int | None = None
     """Keep only the newest this-many checkpoints; None keeps all of them."""
-    report_to: list[str] = field(default_factory=lambda: list(DEFAULT_REPORT_TO))
+    report_to: list[Reporter] = field(default_factory=lambda: list(DEFAULT_REPORT_TO))
     """Where metrics go: any of "console", "jsonl", "csv", "tensorboard" (needs the
     tensorboard package); an empty list logs nowhere."""
     disable_tqdm: bool = False
@@ -111,8 +122,9 @@ class TrainingArguments:
     None means True, or False with gradient_checkpointing (it must be False with it)."""
 
     def __post_init__(self) -> None:
-        _normalize(self)
-        _check_types(self)
+        check_fields(self)  # types from the annotations, before any value check reads them
+        if self.ddp_backend is not None:
+            self.ddp_backend = self.ddp_backend.strip().lower()
         _check_values(self)
         _check_combinations(self)
 
@@ -124,22 +136,24 @@ class TrainingArguments:
             out[f.name] = list(value) if isinstance(value, list) else value
         return out
 
-    @property
-    def find_unused_parameters(self) -> bool:
-        """What DDP gets for find_unused_parameters once None is resolved."""
-        return bool(self.ddp_find_unused_parameters)
+    def ddp_options(self) -> DDPOptions:
+        """What DistributedDataParallel gets, with the ddp_* fields' None resolved.
 
-    @property
-    def broadcast_buffers(self) -> bool:
-        """What DDP gets for broadcast_buffers once None is resolved."""
-        if self.ddp_broadcast_buffers is None:
-            return not self.gradient_checkpointing
-        return self.ddp_broadcast_buffers
+        find_unused_parameters: None means False. broadcast_buffers: None means True,
+        or False with gradient_checkpointing. bucket_cap_mb: None means DDP's 25.
+        """
+        broadcast = self.ddp_broadcast_buffers
+        cap = self.ddp_bucket_cap_mb
+        return DDPOptions(
+            bucket_cap_mb=DEFAULT_BUCKET_CAP_MB if cap is None else cap,
+            find_unused_parameters=bool(self.ddp_find_unused_parameters),
+            broadcast_buffers=not self.gradient_checkpointing if broadcast is None else broadcast,
+        )
 
     @classmethod
     def from_cli(
-        cls, argv: list[str] | None = None, defaults: Mapping[str, Any] | None = None
-    ) -> TrainingArguments:
+        cls: type[_Args], argv: list[str] | None = None, defaults: Mapping[str, Any] | None = None
+    ) -> _Args:
         """Parse `--field value` flags (booleans as `--bf16` / `--no-bf16`).
 
         `argv` defaults to sys.argv[1:]; `defaults` are the script's own
@@ -152,22 +166,22 @@ class TrainingArguments:
 
     @classmethod
     def from_cli_known(
-        cls, argv: list[str] | None = None, defaults: Mapping[str, Any] | None = None
-    ) -> tuple[TrainingArguments, list[str]]:
+        cls: type[_Args], argv: list[str] | None = None, defaults: Mapping[str, Any] | None = None
+    ) -> tuple[_Args, list[str]]:
         """Like from_cli, but return the flags it does not know, for the script's own parser."""
         from phalanx.train.argsio import parse_cli
 
         return parse_cli(cls, argv, defaults, allow_unknown=True)
 
     @classmethod
-    def from_json(cls, path: str | Path) -> TrainingArguments:
+    def from_json(cls: type[_Args], path: str | Path) -> _Args:
         """Load a JSON object whose keys are field names."""
         from phalanx.train.argsio import load_json
 
         return cls(**load_json(cls, path))
 
     @classmethod
-    def from_yaml(cls, path: str | Path) -> TrainingArguments:
+    def from_yaml(cls: type[_Args], path: str | Path) -> _Args:
         """Load a YAML mapping whose keys are field names (needs PyYAML)."""
         from phalanx.train.argsio import load_yaml
 
@@ -175,83 +189,6 @@ class TrainingArguments:
 
 
 # --------------------------------------------------------------------- validation
-
-_INT_FIELDS = (
-    "seed",
-    "max_steps",
-    "per_device_train_batch_size",
-    "per_device_eval_batch_size",
-    "gradient_accumulation_steps",
-    "dataloader_num_workers",
-    "warmup_steps",
-    "zero_stage",
-    "logging_steps",
-    "eval_steps",
-    "save_steps",
-)
-_FLOAT_FIELDS = (
-    "num_train_epochs",
-    "learning_rate",
-    "weight_decay",
-    "max_grad_norm",
-    "ddp_timeout",
-)
-_BOOL_FIELDS = ("dataloader_drop_last", "bf16", "fp16", "gradient_checkpointing", "disable_tqdm")
-_OPTIONAL_BOOL_FIELDS = ("ddp_find_unused_parameters", "ddp_broadcast_buffers")
-
-
-def _normalize(args: TrainingArguments) -> None:
-    """Accept the obvious spellings: a Path, a single reporter name, "none", ints for floats."""
-    if isinstance(args.output_dir, Path):
-        args.output_dir = str(args.output_dir)
-    if isinstance(args.report_to, str):
-        args.report_to = [] if args.report_to == "none" else [args.report_to]
-    elif isinstance(args.report_to, tuple):
-        args.report_to = list(args.report_to)
-    if isinstance(args.ddp_backend, str):
-        args.ddp_backend = args.ddp_backend.strip().lower()
-    if isinstance(args.lr_scheduler_type, str):
-        args.lr_scheduler_type = args.lr_scheduler_type.strip().lower()
-    for name in (*_FLOAT_FIELDS, "ddp_bucket_cap_mb"):
-        value = getattr(args, name)
-        if isinstance(value, int) and not isinstance(value, bool):
-            setattr(args, name, float(value))
-
-
-def _type_error(name: str, value: Any, expected: str) -> ConfigurationError:
-    return ConfigurationError(
-        f"{name}={value!r} is a {type(value).__name__}, not {expected} — pass {expected}"
-    )
-
-
-def _check_types(args: TrainingArguments) -> None:
-    """Reject e.g. bf16="yes" or a float batch size before any value check reads them."""
-    for name in _INT_FIELDS:
-        value = getattr(args, name)
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise _type_error(name, value, "an integer")
-    for name in _FLOAT_FIELDS:
-        if not isinstance(getattr(args, name), float):
-            raise _type_error(name, getattr(args, name), "a number")
-    for name in _BOOL_FIELDS:
-        if not isinstance(getattr(args, name), bool):
-            raise _type_error(name, getattr(args, name), "True or False")
-    for name in _OPTIONAL_BOOL_FIELDS:
-        value = getattr(args, name)
-        if value is not None and not isinstance(value, bool):
-            raise _type_error(name, getattr(args, name), "True, False or None")
-    for name in ("output_dir", "lr_scheduler_type"):
-        if not isinstance(getattr(args, name), str):
-            raise _type_error(name, getattr(args, name), "a string")
-    if args.ddp_backend is not None and not isinstance(args.ddp_backend, str):
-        raise _type_error("ddp_backend", args.ddp_backend, "a backend name or None")
-    if args.ddp_bucket_cap_mb is not None and not isinstance(args.ddp_bucket_cap_mb, float):
-        raise _type_error("ddp_bucket_cap_mb", args.ddp_bucket_cap_mb, "a number of MiB or None")
-    limit = args.save_total_limit
-    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool)):
-        raise _type_error("save_total_limit", limit, "an integer or None")
-    if not isinstance(args.report_to, list) or not all(isinstance(r, str) for r in args.report_to):
-        raise _type_error("report_to", args.report_to, 'a list of names like ["console"]')
 
 
 def _require(ok: bool, message: str) -> None:
@@ -311,10 +248,6 @@ def _check_optimizer(args: TrainingArguments) -> None:
             + (" (0 turns clipping off)" if name == "max_grad_norm" else ""),
         )
     _require(
-        args.lr_scheduler_type in SCHEDULES,
-        f"lr_scheduler_type={args.lr_scheduler_type!r} is unknown — use one of {list(SCHEDULES)}",
-    )
-    _require(
         args.warmup_steps >= 0,
         f"warmup_steps={args.warmup_steps} must be >= 0 — 0 starts at the full learning rate",
     )
@@ -335,11 +268,6 @@ def _check_reporting(args: TrainingArguments) -> None:
     _require(
         limit is None or limit >= 1,
         f"save_total_limit={limit} would delete every checkpoint — pass >= 1, or None to keep all",
-    )
-    unknown = [r for r in args.report_to if r not in REPORTERS]
-    _require(
-        not unknown,
-        f"report_to names {unknown}, which phalanx does not know — use any of {list(REPORTERS)}",
     )
     if "tensorboard" in args.report_to:
         _require(
@@ -369,7 +297,10 @@ def _check_ddp(args: TrainingArguments) -> None:
         f"zero_stage={args.zero_stage} is not implemented in the Trainer yet — use zero_stage=0, "
         "or phalanx.ZeroRedundancyOptimizer in your own loop",
     )
-    _require(args.zero_stage == 0, f"zero_stage={args.zero_stage} is not a ZeRO stage — use 0")
+    _require(
+        args.zero_stage != 3,
+        "zero_stage=3 is not implemented in the Trainer yet — use zero_stage=0",
+    )
 
 
 def _check_combinations(args: TrainingArguments) -> None:

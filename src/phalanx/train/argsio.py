@@ -1,7 +1,9 @@
 """Load `TrainingArguments` from the command line, JSON or YAML.
 
-The flags are generated from the dataclass itself, and their help text is
-the docstring under each field, so a new field needs no parser change.
+The flags are generated from the dataclass itself (`fields.FieldType` turns
+each annotation into its flag), and their help text is the docstring under
+each field, so a new field, in TrainingArguments or a subclass, needs no
+parser change.
 Every mistake (unknown flag, bad number, unknown key in a file) is a
 `ConfigurationError` naming the field, never argparse's exit or a TypeError.
 """
@@ -16,16 +18,17 @@ import itertools
 import json
 import textwrap
 from collections.abc import Mapping
-from dataclasses import MISSING, Field, fields
+from dataclasses import MISSING, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from phalanx.errors import ConfigurationError
+from phalanx.train.fields import field_types
 
 if TYPE_CHECKING:
     from phalanx.train.args import TrainingArguments
 
-_NONE_WORDS = ("none", "null")
+_Args = TypeVar("_Args", bound="TrainingArguments")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -34,72 +37,53 @@ class _Parser(argparse.ArgumentParser):
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """The string literal under each field of `cls`, read from its source."""
-    try:
-        source = textwrap.dedent(inspect.getsource(cls))
-    except (OSError, TypeError):  # no source (frozen app): flags still work, without help
-        return {}
-    body = ast.parse(source).body[0]
-    assert isinstance(body, ast.ClassDef)
+    """The string literal under each field of `cls` and of its bases, read from their source."""
     docs: dict[str, str] = {}
-    statements = body.body
-    for node, after in itertools.pairwise(statements):
-        is_field = isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-        is_doc = isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
-        if is_field and is_doc:
-            assert isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-            text = after.value.value  # type: ignore[attr-defined]
-            docs[node.target.id] = " ".join(str(text).split())
+    for klass in reversed(cls.__mro__):  # a subclass's docstring wins over its base's
+        docs.update(_own_field_docs(klass))
     return docs
 
 
-def _optional(convert: type) -> Any:
-    """A converter that also reads "none" as None, for the `X | None` fields."""
-
-    def parse(raw: str) -> Any:
-        return None if raw.strip().lower() in _NONE_WORDS else convert(raw)
-
-    parse.__name__ = convert.__name__  # argparse names the type in its error message
-    return parse
-
-
-def _add_flag(parser: argparse.ArgumentParser, f: Field[Any], help_text: str) -> None:
-    """One flag per field, spelt both `--per_device_train_batch_size` and with dashes."""
-    names = [f"--{f.name}"]
-    if "_" in f.name:
-        names.append(f"--{f.name.replace('_', '-')}")
-    kind = str(f.type).replace(" ", "")
-    common: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_text}
-    if kind in ("bool", "bool|None"):
-        parser.add_argument(*names, action=argparse.BooleanOptionalAction, **common)
-    elif kind == "list[str]":
-        parser.add_argument(*names, nargs="*", metavar="NAME", **common)
-    else:
-        base, _, maybe_none = kind.partition("|")
-        convert = {"int": int, "float": float, "str": str}[base]
-        parser.add_argument(*names, type=_optional(convert) if maybe_none else convert, **common)
+def _own_field_docs(cls: type) -> dict[str, str]:
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):  # no source (builtins, a frozen app): flags work without help
+        return {}
+    classes = [node for node in ast.parse(source).body if isinstance(node, ast.ClassDef)]
+    statements = classes[0].body if classes else []
+    docs: dict[str, str] = {}
+    for node, after in itertools.pairwise(statements):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+        ):
+            docs[node.target.id] = " ".join(str(after.value.value).split())
+    return docs
 
 
 def build_parser(cls: type[TrainingArguments]) -> argparse.ArgumentParser:
     parser = _Parser(
-        description="Training arguments (phalanx.TrainingArguments).",
+        description=f"Training arguments (phalanx.{cls.__name__}).",
         allow_abbrev=False,
         argument_default=argparse.SUPPRESS,
     )
     docs = field_docs(cls)
+    kinds = field_types(cls)
     for f in fields(cls):
         default = f.default if f.default_factory is MISSING else f.default_factory()
-        _add_flag(parser, f, f"{docs.get(f.name, '')} (default: {default!r})")
+        kinds[f.name].add_flag(parser, f"{docs.get(f.name, '')} (default: {default!r})")
     return parser
 
 
 def parse_cli(
-    cls: type[TrainingArguments],
+    cls: type[_Args],
     argv: list[str] | None,
     defaults: Mapping[str, Any] | None,
     *,
     allow_unknown: bool,
-) -> tuple[TrainingArguments, list[str]]:
+) -> tuple[_Args, list[str]]:
     """Flags given override `defaults`, which override the field defaults.
 
     `--report_to none` (or the flag with no names) logs nowhere.
@@ -110,10 +94,7 @@ def parse_cli(
         namespace, rest = parser.parse_known_args(argv)
     else:
         namespace, rest = parser.parse_args(argv), []
-    values = vars(namespace)
-    if values.get("report_to") in (["none"], ["None"]):
-        values["report_to"] = []
-    return cls(**{**base, **values}), rest
+    return cls(**{**base, **vars(namespace)}), rest
 
 
 def _check_keys(cls: type, data: Any, source: str) -> dict[str, Any]:

@@ -162,14 +162,33 @@ def read_manifest(path: Path) -> dict[str, Any]:
         )
     try:
         manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-        files = manifest["files"]
-        assert isinstance(files, dict)
-    except (ValueError, KeyError, AssertionError, OSError) as exc:
+    except (ValueError, OSError) as exc:
         raise CheckpointError(
             f"{path}/{MANIFEST} is unreadable ({exc}) — the checkpoint is corrupt; "
             "resume from an earlier one"
         ) from exc
+    problem = _manifest_problem(manifest)
+    if problem:
+        raise CheckpointError(
+            f"{path}/{MANIFEST} is unreadable ({problem}) — the checkpoint is corrupt; "
+            "resume from an earlier one"
+        )
     return manifest
+
+
+def _manifest_problem(manifest: Any) -> str | None:
+    """What is wrong with a parsed manifest's shape, or None: checked before anything reads it."""
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        return 'no "files" mapping'
+    for name, entry in manifest["files"].items():
+        fits = (
+            isinstance(entry, dict)
+            and isinstance(entry.get("sha256"), str)
+            and isinstance(entry.get("bytes"), int)
+        )
+        if not fits:
+            return f'the entry for {name!r} lacks "sha256" or "bytes"'
+    return None
 
 
 def verify_checkpoint(path: Path) -> dict[str, Any]:

@@ -14,7 +14,14 @@ import math
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Protocol
+from typing import Literal, NoReturn, Protocol, get_args
+
+from phalanx.errors import ConfigurationError
+
+Reporter = Literal["console", "jsonl", "csv", "tensorboard"]
+"""The one list of sinks: TrainingArguments.report_to takes its item type from it, and
+mypy checks that `make_sink` builds each."""
+REPORTERS: tuple[Reporter, ...] = get_args(Reporter)
 
 JSONL_NAME = "metrics.jsonl"
 CSV_NAME = "metrics.csv"
@@ -105,19 +112,28 @@ class TensorBoardSink:
 
 
 def make_sinks(
-    report_to: list[str], output_dir: Path, write: Callable[[str], None] = print
+    report_to: list[Reporter], output_dir: Path, write: Callable[[str], None] = print
 ) -> list[MetricsSink]:
-    sinks: list[MetricsSink] = []
-    for name in report_to:
-        if name == "console":
-            sinks.append(ConsoleSink(write))
-        elif name == "jsonl":
-            sinks.append(JsonlSink(output_dir / JSONL_NAME))
-        elif name == "csv":
-            sinks.append(CsvSink(output_dir / CSV_NAME))
-        elif name == "tensorboard":
-            sinks.append(TensorBoardSink(output_dir / TENSORBOARD_DIR))
-    return sinks
+    return [make_sink(name, output_dir, write) for name in report_to]
+
+
+def make_sink(name: Reporter, output_dir: Path, write: Callable[[str], None]) -> MetricsSink:
+    if name == "console":
+        return ConsoleSink(write)
+    if name == "jsonl":
+        return JsonlSink(output_dir / JSONL_NAME)
+    if name == "csv":
+        return CsvSink(output_dir / CSV_NAME)
+    if name == "tensorboard":
+        return TensorBoardSink(output_dir / TENSORBOARD_DIR)
+    return _unknown(name)
+
+
+def _unknown(name: NoReturn) -> NoReturn:
+    # mypy accepts the call in make_sink only while every Reporter has a branch.
+    raise ConfigurationError(
+        f"report_to names {name!r}, which phalanx does not know — use any of {list(REPORTERS)}"
+    )
 
 
 def _rewrite_keeping(path: Path, keep: Callable[[str], bool]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
@@ -92,7 +93,7 @@ def build_optimizer(model: nn.Module, args: TrainingArguments) -> Optimizer:
 
 
 def wrap_model(model: nn.Module, args: TrainingArguments, ranks: Ranks) -> nn.Module:
-    """phalanx DDP with the arguments' DDP fields, or the model itself on one plain process."""
+    """phalanx DDP with the arguments' DDP options, or the model itself on one plain process."""
     if not ranks.distributed:
         return model
     # A model wrapped before (by an earlier Trainer) is unhooked from that wrapper by DDP itself.
@@ -100,9 +101,7 @@ def wrap_model(model: nn.Module, args: TrainingArguments, ranks: Ranks) -> nn.Mo
         model,
         device_ids=[ranks.device] if ranks.device.type == "cuda" else None,
         process_group=ranks.group,
-        bucket_cap_mb=args.ddp_bucket_cap_mb,
-        find_unused_parameters=args.find_unused_parameters,
-        broadcast_buffers=args.broadcast_buffers,
+        **asdict(args.ddp_options()),
     )
 
 
