@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from phalanx.data.sampler import DistributedSampler
     from phalanx.ddp import comm_hooks
     from phalanx.ddp.module import DistributedDataParallel
+    from phalanx.optim.zero import ZeroRedundancyOptimizer
     from phalanx.runtime import World, init, launched_by_launcher, shutdown
     from phalanx.train import Trainer, TrainingArguments
 
@@ -30,6 +31,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "DistributedDataParallel": ("phalanx.ddp.module", "DistributedDataParallel"),
     "DistributedSampler": ("phalanx.data.sampler", "DistributedSampler"),
     "comm_hooks": ("phalanx.ddp.comm_hooks", None),
+    "ZeroRedundancyOptimizer": ("phalanx.optim.zero", "ZeroRedundancyOptimizer"),
 }
 
 __all__ = [
@@ -41,6 +43,7 @@ __all__ = [
     "Trainer",
     "TrainingArguments",
     "World",
+    "ZeroRedundancyOptimizer",
     "comm_hooks",
     "init",
     "launched_by_launcher",

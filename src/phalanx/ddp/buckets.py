@@ -76,9 +76,11 @@ class Bucket:
         "grads_in_views",
         "index",
         "is_last",
+        "keeps_gradients",
         "param_indices",
         "params",
         "pending",
+        "reduction_state",
         "scale",
         "views",
         "work",
@@ -93,13 +95,18 @@ class Bucket:
         is_last: bool,
         flag_slots: int,
         grads_in_views: bool,
+        keeps_gradients: bool = True,
     ) -> None:
         self.index = index
         """Launch position: every rank launches bucket k before bucket k + 1."""
         self.param_indices = list(param_indices)
         """Each slot's parameter, as an index into the reducer's parameter list."""
         self.params = [params[i] for i in param_indices]
-        total = sum(p.numel() for p in self.params)
+        self.keeps_gradients = keeps_gradients
+        """False: no buffer at all; the bucket only counts readiness, and the reduction
+        reads each `.grad` at launch (sharded gradients need no full-size copy)."""
+        total = sum(p.numel() for p in self.params) if keeps_gradients else 0
+        flag_slots = flag_slots if keeps_gradients else 0
         first = self.params[0]
         self.buffer = torch.zeros(total + flag_slots, dtype=first.dtype, device=first.device)
         """What a reduction may send whole: the gradients, then any flag slots."""
@@ -109,7 +116,7 @@ class Bucket:
         """One slot per rank after the gradients (phalanx.ddp.signals), last bucket only."""
         self.views: list[torch.Tensor] = []
         offset = 0
-        for p in self.params:
+        for p in self.params if keeps_gradients else ():
             self.views.append(self.buffer[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
         self.is_last = is_last
@@ -121,6 +128,8 @@ class Bucket:
         """Slots still waiting for their gradient in this iteration; launched at zero."""
         self.work: Any = None
         """What the reduction's launch returned, until the bucket is finished."""
+        self.reduction_state: Any = None
+        """The reduction's own precomputed data for this bucket (e.g. a wire layout)."""
 
     @property
     def scaled(self) -> bool:
@@ -134,25 +143,27 @@ class Bucket:
     # ------------------------------------------------------------- one iteration
     def mark_ready(self, slot: int, param: torch.Tensor) -> bool:
         """Put `param`'s gradient (None: zeros) in its slot; True once every slot is filled."""
-        grad = param.grad
-        view = self.views[slot]
-        if grad is None:
-            view.zero_()
-        elif self.grads_in_views:
-            if grad is not view:
+        if self.keeps_gradients:
+            grad = param.grad
+            view = self.views[slot]
+            if grad is None:
+                view.zero_()
+            elif self.grads_in_views:
+                if grad is not view:
+                    view.copy_(grad)
+                    param.grad = view
+            elif self.scale is None:
                 view.copy_(grad)
-                param.grad = view
-        elif self.scale is None:
-            view.copy_(grad)
-        else:
-            # Average while copying, as torch DDP does: no second pass over the bucket.
-            torch.mul(grad, self.scale, out=view)
+            else:
+                # Average while copying, as torch DDP does: no second pass over the bucket.
+                torch.mul(grad, self.scale, out=view)
         self.pending -= 1
         return self.pending == 0
 
     def mark_missing(self, slot: int) -> None:
         """A gradient that never came: send zeros, so the collective still happens."""
-        self.views[slot].zero_()
+        if self.keeps_gradients:
+            self.views[slot].zero_()
         self.pending -= 1
 
     def accumulate_in_view(self, slot: int, param: torch.Tensor) -> None:

@@ -196,6 +196,14 @@ class DistributedDataParallel(nn.Module):
         self.reducer.set_reduction(CommHookReduction(hook, state))
 
 
+def reducer_of(param: torch.Tensor) -> Reducer | None:
+    """The live reducer whose hooks sit on `param`, if a phalanx DDP wraps it."""
+    entry = _REDUCER_OF.get(id(param))
+    if entry is None or entry[0]() is not param:
+        return None
+    return entry[1]()
+
+
 def _detach_earlier_reducers(trainable: Sequence[tuple[str, nn.Parameter]]) -> None:
     """Unhook any earlier wrapper's reducer from these parameters.
 
@@ -208,8 +216,7 @@ def _detach_earlier_reducers(trainable: Sequence[tuple[str, nn.Parameter]]) -> N
             del _REDUCER_OF[key]  # prune: that parameter or reducer is gone
     earlier: dict[int, Reducer] = {}
     for _, p in trainable:
-        entry = _REDUCER_OF.get(id(p))
-        reducer = entry[1]() if entry is not None and entry[0]() is p else None
+        reducer = reducer_of(p)
         if reducer is not None:
             earlier[id(reducer)] = reducer
     for reducer in earlier.values():

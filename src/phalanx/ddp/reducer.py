@@ -115,24 +115,30 @@ class Reducer:
                 is_last=k == last,
                 flag_slots=self.world_size if k == last else 0,
                 grads_in_views=self.gradient_as_bucket_view,
+                keeps_gradients=self.reduction.keeps_gradients,
             )
             for k, indices in enumerate(assignment)
         ]
         self._bucket_of: list[Bucket] = [self.buckets[0]] * len(self.params)
         self._slot_of = [0] * len(self.params)
-        self._views: list[torch.Tensor] = [self.buckets[0].buffer] * len(self.params)
         for bucket in self.buckets:
             for slot, i in enumerate(bucket.param_indices):
                 self._bucket_of[i], self._slot_of[i] = bucket, slot
-                self._views[i] = bucket.views[slot]
         self.set_reduction(self.reduction)
-        if self.gradient_as_bucket_view:
+        if self.gradient_as_bucket_view and self.reduction.keeps_gradients:
             for bucket in self.buckets:
                 bucket.bind_grads_to_views()
 
+    def _slot_view(self, i: int) -> torch.Tensor:
+        return self._bucket_of[i].views[self._slot_of[i]]
+
     def set_reduction(self, reduction: BucketReduction) -> None:
         """Choose what a full bucket does (phalanx.ddp.reductions)."""
+        rebuild = reduction.keeps_gradients != self.buckets[0].keeps_gradients
         self.reduction = reduction
+        if rebuild:
+            self._build([i for b in self.buckets for i in b.param_indices])
+            return
         scale = reduction.slot_scale()
         for bucket in self.buckets:
             bucket.scale = scale
@@ -264,9 +270,9 @@ class Reducer:
             if outcome.failed_ranks:
                 self._raise_for_failed_ranks(outcome.failed_ranks)
             unused_everywhere = self.unused.unused_everywhere(outcome.used_counts)
-            self.unused.restore_saved(self._views, unused_everywhere)
+            self.unused.restore_saved(self._slot_view, unused_everywhere)
             for bucket in self.buckets:
-                bucket.write_back(unused_everywhere)
+                self.reduction.write_back(bucket, unused_everywhere)
             self.stats.sync_rounds += 1
             self.unused.end_iteration()
 

@@ -27,6 +27,9 @@ class BucketReduction(ABC):
     carries_flags: bool = False
     """True when the collective sends the whole `bucket.buffer`, flag slots included, and
     sums them: the missing-gradient flags then ride in the last bucket for free."""
+    keeps_gradients: bool = True
+    """True: buckets hold a flat copy of their gradients, which `launch` sends. False:
+    buckets only count readiness, and `launch` reads each parameter's `.grad` itself."""
 
     def slot_scale(self) -> torch.Tensor | None:
         """Multiply gradients by this while copying them into a bucket; None copies as is."""
@@ -39,6 +42,11 @@ class BucketReduction(ABC):
     @abstractmethod
     def finish(self, bucket: Bucket, handle: Any) -> None:
         """Wait for `handle`; afterwards `bucket.grads` holds the reduced gradients."""
+
+    def write_back(self, bucket: Bucket, skip: set[int]) -> None:
+        """Hand the reduced gradients to where the optimizer reads them (default: `.grad`),
+        except for the parameters in `skip` (reducer indices: unused on every rank)."""
+        bucket.write_back(skip)
 
 
 class AllReduce(BucketReduction):

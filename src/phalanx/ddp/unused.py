@@ -11,7 +11,7 @@ torch DDP, instead of a meaningless average of zeros.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -79,11 +79,11 @@ class UnusedParameters:
             return set()
         return {i for i in self.now if used_counts[i] == 0}
 
-    def restore_saved(self, views: Sequence[torch.Tensor], unused: set[int]) -> None:
+    def restore_saved(self, slot_of: Callable[[int], torch.Tensor], unused: set[int]) -> None:
         """Put back the local gradient of every saved parameter that no rank used."""
         for i, saved in self._saved.items():
             if i in unused:
-                views[i].copy_(saved)
+                slot_of(i).copy_(saved)
 
     def end_iteration(self) -> None:
         self.used[:] = bytes(len(self.used))

@@ -1,0 +1,75 @@
+"""ZeRO stage 2: each bucket is reduce-scattered, so a rank receives only its own shard.
+
+A `BucketReduction` for phalanx's reducer, installed by
+`ZeroRedundancyOptimizer(..., shard_gradients=True)`. Buckets keep no flat
+copy of their gradients: when a bucket is full, `launch` lays its
+parameters' `.grad`s out rank by rank (each parameter's piece r in block r),
+averages, frees the `.grad`s and starts one async reduce-scatter. The
+output, 1/N of the bucket, is where each parameter's shard gradient then
+lives. No full-size averaged gradient ever exists: the gradients of the
+buckets not yet launched, and the reduce-scatter inputs in flight, are the
+only full-size gradient memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from phalanx.ddp.buckets import Bucket
+from phalanx.ddp.reductions import BucketReduction
+from phalanx.optim.sharding import Piece, ShardedFlat
+
+
+class ReduceScatter(BucketReduction):
+    """Average each bucket into the owners' shard gradients with one reduce-scatter."""
+
+    keeps_gradients = False
+
+    def __init__(
+        self, group: dist.ProcessGroup, shards: dict[int, tuple[torch.Tensor, Piece]]
+    ) -> None:
+        """`shards`: id(parameter) -> (this rank's shard of it, which piece that is)."""
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.shards = shards
+        self._inverse_world = 1.0 / self.world_size
+        self._outputs: dict[int, torch.Tensor] = {}
+
+    def _layout(self, bucket: Bucket) -> ShardedFlat:
+        if bucket.reduction_state is None:
+            bucket.reduction_state = ShardedFlat(bucket.params, self.world_size, self.rank)
+        layout: ShardedFlat = bucket.reduction_state
+        return layout
+
+    def launch(self, bucket: Bucket) -> Any:
+        layout = self._layout(bucket)
+        with torch.no_grad():
+            send = layout.reduce_scatter_input([p.grad for p in bucket.params])
+            send.mul_(self._inverse_world)
+        for p in bucket.params:
+            p.grad = None  # the full gradient is not needed again: free it now
+        received = torch.empty(layout.block, dtype=send.dtype, device=send.device)
+        work = dist.reduce_scatter_tensor(received, send, group=self.group, async_op=True)
+        return work, received, send  # `send` must live until the collective is done
+
+    def finish(self, bucket: Bucket, handle: Any) -> None:
+        work, received, _send = handle
+        work.wait()
+        self._outputs[bucket.index] = received
+
+    def write_back(self, bucket: Bucket, skip: set[int]) -> None:
+        """Each piece of the output becomes (or adds to) its parameter's shard gradient."""
+        received = self._outputs.pop(bucket.index)
+        pieces = self._layout(bucket).piece_views(received)
+        for i, p, piece in zip(bucket.param_indices, bucket.params, pieces):
+            if i in skip:
+                continue  # no rank used it: its shard keeps no gradient, as in DDP
+            shard, _ = self.shards[id(p)]
+            if shard.grad is None:
+                shard.grad = piece
+            else:  # a second synced backward before the step accumulates, as .grad would
+                shard.grad.add_(piece)

@@ -1,0 +1,138 @@
+"""How ZeRO cuts parameters into shards, and how the shards travel.
+
+Every parameter is cut, not placed: its flattened elements are split into N
+contiguous pieces exactly as `torch.chunk` splits them (pieces of
+ceil(numel / N), the last ones shorter or empty), and rank r keeps piece r.
+So each rank holds 1/N of every tensor, however unevenly the model spreads
+its parameters over tensors, and a rank's piece of a parameter is one
+contiguous range: its optimizer state is a real tensor the optimizer class
+steps, and the same split is a DTensor `Shard(0)` placement, which
+torch.distributed.checkpoint saves and reshards to another world size.
+
+Collectives need equal sizes from every rank, so on the wire each piece is
+padded to the full chunk: a flat buffer holds, rank after rank, every
+parameter's padded piece. `ShardedFlat` describes that layout for a list of
+parameters and moves data between it and the parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One rank's contiguous range of a flattened tensor of `numel` elements."""
+
+    numel: int
+    chunk: int
+    """ceil(numel / N): every rank's piece is padded to this on the wire."""
+    start: int
+    stop: int
+
+    @property
+    def length(self) -> int:
+        return self.stop - self.start
+
+
+def piece_of(numel: int, world_size: int, rank: int) -> Piece:
+    """Rank `rank`'s piece, with torch.chunk's split (the one DTensor's Shard(0) uses)."""
+    chunk = max(1, math.ceil(numel / world_size))
+    start = min(rank * chunk, numel)
+    return Piece(numel, chunk, start, min(start + chunk, numel))
+
+
+class ShardedFlat:
+    """The wire layout of a list of parameters: N blocks, each every parameter's padded piece.
+
+    Block r of the flat buffer is what rank r sends in an all-gather (and
+    receives in a reduce-scatter): for each parameter in order, its piece r
+    padded to `chunk`. `offsets[i]` is where parameter i's piece starts in a block.
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor], world_size: int, rank: int) -> None:
+        self.dtype = tensors[0].dtype
+        self.device = tensors[0].device
+        self.world_size = world_size
+        self.rank = rank
+        self.numels = [t.numel() for t in tensors]
+        self.pieces = [piece_of(n, world_size, rank) for n in self.numels]
+        self.chunks = [p.chunk for p in self.pieces]
+        self.offsets: list[int] = []
+        offset = 0
+        for chunk in self.chunks:
+            self.offsets.append(offset)
+            offset += chunk
+        self.block = offset
+        """Elements per rank on the wire."""
+
+    def padded_rows(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        """Parameter i's flattened values as (N, chunk), zero-padded at the end."""
+        extra = self.world_size * self.chunks[i] - self.numels[i]
+        if extra:
+            flat = F.pad(flat, (0, extra))
+        return flat.view(self.world_size, self.chunks[i])
+
+    def reduce_scatter_input(self, flats: Sequence[torch.Tensor | None]) -> torch.Tensor:
+        """The (N x block) input of a reduce-scatter: every tensor's pieces, block by block.
+
+        A None (a parameter with no gradient) contributes zeros.
+        """
+        rows = []
+        for i, flat in enumerate(flats):
+            if flat is None:
+                flat = torch.zeros(self.numels[i], dtype=self.dtype, device=self.device)
+            rows.append(self.padded_rows(flat.reshape(-1), i))
+        return torch.cat(rows, dim=1).view(-1)
+
+    def own_block_input(self, pieces: Sequence[torch.Tensor]) -> torch.Tensor:
+        """This rank's block for an all-gather: its pieces, each padded to its chunk."""
+        padded = []
+        for i, piece in enumerate(pieces):
+            extra = self.chunks[i] - piece.numel()
+            padded.append(F.pad(piece, (0, extra)) if extra else piece)
+        return torch.cat(padded) if len(padded) > 1 else padded[0].clone()
+
+    def piece_views(self, block: torch.Tensor) -> list[torch.Tensor]:
+        """This rank's pieces inside one block (its reduce-scatter output), as views."""
+        return [
+            block[offset : offset + piece.length]
+            for offset, piece in zip(self.offsets, self.pieces)
+        ]
+
+    def copy_out(self, gathered: torch.Tensor, targets: Sequence[torch.Tensor]) -> None:
+        """Write an all-gather's output (N blocks) back into the full `targets`, in place."""
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
+        strided: list[tuple[torch.Tensor, torch.Tensor]] = []  # e.g. channels_last weights
+        blocks = gathered.view(self.world_size, self.block)
+        for target, offset, numel, chunk in zip(targets, self.offsets, self.numels, self.chunks):
+            if target.is_contiguous():
+                flat = target.view(-1)
+            else:
+                flat = torch.empty(numel, dtype=target.dtype, device=target.device)
+                strided.append((target, flat))
+            for r in range(self.world_size):
+                start = min(r * chunk, numel)
+                stop = min(start + chunk, numel)
+                if stop > start:
+                    dst.append(flat[start:stop])
+                    src.append(blocks[r, offset : offset + stop - start])
+        if dst:
+            torch._foreach_copy_(dst, src)
+        for target, flat in strided:
+            target.copy_(flat.view(target.shape))
+
+
+def all_gather_flat(
+    output: torch.Tensor, block: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool
+) -> dist.Work | None:
+    """Every rank's `block` into `output`, rank after rank (torch's newer name where it exists)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, block, group=group, async_op=async_op)

@@ -1,0 +1,337 @@
+"""`ZeroRedundancyOptimizer`: ZeRO stages 1 and 2, sharding by elements.
+
+Stage 1 (the default): every rank keeps the optimizer state of only its
+piece of every parameter (phalanx.optim.sharding), steps that piece with
+the wrapped optimizer class, and all-gathers the updated pieces so every
+replica is whole again. Adam's state, 8 bytes per parameter in fp32, drops
+to 1/N per rank, however the model spreads its parameters over tensors.
+
+Stage 2 (`shard_gradients=True`): the DDP reducer reduce-scatters each
+bucket instead of all-reducing it (phalanx.optim.grad_sharding), so each
+rank receives only its pieces' averaged gradients.
+
+The constructor is torch's, so a script written for
+`torch.distributed.optim.ZeroRedundancyOptimizer` runs with the import
+changed. `.optim` is the local optimizer; its parameters are views into the
+model's own parameters (this rank's pieces), so the model and the shards
+can never drift apart.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+from phalanx.ddp.module import reducer_of
+from phalanx.ddp.reductions import AllReduce
+from phalanx.errors import ConfigurationError, PhalanxError
+from phalanx.optim import zero_state
+from phalanx.optim.grad_sharding import ReduceScatter
+from phalanx.optim.sharding import Piece, ShardedFlat, all_gather_flat, piece_of
+
+# Updates whose step reads only each element's own gradient and state: cutting a tensor
+# between ranks leaves the math unchanged.
+ELEMENTWISE = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.Adagrad,
+    torch.optim.Adadelta,
+    torch.optim.RMSprop,
+    torch.optim.Rprop,
+    torch.optim.ASGD,
+)
+# Updates that read whole tensors (or the whole model): a piece alone would step differently.
+WHOLE_TENSOR = {
+    "Adafactor": "factors each matrix's second moment by rows and columns",
+    "Muon": "orthogonalises each matrix as a whole",
+    "LBFGS": "searches along one direction over all parameters",
+    "SparseAdam": "steps sparse gradients",
+}
+# All-gathers are issued in pieces of about this size, so the transient buffer stays small.
+GATHER_BUCKET_BYTES = 25 * 1024 * 1024
+
+
+class ZeroRedundancyOptimizer(Optimizer):
+    """Wrap `optimizer_class` so each rank keeps (and steps) only 1/N of its state."""
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        optimizer_class: type[Optimizer],
+        process_group: dist.ProcessGroup | None = None,
+        parameters_as_bucket_view: bool = False,
+        overlap_with_ddp: bool = False,
+        shard_gradients: bool = False,
+        **defaults: Any,
+    ) -> None:
+        _check_arguments(optimizer_class, overlap_with_ddp)
+        self._initialized = False
+        self.process_group = _group(process_group)
+        self.world_size = dist.get_world_size(self.process_group)
+        self.rank = dist.get_rank(self.process_group)
+        self.parameters_as_bucket_view = parameters_as_bucket_view
+        """Accepted for torch's signature; the all-gather always goes through flat buffers."""
+        self.shard_gradients = shard_gradients
+        self._params: list[torch.nn.Parameter] = []
+        self._pieces: list[Piece] = []
+        self._shards: list[torch.Tensor] = []
+        self._consolidated: dict[str, Any] | None = None
+        self._checked_wrapped = False
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            self._add_shards(group["params"])
+        self.optim: Optimizer = optimizer_class(
+            [self._local_group(g) for g in self.param_groups], **defaults
+        )
+        """The local optimizer over this rank's pieces (real tensors it steps)."""
+        self._pull_hyperparameters()
+        self._plan_gathers()
+        self._initialized = True
+        if shard_gradients:
+            self._install_gradient_sharding()
+
+    # ------------------------------------------------------------------ groups
+    def _add_shards(self, params: list[torch.nn.Parameter]) -> None:
+        for p in params:
+            if not p.is_contiguous():
+                with torch.no_grad():  # a flat piece needs flat storage (e.g. channels_last)
+                    p.data = p.data.contiguous()
+            piece = piece_of(p.numel(), self.world_size, self.rank)
+            self._params.append(p)
+            self._pieces.append(piece)
+            # A view of the parameter's own storage: stepping it updates the model.
+            self._shards.append(p.detach().view(-1)[piece.start : piece.stop])
+
+    def _local_group(self, group: dict[str, Any]) -> dict[str, Any]:
+        index = {id(p): i for i, p in enumerate(self._params)}
+        local = {k: v for k, v in group.items() if k != "params"}
+        local["params"] = [self._shards[index[id(p)]] for p in group["params"]]
+        return local
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        if not getattr(self, "_initialized", False):
+            return  # the constructor builds the local optimizer once all groups are in
+        self._add_shards(self.param_groups[-1]["params"])
+        self.optim.add_param_group(self._local_group(self.param_groups[-1]))
+        self._pull_hyperparameters()
+        self._plan_gathers()
+        if self.shard_gradients:
+            self._install_gradient_sharding()
+
+    def _pull_hyperparameters(self) -> None:
+        """The class's own defaults (betas, eps, ...) become visible in `param_groups`."""
+        for mine, local in zip(self.param_groups, self.optim.param_groups):
+            for key, value in local.items():
+                if key != "params":
+                    mine.setdefault(key, value)
+
+    def _push_hyperparameters(self) -> None:
+        """What a scheduler (or the user) changed in `param_groups` reaches the local groups."""
+        for mine, local in zip(self.param_groups, self.optim.param_groups):
+            for key, value in mine.items():
+                if key != "params":
+                    local[key] = value
+
+    def _plan_gathers(self) -> None:
+        """Group the parameters by (device, dtype) into all-gathers of bounded size."""
+        self._gathers: list[tuple[ShardedFlat, list[int]]] = []
+        open_lists: dict[tuple[torch.device, torch.dtype], tuple[list[int], int]] = {}
+        for i, p in enumerate(self._params):
+            key = (p.device, p.dtype)
+            members, size = open_lists.get(key, ([], 0))
+            members.append(i)
+            size += p.numel() * p.element_size()
+            if size >= GATHER_BUCKET_BYTES:
+                self._gathers.append(self._gather_plan(members))
+                members, size = [], 0
+            open_lists[key] = (members, size)
+        for members, _ in open_lists.values():
+            if members:
+                self._gathers.append(self._gather_plan(members))
+
+    def _gather_plan(self, members: list[int]) -> tuple[ShardedFlat, list[int]]:
+        layout = ShardedFlat([self._params[i] for i in members], self.world_size, self.rank)
+        return layout, members
+
+    # -------------------------------------------------------------------- step
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Step this rank's pieces, then all-gather them so every replica is whole."""
+        self._check_wrapped()
+        self._consolidated = None
+        self._push_hyperparameters()
+        if not self.shard_gradients:
+            self._slice_gradients()
+        loss = self.optim.step(closure) if closure is not None else self.optim.step()
+        self._gather_parameters()
+        return loss
+
+    def _slice_gradients(self) -> None:
+        """Stage 1: this rank's piece of each averaged `.grad`, as a view (no copy)."""
+        for p, piece, shard in zip(self._params, self._pieces, self._shards):
+            grad = p.grad
+            if grad is not None and grad.is_sparse:
+                raise ConfigurationError(
+                    "a parameter has a sparse gradient, which ZeroRedundancyOptimizer cannot "
+                    "cut into pieces — use a dense embedding (sparse=False) or a plain optimizer"
+                )
+            shard.grad = (
+                None if grad is None else grad.detach().reshape(-1)[piece.start : piece.stop]
+            )
+
+    @torch.no_grad()
+    def _gather_parameters(self) -> None:
+        """All-gather every updated piece; the next gather is in flight while one is copied out."""
+        in_flight: list[tuple[Any, torch.Tensor, ShardedFlat, list[int]]] = []
+        for layout, members in self._gathers:
+            block = layout.own_block_input([self._shards[i] for i in members])
+            out = torch.empty(
+                layout.world_size * layout.block, dtype=block.dtype, device=block.device
+            )
+            work = all_gather_flat(out, block, self.process_group, async_op=True)
+            in_flight.append((work, out, layout, members))
+            if len(in_flight) > 1:
+                self._copy_out(*in_flight.pop(0))
+        for entry in in_flight:
+            self._copy_out(*entry)
+
+    def _copy_out(
+        self, work: Any, out: torch.Tensor, layout: ShardedFlat, members: list[int]
+    ) -> None:
+        work.wait()
+        layout.copy_out(out, [self._params[i] for i in members])
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the model's gradients and the shards' (stage 2 keeps only the latter)."""
+        super().zero_grad(set_to_none=set_to_none)
+        for shard in self._shards:
+            if shard.grad is not None:
+                if set_to_none:
+                    shard.grad = None
+                else:
+                    shard.grad.zero_()
+
+    # ---------------------------------------------------------- gradient norm
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip by the global norm of every gradient, read from the pieces (one all-reduce).
+
+        Equal to `torch.nn.utils.clip_grad_norm_` over the full averaged gradients,
+        which under stage 2 no rank holds: each rank sums its pieces' partial norms.
+        """
+        if not self.shard_gradients:
+            self._slice_gradients()
+        return zero_state.clip_pieces(self._shards, max_norm, norm_type, self.process_group)
+
+    # ------------------------------------------------------------- state dicts
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Collective: assemble the whole optimizer state, in the plain format, on rank `to`."""
+        full = zero_state.consolidate(self, to)
+        self._consolidated = full if self.rank == to else None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The plain optimizer's format, after `consolidate_state_dict(to=this rank)`."""
+        if self._consolidated is None:
+            raise PhalanxError(
+                "the optimizer state has not been consolidated on this rank — call "
+                f"consolidate_state_dict(to={self.rank}) on every rank first (it is a collective), "
+                "then state_dict() on that rank"
+            )
+        return self._consolidated
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load the plain optimizer's format (whole tensors) and keep this rank's pieces."""
+        zero_state.load_plain(self, state_dict)
+
+    # ------------------------------------------------------------------ checks
+    def _check_wrapped(self) -> None:
+        """Stage 1 steps whatever `.grad` holds: it must be the average over ranks."""
+        if self._checked_wrapped or self.world_size == 1:
+            return
+        bare = [i for i, p in enumerate(self._params) if p.requires_grad and reducer_of(p) is None]
+        if bare:
+            raise ConfigurationError(
+                f"ZeroRedundancyOptimizer: {len(bare)} parameter(s) (the first is number "
+                f"{bare[0]}) belong to no phalanx.DistributedDataParallel, so their gradients "
+                "are not averaged across ranks — wrap the model in phalanx.DistributedDataParallel "
+                "before building the optimizer"
+            )
+        self._checked_wrapped = True
+
+    def _install_gradient_sharding(self) -> None:
+        reducers = {id(r): r for p in self._params if p.requires_grad and (r := reducer_of(p))}
+        self._check_wrapped()
+        if self.world_size == 1 and not reducers:
+            return
+        if len(reducers) != 1:
+            raise ConfigurationError(
+                f"shard_gradients=True needs the optimizer's parameters wrapped by exactly one "
+                f"phalanx.DistributedDataParallel, found {len(reducers)} — wrap the whole model "
+                "once, then build the optimizer over its parameters"
+            )
+        (reducer,) = reducers.values()
+        mine = {id(p) for p in self._params}
+        outside = [name for name, p in zip(reducer.names, reducer.params) if id(p) not in mine]
+        if outside:
+            raise ConfigurationError(
+                f"shard_gradients=True: parameter '{outside[0]}' (and {len(outside) - 1} more) of "
+                "the wrapped model is not in this optimizer, so its reduced gradient would have "
+                "nowhere to go — give the optimizer every trainable parameter"
+            )
+        if not isinstance(reducer.reduction, (AllReduce, ReduceScatter)):
+            raise ConfigurationError(
+                "shard_gradients=True replaces each bucket's all-reduce by a reduce-scatter, "
+                "so it cannot be combined with a comm hook — drop register_comm_hook"
+            )
+        if reducer.gradient_as_bucket_view:
+            raise ConfigurationError(
+                "shard_gradients=True keeps no full-size gradient buckets, which "
+                "gradient_as_bucket_view=True asks for — drop gradient_as_bucket_view"
+            )
+        shards = {
+            id(p): (s, piece) for p, s, piece in zip(self._params, self._shards, self._pieces)
+        }
+        reducer.set_reduction(ReduceScatter(reducer.group, shards))
+
+
+def _group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ConfigurationError(
+            "torch.distributed is not initialised — call phalanx.init() before building "
+            "ZeroRedundancyOptimizer"
+        )
+    group = process_group if process_group is not None else dist.group.WORLD
+    assert group is not None  # initialised above
+    return group
+
+
+def _check_arguments(optimizer_class: type[Optimizer], overlap_with_ddp: bool) -> None:
+    name = getattr(optimizer_class, "__name__", str(optimizer_class))
+    if name in WHOLE_TENSOR:
+        raise ConfigurationError(
+            f"{name} cannot be sharded by elements: it {WHOLE_TENSOR[name]}, and ZeRO cuts "
+            "tensors between ranks — use an elementwise optimizer (Adam, AdamW, SGD, ...) or "
+            "plain DistributedDataParallel"
+        )
+    if not issubclass(optimizer_class, ELEMENTWISE):
+        warnings.warn(
+            f"ZeroRedundancyOptimizer assumes {name} updates each element from its own gradient "
+            "and state only (as Adam and SGD do); an update that reads whole tensors would "
+            "differ once tensors are cut between ranks",
+            UserWarning,
+            stacklevel=3,
+        )
+    if overlap_with_ddp:
+        raise ConfigurationError(
+            "overlap_with_ddp=True (torch's optimizer step inside the DDP hook) is not "
+            "supported — use shard_gradients=True, which reduce-scatters each bucket as "
+            "backward runs"
+        )
