@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx import netif
-from phalanx.errors import ConfigurationError, PhalanxError
+from phalanx.errors import ConfigurationError, RendezvousError
 from phalanx.jobenv import LaunchInfo, detect_launch, launched_by_launcher
 
 __all__ = [
@@ -46,10 +46,6 @@ DEFAULT_TIMEOUT_S = 1800.0
 # How long the exit hook lets gloo's worker threads finish dropping their last
 # collective (see `_release_at_exit`): ample for a thread that is already runnable.
 _EXIT_GRACE_S = 0.05
-
-
-class RendezvousError(PhalanxError):
-    """The ranks could not find each other (master unreachable, peers missing)."""
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import socket
 import time
 from collections.abc import Callable, Mapping
 
-from phalanx.errors import PhalanxError
+from phalanx.errors import MasterUnreachableError
 from phalanx.netif import route_interface
 
 # The variables through which users pin the interface themselves; if either is set we keep out.
@@ -20,10 +20,6 @@ _FIRST_BACKOFF_S = 0.2
 _MAX_BACKOFF_S = 5.0
 _CONNECT_TIMEOUT_S = 5.0
 _CANCEL_POLL_S = 0.1
-
-
-class MasterUnreachableError(PhalanxError):
-    """A non-master node could not connect to the master's port within --rdzv-timeout."""
 
 
 def _can_connect(host: str, port: int, timeout_s: float) -> bool:
