@@ -11,13 +11,14 @@ import contextlib
 import multiprocessing as mp
 import os
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
+
+from phalanx.ports import free_port
 
 
 @dataclass
@@ -34,12 +35,6 @@ class Outcome:
 
 class WorkersFailed(AssertionError):
     """Some rank raised, died, or the group ran past its deadline."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _worker(

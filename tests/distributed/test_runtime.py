@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from tests.harness import free_port, run_workers
+from phalanx.ports import free_port
+from tests.harness import run_workers
 
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")
 

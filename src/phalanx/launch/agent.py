@@ -29,7 +29,8 @@ from phalanx.launch.procgroup import (
     signal_group,
 )
 from phalanx.launch.rendezvous import socket_ifname_env, wait_for_master
-from phalanx.launch.workerenv import free_port, worker_argv, worker_env
+from phalanx.launch.workerenv import worker_argv, worker_env
+from phalanx.ports import free_port
 
 # Signals the launcher passes on to every worker group before it exits with 128 + signum.
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -177,10 +178,10 @@ class Agent:
 
     def _announce_start(self, restart: int, port: int) -> None:
         cfg = self.config
-        first, last = cfg.node_rank * cfg.nproc_per_node, (cfg.node_rank + 1) * cfg.nproc_per_node
+        first, last = cfg.global_rank(0), cfg.global_rank(cfg.nproc_per_node - 1)
         self.sink.message(
             f"starting {cfg.nproc_per_node} worker{'s' if cfg.nproc_per_node > 1 else ''}: "
-            f"ranks {first}..{last - 1}"
+            f"ranks {first}..{last}"
             f" of {cfg.world_size}, master {cfg.master_addr}:{port}"
             + (f", restart {restart}" if restart else "")
         )
@@ -239,7 +240,7 @@ class Agent:
         extra: Mapping[str, str],
     ) -> Worker:
         cfg = self.config
-        rank = cfg.node_rank * cfg.nproc_per_node + local_rank
+        rank = cfg.global_rank(local_rank)
         env = worker_env(
             cfg,
             local_rank=local_rank,

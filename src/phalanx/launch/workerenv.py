@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Mapping
 
 from phalanx.launch.config import LaunchConfig
@@ -12,21 +11,6 @@ from phalanx.launch.devices import cpu_count
 def omp_threads(nproc_per_node: int) -> int:
     """Cores per local worker, at least 1: N workers each using every core thrash the caches."""
     return max(1, cpu_count() // nproc_per_node)
-
-
-def free_port(avoid: int | None = None) -> int:
-    """A TCP port nobody listens on now, different from `avoid`.
-
-    Binding the wildcard address (as rank 0's TCP store will) proves the port is
-    free on every interface. A restart avoids the previous port, whose sockets
-    may still sit in TIME_WAIT.
-    """
-    while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
-            port = int(s.getsockname()[1])
-        if port != avoid:
-            return port
 
 
 def worker_env(
@@ -43,7 +27,7 @@ def worker_env(
     `extra` holds launcher-wide additions such as GLOO_SOCKET_IFNAME; the
     caller already left out anything the user set.
     """
-    rank = config.node_rank * config.nproc_per_node + local_rank
+    rank = config.global_rank(local_rank)
     env = dict(base)
     env.update(extra)
     env.update(
