@@ -28,8 +28,8 @@ from phalanx.launch.procgroup import (
     live_groups,
     signal_group,
 )
-from phalanx.launch.rendezvous import socket_ifname_env, wait_for_master
-from phalanx.launch.workerenv import worker_argv, worker_env
+from phalanx.launch.rendezvous import wait_for_master
+from phalanx.launch.workerenv import gloo_ifname_env, worker_argv, worker_env
 from phalanx.ports import free_port
 
 # Signals the launcher passes on to every worker group before it exits with 128 + signum.
@@ -139,7 +139,7 @@ class Agent:
     def run(self) -> int:
         """Exit status of the job: 0, the failed worker's, or 128 + signum when interrupted."""
         with self._forward_signals():
-            extra = self._multinode_env() if self.config.is_multinode else {}
+            extra = gloo_ifname_env(self.config, self.environ, self.sink.message)
             port = self.config.master_port
             for restart in range(self.config.max_restarts + 1):
                 if self.config.picks_free_port:
@@ -262,9 +262,6 @@ class Agent:
         header = f"===== phalanx: restart {restart} =====" if restart else None
         output = RankOutput(rank, process.stdout, process.stderr, self.sink, log_path, header)
         return Worker(rank, local_rank, process, output)
-
-    def _multinode_env(self) -> dict[str, str]:
-        return socket_ifname_env(self.config.master_addr, self.environ, self.sink.message)
 
     @contextmanager
     def _forward_signals(self) -> Iterator[None]:

@@ -70,10 +70,6 @@ class LaunchConfig:
         return global_rank(self.node_rank, self.nproc_per_node, local_rank)
 
     @property
-    def is_multinode(self) -> bool:
-        return self.nnodes > 1
-
-    @property
     def picks_free_port(self) -> bool:
         """A single-node run without a port picks one itself, so restarts can pick anew."""
         return self.master_port == 0

@@ -2,15 +2,32 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from phalanx.launch.config import LaunchConfig
 from phalanx.launch.devices import cpu_count
+from phalanx.netif import choose_gloo_ifname
 
 
 def omp_threads(nproc_per_node: int) -> int:
     """Cores per local worker, at least 1: N workers each using every core thrash the caches."""
     return max(1, cpu_count() // nproc_per_node)
+
+
+def gloo_ifname_env(
+    config: LaunchConfig, environ: Mapping[str, str], announce: Callable[[str], None]
+) -> dict[str, str]:
+    """GLOO_SOCKET_IFNAME for every worker, when `netif`'s policy picks one.
+
+    Decided here too, not only in the workers' `phalanx.init()`, so that scripts
+    using torch.distributed directly get it, and the launcher's output says it.
+    """
+    choice = choose_gloo_ifname(
+        config.master_addr, config.world_size, config.nproc_per_node, environ
+    )
+    if choice.note is not None:
+        announce(choice.note)
+    return {} if choice.name is None else {"GLOO_SOCKET_IFNAME": choice.name}
 
 
 def worker_env(

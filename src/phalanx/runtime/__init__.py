@@ -68,37 +68,22 @@ def parse_timeout(timeout: float | timedelta) -> timedelta:
 
 
 def _pin_gloo_interface(backend: str, info: LaunchInfo) -> None:
-    """Point gloo at the interface that routes to the master when the job spans hosts.
+    """Export GLOO_SOCKET_IFNAME when `netif`'s policy (the launcher's too) picks one.
 
-    Gloo otherwise advertises the address the hostname resolves to, which on
-    many hosts is 127.0.0.1: peers on other hosts then dial their own loopback
-    and fail with "Connection refused". A user-set value always wins.
+    Done here as well as in `phalanx launch` for the launchers that do not
+    (torchrun, srun, mpirun); under `phalanx launch` the launcher's choice is
+    already in the environment and is kept.
     """
     if "gloo" not in backend_names(backend) or info.master_addr is None:
         return
-    if "GLOO_SOCKET_IFNAME" in os.environ:
-        return
-    spans_hosts = info.world_size > info.local_world_size
-    if not spans_hosts and netif.is_loopback(info.master_addr):
-        return
-    name = netif.route_interface(info.master_addr)
-    if name is None:
-        if spans_hosts:
-            logger.warning(
-                "rank %d: no network interface routes to MASTER_ADDR=%s although the job spans "
-                "hosts; if peers fail to connect, export GLOO_SOCKET_IFNAME=<interface>",
-                info.rank,
-                info.master_addr,
-            )
-        return
-    os.environ["GLOO_SOCKET_IFNAME"] = name
-    logger.info(
-        "rank %d: GLOO_SOCKET_IFNAME=%s (the interface that routes to MASTER_ADDR=%s); "
-        "export GLOO_SOCKET_IFNAME to choose another",
-        info.rank,
-        name,
-        info.master_addr,
+    choice = netif.choose_gloo_ifname(
+        info.master_addr, info.world_size, info.local_world_size, os.environ
     )
+    if choice.name is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = choice.name
+    if choice.note is not None:
+        level = logging.WARNING if choice.warning else logging.INFO
+        logger.log(level, "rank %d: %s", info.rank, choice.note)
 
 
 def _join_group(backend: str, info: LaunchInfo, device: torch.device, wait: timedelta) -> None:
@@ -143,8 +128,7 @@ def init(backend: str | None = None, timeout: float | timedelta = DEFAULT_TIMEOU
     chosen = resolve_backend(backend)
     device = select_device(chosen, info.local_rank)
     claim_device(device)
-    if info.world_size > 1:
-        _pin_gloo_interface(chosen, info)
+    _pin_gloo_interface(chosen, info)
     _join_group(chosen, info, device, wait)
     register_exit_hook()
     world = describe_default_group(info)
