@@ -30,7 +30,6 @@ import os
 import platform
 import queue
 import random
-import socket
 import statistics
 import sys
 import time
@@ -46,6 +45,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+from phalanx.ports import free_port
 
 VARIANTS = ("compute", "torch_ddp", "phalanx")
 WORLD_SIZE = 2
@@ -216,12 +217,6 @@ def worker(rank: int, port: int, cfg: BenchConfig, results: Any) -> None:
 
 
 # ---------------------------------------------------------------- parent side
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def launch(cfg: BenchConfig, timeout: float) -> tuple[dict[str, Any], dict[str, list[Any]]]:

@@ -157,15 +157,15 @@ def main() -> None:
     )
     result = trainer.train(resume_from_checkpoint=opts.resume)
     metrics = trainer.evaluate()
-    if trainer.ranks.is_main:
+    if trainer.world.is_main:
         print(
-            f"world size {trainer.ranks.world_size}, step {result.global_step}, "
+            f"world size {trainer.world.world_size}, step {result.global_step}, "
             f"train loss {result.train_loss:.4f}, eval loss {metrics['eval_loss']:.4f}, "
             f"{result.samples_per_second * BLOCK:.0f} tokens/s"
         )
         if opts.sample > 0:
             model.eval()
-            prompt = ids[split : split + 16].unsqueeze(0).to(trainer.ranks.device)
+            prompt = ids[split : split + 16].unsqueeze(0).to(trainer.world.device)
             sample = trainer.model.generate(prompt, opts.sample)[0].tolist()  # type: ignore[operator]
             print("sample:\n" + decode(sample))
         report_where_written(Path(args.output_dir), args.report_to)

@@ -98,9 +98,9 @@ def main() -> None:
     )
     result = trainer.train(resume_from_checkpoint=resume)
     metrics = trainer.evaluate()
-    if trainer.ranks.is_main:
+    if trainer.world.is_main:
         print(
-            f"world size {trainer.ranks.world_size}, step {result.global_step}, "
+            f"world size {trainer.world.world_size}, step {result.global_step}, "
             f"train loss {result.train_loss:.4f}, {result.samples_per_second:.0f} samples/s"
         )
         print(

@@ -11,7 +11,6 @@ import contextlib
 import multiprocessing as mp
 import os
 import queue
-import socket
 import sys
 import time
 import traceback
@@ -19,6 +18,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
+
+from phalanx.ports import free_port
 
 
 @dataclass
@@ -35,12 +36,6 @@ class Outcome:
 
 class WorkersFailed(AssertionError):
     """Some rank raised, died, or the group ran past its deadline."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _worker(

@@ -1,9 +1,22 @@
 """One family of errors, so a user can catch everything phalanx raises on purpose.
 
+Every error class lives here, below every layer: the launcher (which imports
+no torch) raises some, and `World.barrier_or_raise` re-raises any of them by
+name on the ranks that did not fail themselves, without importing train/.
 Messages follow "what is wrong — what to do".
 """
 
 from __future__ import annotations
+
+__all__ = [
+    "CheckpointError",
+    "ConfigurationError",
+    "MasterUnreachableError",
+    "PhalanxError",
+    "ReducerError",
+    "RendezvousError",
+    "UsageError",
+]
 
 
 class PhalanxError(RuntimeError):
@@ -14,5 +27,21 @@ class ConfigurationError(PhalanxError, ValueError):
     """A value the user passed (argument, environment variable) cannot work."""
 
 
+class UsageError(ConfigurationError):
+    """`phalanx launch`'s command line is malformed: argparse's complaint, said in one line."""
+
+
 class ReducerError(PhalanxError):
     """The gradient reducer saw a state that would give wrong gradients or a hang."""
+
+
+class RendezvousError(PhalanxError):
+    """The ranks could not find each other (master unreachable, peers missing)."""
+
+
+class MasterUnreachableError(PhalanxError):
+    """A non-master node could not connect to the master's port within --rdzv-timeout."""
+
+
+class CheckpointError(PhalanxError):
+    """A checkpoint is missing, torn or corrupt, or cannot be written."""

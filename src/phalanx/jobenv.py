@@ -25,6 +25,7 @@ __all__ = [
     "detect_launch",
     "expand_nodelist",
     "expand_tasks_per_node",
+    "global_rank",
     "launched_by_launcher",
 ]
 
@@ -62,6 +63,15 @@ class LaunchInfo:
     master_port: int | None
     agent_store: bool = False
     """torchrun's agent already serves the store on MASTER_PORT: rank 0 joins, not hosts."""
+
+
+def global_rank(node_rank: int, local_world_size: int, local_rank: int) -> int:
+    """Block placement: node n runs ranks n * local_world_size up to the next node's first.
+
+    `phalanx launch` places ranks this way, as torchrun and srun's default do;
+    `_placed` inverts it for launchers that do not name a rank's node or local rank.
+    """
+    return node_rank * local_world_size + local_rank
 
 
 def _placed(

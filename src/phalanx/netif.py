@@ -5,7 +5,9 @@ itself it takes the address the hostname resolves to, which on many hosts
 (Debian's `127.0.1.1 myhost`, containers with `127.0.0.1 myhost`) is loopback:
 the peers on other machines then dial their own loopback and a 2-host job dies
 with "Connection refused". Pointing `GLOO_SOCKET_IFNAME` at the interface that
-routes to the master fixes that, and this module finds that interface.
+routes to the master fixes that: this module finds that interface, and holds
+the one policy (`choose_gloo_ifname`) that both the launcher and every worker's
+`phalanx.init()` follow, so they never decide differently for the same job.
 
 No torch import here: the launcher uses it and must start fast without torch.
 """
@@ -17,9 +19,14 @@ import fcntl
 import ipaddress
 import socket
 import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
+    "USER_IFNAME_VARS",
+    "GlooIfname",
+    "choose_gloo_ifname",
     "interface_for_address",
     "ipv4_address",
     "is_loopback",
@@ -33,6 +40,10 @@ _SIOCGIFADDR = 0x8915
 _PROBE_PORT = 9
 _PROC_ROUTE = Path("/proc/net/route")
 _PROC_IF_INET6 = Path("/proc/net/if_inet6")
+# The variables through which users pin the interface themselves; if either is set we keep
+# out. NCCL_SOCKET_IFNAME counts too: its value can be a prefix or "^exclusion" that gloo
+# does not understand, so we cannot copy it, but it says the user manages the network.
+USER_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -152,3 +163,50 @@ def route_interface(host: str) -> str | None:
         target = next((a for a in _resolve(host) if a.version == 4), None)
         name = _route_table_interface(str(target)) if target is not None else None
     return None if name == "lo" else name
+
+
+@dataclass(frozen=True)
+class GlooIfname:
+    """What to do about GLOO_SOCKET_IFNAME for one job, and the line that says why."""
+
+    name: str | None
+    """The interface to export; None leaves the environment as it is."""
+    note: str | None
+    """One line for the log; None when there is nothing worth saying."""
+    warning: bool = False
+    """`note` warns: peers on other hosts may be unable to reach this one."""
+
+
+def choose_gloo_ifname(
+    master_addr: str, world_size: int, local_world_size: int, environ: Mapping[str, str]
+) -> GlooIfname:
+    """The GLOO_SOCKET_IFNAME policy of the launcher and of every worker alike.
+
+    Nothing to choose for a world of one, or when every rank is on this host
+    and the master is loopback (loopback is then right). Otherwise a user's
+    non-empty GLOO_SOCKET_IFNAME or NCCL_SOCKET_IFNAME wins (gloo reads an
+    empty value as unset, so that is no choice); else the interface that
+    routes to the master. When none does, a job that spans hosts is warned.
+    """
+    spans_hosts = world_size > local_world_size
+    if world_size <= 1 or (not spans_hosts and is_loopback(master_addr)):
+        return GlooIfname(None, None)
+    chosen = [f"{var}={environ[var]}" for var in USER_IFNAME_VARS if environ.get(var)]
+    if chosen:
+        return GlooIfname(None, f"using the interface set in the environment ({', '.join(chosen)})")
+    name = route_interface(master_addr)
+    if name is not None:
+        return GlooIfname(
+            name,
+            f"GLOO_SOCKET_IFNAME={name} (the interface that routes to MASTER_ADDR={master_addr}); "
+            "export GLOO_SOCKET_IFNAME to choose another",
+        )
+    if not spans_hosts:  # one host: gloo's own choice reaches every peer
+        return GlooIfname(None, None)
+    return GlooIfname(
+        None,
+        f"no non-loopback interface routes to MASTER_ADDR={master_addr} although the job spans "
+        "hosts; leaving GLOO_SOCKET_IFNAME unset — if peers fail to connect, export "
+        "GLOO_SOCKET_IFNAME=<interface>",
+        warning=True,
+    )

@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from tests.harness import free_port, run_workers
+from phalanx.ports import free_port
+from tests.harness import run_workers
 
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")
 
@@ -31,6 +32,9 @@ def _exercise_init(rank: int, world_size: int) -> dict[str, Any]:
     dist.all_reduce(total, group=world.process_group)
     again = runtime.init(timeout=30)
     fields = {
+        "gathered": world.all_gather_object(rank),
+        "broadcast": world.broadcast_object(f"from rank {rank}"),
+        "summed": world.all_reduce_sum([1.0, float(rank)]),
         "rank": world.rank,
         "local_rank": world.local_rank,
         "world_size": world.world_size,
@@ -144,6 +148,10 @@ def _check_common(out: list[Any], world_size: int, launcher: str) -> None:
         assert (v["device"], v["backend"]) == ("cpu", "gloo")
         assert v["is_main"] == (rank == 0)
         assert v["is_distributed"] == (world_size > 1)
+        # World's own collectives, on a one-rank group as on many.
+        assert v["gathered"] == list(range(world_size))
+        assert v["broadcast"] == "from rank 0"
+        assert v["summed"] == [float(world_size), world_size * (world_size - 1) / 2]
 
 
 @pytest.mark.timeout(120)
@@ -228,6 +236,30 @@ def test_master_alone_fails_naming_the_missing_ranks() -> None:
     message = out.value
     assert f"127.0.0.1:{port}" in message
     assert "rank 0 waited" in message and "other 1 ranks" in message
+
+
+def _barrier_with_rank_1_failing(rank: int, world_size: int) -> list[tuple[str, str]]:
+    """Rank 1 brings each kind of error in turn; what does every rank raise?"""
+    from phalanx import runtime
+    from phalanx.errors import CheckpointError, PhalanxError, RendezvousError
+
+    world = runtime.init(timeout=30)
+    world.barrier_or_raise(None)  # nobody failed: a plain barrier
+    raised = []
+    for kind in (CheckpointError, RendezvousError, PhalanxError):
+        try:
+            world.barrier_or_raise(kind("disk full — free some") if rank == 1 else None)
+        except PhalanxError as exc:
+            raised.append((type(exc).__name__, str(exc)))
+    return raised
+
+
+@pytest.mark.timeout(120)
+def test_barrier_or_raise_raises_one_ranks_error_on_every_rank() -> None:
+    out = run_workers(_barrier_with_rank_1_failing, 2, init_pg=False, timeout=90)
+    kinds = ["CheckpointError", "RendezvousError", "PhalanxError"]
+    assert out[1].value == [(kind, "disk full — free some") for kind in kinds]
+    assert out[0].value == [(kind, "rank 1: disk full — free some") for kind in kinds]
 
 
 @pytest.mark.timeout(120)

@@ -3,7 +3,7 @@
 The harness exports torchrun's variables and builds no group (`init_pg=False`),
 so each Trainer joins the job itself through `phalanx.init`, as under a
 launcher. Reference runs happen in the test process, where no launcher
-variables are set: the Trainer then trains plainly, with no process group.
+variables are set: the Trainer then trains in a one-rank group, without DDP.
 """
 
 from __future__ import annotations
@@ -172,6 +172,40 @@ def test_evaluate_counts_every_sample_exactly_once(world: int, tmp_path: Path) -
             assert metrics["eval_loss"] == pytest.approx(expected_loss, rel=1e-5)
             assert metrics["eval_prediction_sum"] == pytest.approx(float(predictions.sum()), 1e-5)
         assert all(out.value[n] == outs[0].value[n] for out in outs)  # every rank agrees
+
+
+def test_a_plain_process_trainer_owns_its_one_rank_group(tmp_path: Path) -> None:
+    import torch.distributed as dist
+
+    model, data = _mlp_and_data()
+    trainer = Trainer(model=model, args=_args(str(tmp_path)), train_dataset=data, loss_fn=_xent)
+    assert dist.is_initialized() and trainer.world.process_group is dist.group.WORLD
+    assert (trainer.world.rank, trainer.world.world_size) == (0, 1)
+    assert trainer.wrapped_model is trainer.model  # one rank: nothing to all-reduce
+    trainer.close()
+    assert not dist.is_initialized()
+
+
+def test_a_trainer_keeps_a_group_it_did_not_create(tmp_path: Path) -> None:
+    import torch.distributed as dist
+
+    import phalanx
+
+    world = phalanx.init(backend="gloo")
+    model, data = _mlp_and_data()
+    trainer = Trainer(model=model, args=_args(str(tmp_path)), train_dataset=data, loss_fn=_xent)
+    assert trainer.world == world
+    trainer.close()
+    assert dist.is_initialized()
+
+
+def test_a_trainer_that_cannot_be_made_lets_go_of_its_group() -> None:
+    import torch.distributed as dist
+
+    frozen = nn.Linear(2, 2).requires_grad_(False)
+    with pytest.raises(ConfigurationError, match="no trainable parameter"):
+        Trainer(model=frozen, args=_args("unused"))
+    assert not dist.is_initialized()
 
 
 def _try_backends(rank: int, world: int, backends: list[str]) -> list[str]:

@@ -5,7 +5,7 @@ killed mid-run and resumed with `resume_from_checkpoint=True` ends with the
 very same parameters (bit for bit) as the job that was never interrupted.
 Run A goes under torchrun, run B under `phalanx launch`, so both launchers
 are covered. The remaining tests exercise checkpoint files directly in one
-plain process (no launcher, no process group), which is fast.
+plain process (no launcher: a one-rank group, no DDP), which is fast.
 """
 
 from __future__ import annotations

@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from phalanx.errors import ConfigurationError, PhalanxError
-from phalanx.jobenv import LaunchInfo, detect_launch, expand_nodelist, expand_tasks_per_node
+from phalanx.jobenv import (
+    LaunchInfo,
+    detect_launch,
+    expand_nodelist,
+    expand_tasks_per_node,
+    global_rank,
+)
 from phalanx.runtime import launched_by_launcher, parse_timeout, resolve_backend
 
 TORCHRUN = {
@@ -59,6 +65,14 @@ def test_torchrun_env_is_read_field_by_field() -> None:
 def test_torchrun_env_without_group_rank_derives_the_node() -> None:
     env = {k: v for k, v in TORCHRUN.items() if k != "GROUP_RANK"}
     assert detect_launch(env).node_rank == 5 // 4
+
+
+def test_block_placement_derives_what_the_launcher_numbers() -> None:
+    """Node and local rank derived from RANK alone give back RANK: one convention both ways."""
+    for rank in range(8):
+        env = {k: v for k, v in TORCHRUN.items() if k not in ("GROUP_RANK", "LOCAL_RANK")}
+        info = detect_launch({**env, "RANK": str(rank)})
+        assert global_rank(info.node_rank, info.local_world_size, info.local_rank) == rank
 
 
 def test_torchrun_agent_store_is_joined_not_hosted() -> None:

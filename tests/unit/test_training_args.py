@@ -1,7 +1,7 @@
 """TrainingArguments: every field's validation, and loading from the CLI, JSON and YAML.
 
 Also the checks that need the model or the device (fp16 on CPU, gradient
-checkpointing), made by a Trainer in one plain process: no process group.
+checkpointing), made by a Trainer in one plain process: a one-rank group, no DDP.
 """
 
 from __future__ import annotations

@@ -28,8 +28,9 @@ from phalanx.launch.procgroup import (
     live_groups,
     signal_group,
 )
-from phalanx.launch.rendezvous import socket_ifname_env, wait_for_master
-from phalanx.launch.workerenv import free_port, worker_argv, worker_env
+from phalanx.launch.rendezvous import wait_for_master
+from phalanx.launch.workerenv import gloo_ifname_env, worker_argv, worker_env
+from phalanx.ports import free_port
 
 # Signals the launcher passes on to every worker group before it exits with 128 + signum.
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -138,7 +139,7 @@ class Agent:
     def run(self) -> int:
         """Exit status of the job: 0, the failed worker's, or 128 + signum when interrupted."""
         with self._forward_signals():
-            extra = self._multinode_env() if self.config.is_multinode else {}
+            extra = gloo_ifname_env(self.config, self.environ, self.sink.message)
             port = self.config.master_port
             for restart in range(self.config.max_restarts + 1):
                 if self.config.picks_free_port:
@@ -177,10 +178,10 @@ class Agent:
 
     def _announce_start(self, restart: int, port: int) -> None:
         cfg = self.config
-        first, last = cfg.node_rank * cfg.nproc_per_node, (cfg.node_rank + 1) * cfg.nproc_per_node
+        first, last = cfg.global_rank(0), cfg.global_rank(cfg.nproc_per_node - 1)
         self.sink.message(
             f"starting {cfg.nproc_per_node} worker{'s' if cfg.nproc_per_node > 1 else ''}: "
-            f"ranks {first}..{last - 1}"
+            f"ranks {first}..{last}"
             f" of {cfg.world_size}, master {cfg.master_addr}:{port}"
             + (f", restart {restart}" if restart else "")
         )
@@ -239,7 +240,7 @@ class Agent:
         extra: Mapping[str, str],
     ) -> Worker:
         cfg = self.config
-        rank = cfg.node_rank * cfg.nproc_per_node + local_rank
+        rank = cfg.global_rank(local_rank)
         env = worker_env(
             cfg,
             local_rank=local_rank,
@@ -261,9 +262,6 @@ class Agent:
         header = f"===== phalanx: restart {restart} =====" if restart else None
         output = RankOutput(rank, process.stdout, process.stderr, self.sink, log_path, header)
         return Worker(rank, local_rank, process, output)
-
-    def _multinode_env(self) -> dict[str, str]:
-        return socket_ifname_env(self.config.master_addr, self.environ, self.sink.message)
 
     @contextmanager
     def _forward_signals(self) -> Iterator[None]:

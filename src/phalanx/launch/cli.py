@@ -15,7 +15,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, NoReturn
 
-from phalanx.errors import ConfigurationError, PhalanxError
+from phalanx.errors import ConfigurationError, PhalanxError, UsageError
 from phalanx.launch.agent import Agent
 from phalanx.launch.config import (
     DEFAULT_MULTINODE_PORT,
@@ -33,10 +33,6 @@ commands:
   launch    start one worker process per device: phalanx launch --nproc-per-node 4 train.py
 
 run 'phalanx launch --help' for its flags"""
-
-
-class UsageError(Exception):
-    """argparse's complaint, raised instead of printed so main() can say it in one line."""
 
 
 class _Parser(argparse.ArgumentParser):

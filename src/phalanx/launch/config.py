@@ -10,6 +10,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from phalanx.errors import ConfigurationError
+from phalanx.jobenv import global_rank
 from phalanx.launch.devices import cpu_count, gpu_count
 
 # torchrun's default for multi-node runs, so firewall rules written for it keep working.
@@ -64,9 +65,9 @@ class LaunchConfig:
     def world_size(self) -> int:
         return self.nnodes * self.nproc_per_node
 
-    @property
-    def is_multinode(self) -> bool:
-        return self.nnodes > 1
+    def global_rank(self, local_rank: int) -> int:
+        """The rank of this node's worker `local_rank` in the whole job."""
+        return global_rank(self.node_rank, self.nproc_per_node, local_rank)
 
     @property
     def picks_free_port(self) -> bool:

@@ -1,29 +1,23 @@
-"""The two things a multi-node launch checks before it spawns: the master is reachable, and
-gloo will advertise an address the other nodes can reach.
+"""What a non-master node checks before it spawns: that the master is reachable.
 
 There is no launcher-side store: rank 0's `init_process_group` opens the TCP
-store at MASTER_ADDR:MASTER_PORT and every other rank connects to it.
+store at MASTER_ADDR:MASTER_PORT and every other rank connects to it. Which
+interface gloo advertises is decided in `phalanx.netif`, for launcher and
+workers alike.
 """
 
 from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
-from phalanx.errors import PhalanxError
-from phalanx.netif import route_interface
+from phalanx.errors import MasterUnreachableError
 
-# The variables through which users pin the interface themselves; if either is set we keep out.
-USER_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 _FIRST_BACKOFF_S = 0.2
 _MAX_BACKOFF_S = 5.0
 _CONNECT_TIMEOUT_S = 5.0
 _CANCEL_POLL_S = 0.1
-
-
-class MasterUnreachableError(PhalanxError):
-    """A non-master node could not connect to the master's port within --rdzv-timeout."""
 
 
 def _can_connect(host: str, port: int, timeout_s: float) -> bool:
@@ -74,30 +68,3 @@ def _sleep_unless(cancelled: Callable[[], bool], seconds: float) -> None:
     end = time.monotonic() + seconds
     while not cancelled() and (left := end - time.monotonic()) > 0:
         time.sleep(min(left, _CANCEL_POLL_S))
-
-
-def socket_ifname_env(
-    master_addr: str,
-    environ: Mapping[str, str],
-    announce: Callable[[str], None],
-) -> dict[str, str]:
-    """GLOO_SOCKET_IFNAME for a multi-node run, unless the user chose an interface already.
-
-    Gloo advertises the address the hostname resolves to, which on many hosts
-    and containers is 127.0.0.1; peers on other machines then dial their own
-    loopback and fail with "Connection refused". The interface that routes to
-    the master is one every node can reach this node through.
-    """
-    chosen = [name for name in USER_IFNAME_VARS if environ.get(name)]
-    if chosen:
-        announce(f"using the interface set by the user ({', '.join(chosen)})")
-        return {}
-    ifname = route_interface(master_addr)
-    if ifname is None:
-        announce(
-            f"no non-loopback interface routes to {master_addr}; leaving GLOO_SOCKET_IFNAME "
-            "unset — set it if other nodes cannot reach this one"
-        )
-        return {}
-    announce(f"GLOO_SOCKET_IFNAME={ifname} (the interface that routes to {master_addr})")
-    return {"GLOO_SOCKET_IFNAME": ifname}

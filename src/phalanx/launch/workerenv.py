@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from phalanx.launch.config import LaunchConfig
 from phalanx.launch.devices import cpu_count
+from phalanx.netif import choose_gloo_ifname
 
 
 def omp_threads(nproc_per_node: int) -> int:
@@ -14,19 +14,20 @@ def omp_threads(nproc_per_node: int) -> int:
     return max(1, cpu_count() // nproc_per_node)
 
 
-def free_port(avoid: int | None = None) -> int:
-    """A TCP port nobody listens on now, different from `avoid`.
+def gloo_ifname_env(
+    config: LaunchConfig, environ: Mapping[str, str], announce: Callable[[str], None]
+) -> dict[str, str]:
+    """GLOO_SOCKET_IFNAME for every worker, when `netif`'s policy picks one.
 
-    Binding the wildcard address (as rank 0's TCP store will) proves the port is
-    free on every interface. A restart avoids the previous port, whose sockets
-    may still sit in TIME_WAIT.
+    Decided here too, not only in the workers' `phalanx.init()`, so that scripts
+    using torch.distributed directly get it, and the launcher's output says it.
     """
-    while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
-            port = int(s.getsockname()[1])
-        if port != avoid:
-            return port
+    choice = choose_gloo_ifname(
+        config.master_addr, config.world_size, config.nproc_per_node, environ
+    )
+    if choice.note is not None:
+        announce(choice.note)
+    return {} if choice.name is None else {"GLOO_SOCKET_IFNAME": choice.name}
 
 
 def worker_env(
@@ -43,7 +44,7 @@ def worker_env(
     `extra` holds launcher-wide additions such as GLOO_SOCKET_IFNAME; the
     caller already left out anything the user set.
     """
-    rank = config.node_rank * config.nproc_per_node + local_rank
+    rank = config.global_rank(local_rank)
     env = dict(base)
     env.update(extra)
     env.update(

@@ -9,8 +9,8 @@ Runs on one process under plain `python`, and data-parallel under
 
 from __future__ import annotations
 
+from phalanx.errors import CheckpointError
 from phalanx.train.args import TrainingArguments
-from phalanx.train.checkpoint import CheckpointError
 from phalanx.train.evaluation import EvalPrediction
 from phalanx.train.resume import CheckpointFallbackWarning
 from phalanx.train.trainer import Trainer, TrainOutput

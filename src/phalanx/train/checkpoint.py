@@ -24,7 +24,7 @@ from typing import IO, Any
 
 import torch
 
-from phalanx.errors import PhalanxError
+from phalanx.errors import CheckpointError
 
 PREFIX = "checkpoint-"
 TMP_SUFFIX = ".tmp"
@@ -32,10 +32,6 @@ MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 _NAME = re.compile(rf"{PREFIX}(\d+)")
 _READ_CHUNK = 1 << 20
-
-
-class CheckpointError(PhalanxError):
-    """A checkpoint is missing, torn or corrupt, or cannot be written."""
 
 
 class _HashingWriter:

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from phalanx.data.sampler import DistributedSampler
 from phalanx.errors import ConfigurationError
+from phalanx.runtime import World
 from phalanx.train.batches import (
     LossFn,
     batch_size,
@@ -31,7 +32,6 @@ from phalanx.train.batches import (
     takes_keyword_batch,
     to_device,
 )
-from phalanx.train.ranks import Ranks
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ ComputeMetrics = Callable[[EvalPrediction], Mapping[str, float]]
 class EvalSetup:
     """What evaluation borrows from the Trainer."""
 
-    ranks: Ranks
+    world: World
     batch_size: int
     num_workers: int
     collate_fn: Callable[[list[Any]], Any] | None
@@ -63,11 +63,11 @@ class EvalSetup:
 
 
 def _loader(dataset: Dataset[Any], setup: EvalSetup) -> DataLoader[Any]:
-    ranks = setup.ranks
+    world = setup.world
     sampler = DistributedSampler(
         dataset,
-        num_replicas=ranks.world_size,
-        rank=ranks.rank,
+        num_replicas=world.world_size,
+        rank=world.rank,
         shuffle=False,
         pad=False,
     )
@@ -92,7 +92,7 @@ def _scores(
     labels: list[Tensor] = []
     keyword: bool | None = None
     for raw in _loader(dataset, setup):
-        batch = to_device(raw, setup.ranks.device)
+        batch = to_device(raw, setup.world.device)
         keyword = takes_keyword_batch(model, batch) if keyword is None else keyword
         with setup.autocast():
             outputs = call_model(model, batch, keyword)
@@ -130,12 +130,12 @@ def _in_dataset_order(per_rank: list[Tensor | None], total: int, world: int) -> 
     return out
 
 
-def _gather(parts: list[Tensor], ranks: Ranks, total: int) -> Tensor | None:
+def _gather(parts: list[Tensor], world: World, total: int) -> Tensor | None:
     local = torch.cat(parts) if parts else None
-    everyone = ranks.all_gather_object(local)
+    everyone = world.all_gather_object(local)
     if all(t is None for t in everyone):
         return None
-    return _in_dataset_order(everyone, total, ranks.world_size)
+    return _in_dataset_order(everyone, total, world.world_size)
 
 
 def evaluate_model(
@@ -153,7 +153,7 @@ def evaluate_model(
     finally:
         model.train(was_training)
     loss_sum, seen, with_loss, predictions, labels = scores
-    total_loss, total_seen, total_with_loss = setup.ranks.all_reduce_sum(
+    total_loss, total_seen, total_with_loss = setup.world.all_reduce_sum(
         [loss_sum, seen, with_loss]
     )
     metrics = {"eval_samples": float(total_seen)}
@@ -161,9 +161,9 @@ def evaluate_model(
         metrics["eval_loss"] = total_loss / total_with_loss
     if compute_metrics is not None:
         total = len(dataset) if isinstance(dataset, Sized) else int(total_seen)
-        gathered = _gather(predictions, setup.ranks, total)
+        gathered = _gather(predictions, setup.world, total)
         if gathered is not None:
-            label_ids = _gather(labels, setup.ranks, total)
+            label_ids = _gather(labels, setup.world, total)
             result = compute_metrics(EvalPrediction(gathered, label_ids))
             for name, value in result.items():
                 key = name if name.startswith("eval_") else f"eval_{name}"

@@ -14,8 +14,8 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from phalanx.runtime import World
 from phalanx.train.args import TrainingArguments
-from phalanx.train.ranks import Ranks
 
 
 class Progress:
@@ -73,7 +73,7 @@ class StepWindow:
             norm = grad_norm.detach().float()
             self.grad_norm_sum = norm if self.grad_norm_sum is None else self.grad_norm_sum + norm
 
-    def reduce(self, ranks: Ranks, comm_wait_now: float) -> dict[str, float]:
+    def reduce(self, world: World, comm_wait_now: float) -> dict[str, float]:
         """Averages over steps and ranks; every rank must call it at the same step."""
         local = [
             _value(self.loss_sum),
@@ -83,19 +83,19 @@ class StepWindow:
             comm_wait_now - self.comm_wait_start,
             time.perf_counter() - self.started,
         ]
-        loss, last, norm, samples, comm, elapsed = ranks.all_reduce_sum(local)
-        world, steps = ranks.world_size, max(1, self.steps)
-        wall = elapsed / world  # every rank ran the same steps: average their clocks
+        loss, last, norm, samples, comm, elapsed = world.all_reduce_sum(local)
+        ranks, steps = world.world_size, max(1, self.steps)
+        wall = elapsed / ranks  # every rank ran the same steps: average their clocks
         out = {
-            "loss": loss / (steps * world),
-            "last_loss": last / world,
+            "loss": loss / (steps * ranks),
+            "last_loss": last / ranks,
             "samples_per_second": samples / wall if wall > 0 else 0.0,
             "step_time_s": wall / steps,
-            "comm_wait_s": comm / (steps * world),
+            "comm_wait_s": comm / (steps * ranks),
             "window_s": wall,
         }
         if self.grad_norm_sum is not None:
-            out["grad_norm"] = norm / (steps * world)
+            out["grad_norm"] = norm / (steps * ranks)
         if self.steps == 0:
             out = {"samples_per_second": 0.0, "window_s": wall}
         return out

@@ -25,17 +25,16 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from phalanx.data.sampler import DistributedSampler
-from phalanx.errors import ConfigurationError, PhalanxError
+from phalanx.errors import CheckpointError, ConfigurationError, PhalanxError
+from phalanx.runtime import World
 from phalanx.train.args import TrainingArguments
 from phalanx.train.checkpoint import (
-    CheckpointError,
     find_latest_valid,
     load_file,
     rotate_checkpoints,
     verify_checkpoint,
     write_checkpoint,
 )
-from phalanx.train.ranks import Ranks
 from phalanx.train.rng import capture_rng_state
 
 STATE_FILE = "trainer_state.pt"
@@ -103,13 +102,13 @@ def _contents(
     return contents
 
 
-def save(parts: Stateful, state: TrainState, args: TrainingArguments, ranks: Ranks) -> Path:
+def save(parts: Stateful, state: TrainState, args: TrainingArguments, world: World) -> Path:
     """Every rank calls this; rank 0 writes, then all meet (and fail together)."""
-    rng_states = ranks.all_gather_object(capture_rng_state())
+    rng_states = world.all_gather_object(capture_rng_state())
     output_dir = Path(args.output_dir)
     path = output_dir / f"checkpoint-{state.global_step}"
     error: PhalanxError | None = None
-    if ranks.is_main:
+    if world.is_main:
         try:
             write_checkpoint(
                 output_dir, state.global_step, _contents(parts, state, args, rng_states)
@@ -121,7 +120,7 @@ def save(parts: Stateful, state: TrainState, args: TrainingArguments, ranks: Ran
                 f"permissions of output_dir={args.output_dir}, and that every state is "
                 "made of tensors and plain values"
             )
-    ranks.agree(error)
+    world.barrier_or_raise(error)
     return path
 
 
@@ -146,7 +145,7 @@ def _choose_locally(resume: bool | str | Path, output_dir: Path) -> Path | None:
     return path
 
 
-def choose(resume: bool | str | Path, output_dir: Path, ranks: Ranks) -> Path | None:
+def choose(resume: bool | str | Path, output_dir: Path, world: World) -> Path | None:
     """The checkpoint to resume from, chosen by rank 0 and the same on every rank.
 
     True: the newest valid one in output_dir, falling back past corrupt ones
@@ -155,7 +154,7 @@ def choose(resume: bool | str | Path, output_dir: Path, ranks: Ranks) -> Path | 
     """
     chosen: str | None = None
     error: PhalanxError | None = None
-    if ranks.is_main:
+    if world.is_main:
         try:
             found = _choose_locally(resume, output_dir)
             chosen = None if found is None else str(found)
@@ -163,16 +162,16 @@ def choose(resume: bool | str | Path, output_dir: Path, ranks: Ranks) -> Path | 
             error = exc
         except OSError as exc:
             error = CheckpointError(f"cannot read checkpoints in {output_dir} ({exc}) — check it")
-    ranks.agree(error)
-    chosen = ranks.broadcast_object(chosen)
+    world.barrier_or_raise(error)
+    chosen = world.broadcast_object(chosen)
     return None if chosen is None else Path(chosen)
 
 
-def _check_compatible(saved: dict[str, Any], args: TrainingArguments, ranks: Ranks) -> None:
-    if saved["world_size"] != ranks.world_size:
+def _check_compatible(saved: dict[str, Any], args: TrainingArguments, world: World) -> None:
+    if saved["world_size"] != world.world_size:
         raise ConfigurationError(
             f"the checkpoint was written by a job of {saved['world_size']} rank(s) but this "
-            f"run has {ranks.world_size} — resume with world size {saved['world_size']} "
+            f"run has {world.world_size} — resume with world size {saved['world_size']} "
             "(e.g. --nproc-per-node); another world size would read other samples at the "
             "saved position, so it is refused rather than resumed wrong"
         )
@@ -187,7 +186,7 @@ def _check_compatible(saved: dict[str, Any], args: TrainingArguments, ranks: Ran
 
 
 def restore(
-    path: Path, parts: Stateful, args: TrainingArguments, ranks: Ranks
+    path: Path, parts: Stateful, args: TrainingArguments, world: World
 ) -> tuple[TrainState, dict[str, Any]]:
     """Load everything but the RNG into `parts`; return the state and this rank's RNG.
 
@@ -197,7 +196,7 @@ def restore(
     error: PhalanxError | None = None
     result: tuple[TrainState, dict[str, Any]] | None = None
     try:
-        result = _load(path, parts, args, ranks)
+        result = _load(path, parts, args, world)
     except PhalanxError as exc:
         error = exc
     except Exception as exc:  # load_state_dict mismatches; raised on every rank below
@@ -205,16 +204,16 @@ def restore(
             f"{path} does not fit this model or optimizer ({type(exc).__name__}: {exc}) — "
             "resume with the model and optimizer that wrote it"
         )
-    ranks.agree(error)
+    world.barrier_or_raise(error)
     assert result is not None
     return result
 
 
 def _load(
-    path: Path, parts: Stateful, args: TrainingArguments, ranks: Ranks
+    path: Path, parts: Stateful, args: TrainingArguments, world: World
 ) -> tuple[TrainState, dict[str, Any]]:
     saved = load_file(path, STATE_FILE)
-    _check_compatible(saved, args, ranks)
+    _check_compatible(saved, args, world)
     parts.model.load_state_dict(load_file(path, "model.pt"))
     parts.optimizer.load_state_dict(load_file(path, "optimizer.pt"))
     parts.scheduler.load_state_dict(load_file(path, "scheduler.pt"))
@@ -222,4 +221,4 @@ def _load(
         parts.scaler.load_state_dict(load_file(path, "scaler.pt"))
     parts.sampler.load_state_dict(saved["sampler"])
     state = TrainState(saved["global_step"], saved["epoch"], saved["batches_done"])
-    return state, load_file(path, _rng_name(ranks.rank))
+    return state, load_file(path, _rng_name(world.rank))

@@ -12,27 +12,21 @@ from torch.optim import AdamW, Optimizer
 
 from phalanx.ddp.module import DistributedDataParallel
 from phalanx.errors import ConfigurationError
-from phalanx.jobenv import launched_by_launcher
+from phalanx.runtime import World, init, shutdown
 from phalanx.train.args import TrainingArguments
-from phalanx.train.ranks import Ranks
 
 
-def join_world(args: TrainingArguments) -> Ranks:
-    """DDP when a launcher started us (or a group exists already); else one plain process.
+def join_world(args: TrainingArguments) -> tuple[World, bool]:
+    """The job's `World`, and whether this call created its group (then the caller owns it).
 
-    A plain `python train.py` sets up no process group at all: nothing to
-    rendezvous with, nothing to tear down, and errors point at the model.
+    Under any launcher, and as a plain `python train.py` alike: a single
+    process gets a real one-rank group, so the loop's collectives need no
+    special case. `phalanx.init` validates ddp_backend, naming the fix. A group
+    that existed before (the user's, or an earlier Trainer's) is used, not owned.
     """
-    if launched_by_launcher() or (dist.is_available() and dist.is_initialized()):
-        from phalanx.runtime import init  # the runtime validates ddp_backend, naming the fix
-
-        world = init(backend=args.ddp_backend, timeout=args.ddp_timeout)
-        ranks = Ranks(world.rank, world.world_size, world.device, world.process_group)
-    else:
-        device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-        ranks = Ranks(0, 1, device, None)
-    _check_precision(args, ranks.device)
-    return ranks
+    created = not (dist.is_available() and dist.is_initialized())
+    world = init(backend=args.ddp_backend, timeout=args.ddp_timeout)
+    return world, created
 
 
 def _check_precision(args: TrainingArguments, device: torch.device) -> None:
@@ -49,7 +43,9 @@ def _check_precision(args: TrainingArguments, device: torch.device) -> None:
 
 
 def prepare_model(model: nn.Module, args: TrainingArguments, device: torch.device) -> nn.Module:
-    """Turn on gradient checkpointing if asked, and move the model to this rank's device."""
+    """Check the precision fits the device, turn on gradient checkpointing if asked, and
+    move the model to this rank's device."""
+    _check_precision(args, device)
     if args.gradient_checkpointing:
         _enable_gradient_checkpointing(model)
     return model.to(device)
@@ -92,15 +88,15 @@ def build_optimizer(model: nn.Module, args: TrainingArguments) -> Optimizer:
     return AdamW([g for g in groups if g["params"]], lr=args.learning_rate)
 
 
-def wrap_model(model: nn.Module, args: TrainingArguments, ranks: Ranks) -> nn.Module:
-    """phalanx DDP with the arguments' DDP options, or the model itself on one plain process."""
-    if not ranks.distributed:
-        return model
+def wrap_model(model: nn.Module, args: TrainingArguments, world: World) -> nn.Module:
+    """phalanx DDP with the arguments' DDP options, or the model itself in a world of one."""
+    if not world.is_distributed:
+        return model  # one rank has nothing to all-reduce: skip the hooks and their cost
     # A model wrapped before (by an earlier Trainer) is unhooked from that wrapper by DDP itself.
     return DistributedDataParallel(
         model,
-        device_ids=[ranks.device] if ranks.device.type == "cuda" else None,
-        process_group=ranks.group,
+        device_ids=[world.device] if world.device.type == "cuda" else None,
+        process_group=world.process_group,
         **asdict(args.ddp_options()),
     )
 
@@ -113,5 +109,5 @@ def release(wrapped: nn.Module | None, owns_group: bool) -> None:
     """
     if isinstance(wrapped, DistributedDataParallel):
         wrapped.reducer.remove_hooks()
-    if owns_group and dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    if owns_group:
+        shutdown()

@@ -1,18 +1,17 @@
 """`Trainer`: the data-parallel training loop, so you do not write it by hand.
 
-Started by a launcher (torchrun, `phalanx launch`, srun, mpirun) it joins the
-process group, wraps the model in phalanx's DistributedDataParallel and
-shards the data with phalanx's DistributedSampler; started as plain
-`python train.py` it trains the same way on one process with no group at
-all. A step is `gradient_accumulation_steps` micro-batches, all but the last
-under `no_sync()`, so gradients are all-reduced once per step; then clip,
+It joins the job through `phalanx.init` (under any launcher, or as plain
+`python train.py`: then a one-rank group, destroyed again on `close()`), wraps
+the model in phalanx's DistributedDataParallel when there is more than one
+rank, and shards the data with phalanx's DistributedSampler. A step is
+`gradient_accumulation_steps` micro-batches, all but the last under
+`no_sync()`, so gradients are all-reduced once per step; then clip,
 optimizer step, scheduler step. Logging, evaluation and checkpoints happen
 between steps, on every rank together.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 from collections.abc import Callable, Iterator
@@ -22,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, Dataset
@@ -87,33 +85,39 @@ class Trainer:
         self.loss_fn = loss_fn
         self.collate_fn = collate_fn
         self.compute_metrics = compute_metrics
-        self._owns_group = not (dist.is_available() and dist.is_initialized())
-        self.ranks = join_world(self.args)
-        self._owns_group = self._owns_group and self.ranks.distributed
-        self._closed = False
-        self.model: nn.Module = prepare_model(model, self.args, self.ranks.device)
-        """The unwrapped module: what you save, export, or evaluate yourself."""
-        self.wrapped_model: nn.Module = wrap_model(self.model, self.args, self.ranks)
-        """What the loop calls: phalanx DDP on a launched run, else the model itself."""
-        self.optimizer = (
-            optimizer if optimizer is not None else build_optimizer(self.model, self.args)
-        )
-        self.scaler = torch.amp.GradScaler("cuda") if self.args.fp16 else None
         self.state = TrainState()
         self._sinks: list[MetricsSink] | None = None
         self._progress: Progress | None = None
         self._keyword: bool | None = None
         self.sampler: DistributedSampler | None = None
-        if train_dataset is not None:
-            self._setup_training(train_dataset)
+        self.world, self._owns_group = join_world(self.args)
+        """Rank, world size, device, and the group: one of one rank for a plain process."""
+        self._closed = False
+        try:
+            self._setup_model(model, optimizer)
+            if train_dataset is not None:
+                self._setup_training(train_dataset)
+        except BaseException:
+            self.close()  # a Trainer that could not be made must not keep its group
+            raise
 
     # ------------------------------------------------------------------ setup
+    def _setup_model(self, model: nn.Module, optimizer: Optimizer | None) -> None:
+        self.model: nn.Module = prepare_model(model, self.args, self.world.device)
+        """The unwrapped module: what you save, export, or evaluate yourself."""
+        self.wrapped_model: nn.Module = wrap_model(self.model, self.args, self.world)
+        """What the loop calls: phalanx DDP with more than one rank, else the model itself."""
+        self.optimizer = (
+            optimizer if optimizer is not None else build_optimizer(self.model, self.args)
+        )
+        self.scaler = torch.amp.GradScaler("cuda") if self.args.fp16 else None
+
     def _setup_training(self, dataset: Dataset[Any]) -> None:
         args = self.args
         self.sampler = DistributedSampler(
             dataset,
-            num_replicas=self.ranks.world_size,
-            rank=self.ranks.rank,
+            num_replicas=self.world.world_size,
+            rank=self.world.rank,
             shuffle=True,
             seed=args.seed,
         )
@@ -154,7 +158,7 @@ class Trainer:
         if not (self.args.bf16 or self.args.fp16):
             return nullcontext()
         dtype = torch.bfloat16 if self.args.bf16 else torch.float16
-        return torch.autocast(self.ranks.device.type, dtype=dtype)
+        return torch.autocast(self.world.device.type, dtype=dtype)
 
     # ------------------------------------------------------------------ train
     def train(self, resume_from_checkpoint: bool | str | Path | None = None) -> TrainOutput:
@@ -184,18 +188,18 @@ class Trainer:
     ) -> tuple[str | None, dict[str, Any] | None]:
         if resume_from is None or resume_from is False:
             return None, None
-        path = resume.choose(resume_from, Path(self.args.output_dir), self.ranks)
+        path = resume.choose(resume_from, Path(self.args.output_dir), self.world)
         if path is None:
-            if self.ranks.is_main:
+            if self.world.is_main:
                 logger.info("no checkpoint in %s yet: starting from step 0", self.args.output_dir)
             return None, None
-        self.state, rng = resume.restore(path, self._stateful(), self.args, self.ranks)
-        if self.ranks.is_main:
+        self.state, rng = resume.restore(path, self._stateful(), self.args, self.world)
+        if self.world.is_main:
             logger.info("resumed from %s at step %d", path, self.state.global_step)
         return str(path), rng
 
     def _open_outputs(self, resumed: bool) -> None:
-        if self.ranks.is_main:
+        if self.world.is_main:
             output_dir = Path(self.args.output_dir)
             remove_torn(output_dir)
             forget_after(output_dir, self.state.global_step if resumed else 0)
@@ -248,7 +252,7 @@ class Trainer:
         return True
 
     def _micro_step(self, batch: Any, scale: float, sync: bool) -> Tensor:
-        batch = to_device(batch, self.ranks.device)
+        batch = to_device(batch, self.world.device)
         if self._keyword is None:
             self._keyword = takes_keyword_batch(self.model, batch)
         skip_sync = not sync and isinstance(self.wrapped_model, DistributedDataParallel)
@@ -306,7 +310,7 @@ class Trainer:
 
     def _log(self, window: StepWindow) -> None:
         """Reduce the window over ranks (every rank calls this), log it on rank 0, reset it."""
-        reduced = window.reduce(self.ranks, self._comm_wait())
+        reduced = window.reduce(self.world, self._comm_wait())
         metrics = {k: v for k, v in reduced.items() if k not in ("last_loss", "window_s")}
         metrics["lr"] = float(self.scheduler.get_last_lr()[0])
         metrics["epoch"] = self.state.epoch + self.state.batches_done / self.micro_batches_per_epoch
@@ -320,7 +324,7 @@ class Trainer:
             sink.log(self.state.global_step, metrics)
 
     def _output(self, run: StepWindow, resumed_from: str | None) -> TrainOutput:
-        summary = run.reduce(self.ranks, self._comm_wait())
+        summary = run.reduce(self.world, self._comm_wait())
         return TrainOutput(
             global_step=self.state.global_step,
             train_loss=summary.get("last_loss", math.nan),
@@ -341,11 +345,10 @@ class Trainer:
         if self._closed:
             return
         self._closed = True
-        # A constructor that failed half-way (a bad model) still created the group.
+        # A constructor that failed half-way (a bad model) may have no wrapped model yet.
         wrapped = self.__dict__.get("wrapped_model")
         if wrapped is not None:
             self.wrapped_model = self.model
-        self.ranks = dataclasses.replace(self.ranks, group=None)
         release(wrapped, self._owns_group)
 
     def _check_open(self) -> None:
@@ -365,7 +368,7 @@ class Trainer:
         if dataset is None:
             raise ConfigurationError("evaluate() needs an eval_dataset — pass one to the Trainer")
         setup = EvalSetup(
-            ranks=self.ranks,
+            world=self.world,
             batch_size=self.args.per_device_eval_batch_size,
             num_workers=self.args.dataloader_num_workers,
             collate_fn=self.collate_fn,
@@ -381,7 +384,7 @@ class Trainer:
         self._check_open()
         if self.sampler is None:
             raise ConfigurationError("save_checkpoint() needs a train_dataset — pass one")
-        path = resume.save(self._stateful(), self.state, self.args, self.ranks)
-        if self.ranks.is_main:
+        path = resume.save(self._stateful(), self.state, self.args, self.world)
+        if self.world.is_main:
             logger.info("saved %s", path)
         return path

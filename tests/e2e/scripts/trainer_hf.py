@@ -75,9 +75,9 @@ def main(output_dir: str, result: str) -> None:
     before = trainer.evaluate()
     out = trainer.train()
     after = trainer.evaluate()
-    if trainer.ranks.rank == 0:
+    if trainer.world.rank == 0:
         record = {
-            "world_size": trainer.ranks.world_size,
+            "world_size": trainer.world.world_size,
             "global_step": out.global_step,
             "before": before,
             "after": after,

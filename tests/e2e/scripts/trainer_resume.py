@@ -82,13 +82,13 @@ def main() -> None:
         crash_here = trainer.state.global_step == opts.kill_after_step > 0
         if opts.kill_on_first_attempt_only:
             crash_here = crash_here and os.environ.get("PHALANX_RESTART_COUNT", "0") == "0"
-        if crash_here and trainer.ranks.rank == 0:
+        if crash_here and trainer.world.rank == 0:
             os.kill(os.getpid(), signal.SIGKILL)
         return nn.functional.cross_entropy(outputs, batch[1])
 
     trainer = Trainer(model=model, args=args, train_dataset=dataset(), loss_fn=loss_fn)
     result = trainer.train(resume_from_checkpoint=True if opts.resume else None)
-    if trainer.ranks.rank == 0:
+    if trainer.world.rank == 0:
         torch.save(trainer.model.state_dict(), opts.result)
         summary = {"global_step": result.global_step, "resumed_from": result.resumed_from}
         Path(opts.result).with_suffix(".json").write_text(json.dumps(summary))

@@ -1,0 +1,144 @@
+"""`phalanx.init()`: find out who started us, then join the default process group.
+
+One script runs unchanged under `phalanx launch`, torchrun, SLURM's `srun`,
+Open MPI's `mpirun`, or plain `python`: each launcher describes the job in
+its own environment variables, and `detect_launch` reads them into one
+`LaunchInfo`. `init` turns that into a real process group (a world of one
+gets a real single-rank group, so DDP code needs no special case) and a
+`World` that says where this process stands.
+
+The steps have one owner each: `backend` (which backend, which device),
+`store` (where the ranks meet), `world` (the `World` and its collectives),
+`exit` (letting go of the group); this file puts them in order.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from phalanx import netif
+from phalanx.errors import ConfigurationError, RendezvousError
+from phalanx.jobenv import LaunchInfo, detect_launch, launched_by_launcher
+from phalanx.runtime.backend import backend_names, claim_device, resolve_backend, select_device
+from phalanx.runtime.exit import register_exit_hook, shutdown
+from phalanx.runtime.store import make_store
+from phalanx.runtime.world import World, describe_default_group
+
+__all__ = [
+    "LaunchInfo",
+    "RendezvousError",
+    "World",
+    "detect_launch",
+    "init",
+    "launched_by_launcher",
+    "parse_timeout",
+    "resolve_backend",
+    "shutdown",
+]
+
+logger = logging.getLogger("phalanx")
+
+DEFAULT_TIMEOUT_S = 1800.0
+
+
+def parse_timeout(timeout: float | timedelta) -> timedelta:
+    """Seconds (int/float) or a timedelta, as a positive timedelta."""
+    if isinstance(timeout, timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise ConfigurationError(
+            f"timeout={timeout!r} is not a number of seconds — pass e.g. timeout=1800 "
+            "or timeout=datetime.timedelta(minutes=30)"
+        )
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ConfigurationError(
+            f"timeout={timeout!r} must be a finite number of seconds > 0 — it bounds how "
+            "long a collective may block before the job fails instead of hanging; "
+            f"the default is {DEFAULT_TIMEOUT_S:.0f}"
+        )
+    return timedelta(seconds=seconds)
+
+
+def _pin_gloo_interface(backend: str, info: LaunchInfo) -> None:
+    """Export GLOO_SOCKET_IFNAME when `netif`'s policy (the launcher's too) picks one.
+
+    Done here as well as in `phalanx launch` for the launchers that do not
+    (torchrun, srun, mpirun); under `phalanx launch` the launcher's choice is
+    already in the environment and is kept.
+    """
+    if "gloo" not in backend_names(backend) or info.master_addr is None:
+        return
+    choice = netif.choose_gloo_ifname(
+        info.master_addr, info.world_size, info.local_world_size, os.environ
+    )
+    if choice.name is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = choice.name
+    if choice.note is not None:
+        level = logging.WARNING if choice.warning else logging.INFO
+        logger.log(level, "rank %d: %s", info.rank, choice.note)
+
+
+def _join_group(backend: str, info: LaunchInfo, device: torch.device, wait: timedelta) -> None:
+    store = make_store(info, wait)
+    try:
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=info.rank,
+            world_size=info.world_size,
+            timeout=wait,
+            # Binds NCCL to this rank's GPU up front instead of guessing it at the first collective.
+            device_id=device if device.type == "cuda" else None,
+        )
+    except (RuntimeError, OSError) as exc:
+        raise RendezvousError(
+            f"rank {info.rank} reached the master but could not connect to its peers ({exc}) "
+            "— when hosts talk over a specific network, export GLOO_SOCKET_IFNAME (gloo) or "
+            "NCCL_SOCKET_IFNAME (nccl) naming that interface on every rank"
+        ) from exc
+
+
+def init(backend: str | None = None, timeout: float | timedelta = DEFAULT_TIMEOUT_S) -> World:
+    """Join (or describe) the default process group of the job that started us.
+
+    `backend`: None picks nccl with GPUs, gloo without; any name torch accepts
+    is checked against this build. `timeout` (seconds or timedelta) bounds the
+    rendezvous and every collective, so a missing rank fails instead of hanging.
+    Calling `init` again, or after your own `dist.init_process_group`, returns
+    a `World` for the existing group.
+    """
+    wait = parse_timeout(timeout)
+    info = detect_launch(os.environ)
+    if dist.is_initialized():
+        if backend is not None and backend.strip().lower() != str(dist.get_backend()):
+            logger.warning(
+                "init(backend=%r) ignored: the process group already exists with backend %r",
+                backend,
+                dist.get_backend(),
+            )
+        return describe_default_group(info)
+    chosen = resolve_backend(backend)
+    device = select_device(chosen, info.local_rank)
+    claim_device(device)
+    _pin_gloo_interface(chosen, info)
+    _join_group(chosen, info, device, wait)
+    register_exit_hook()
+    world = describe_default_group(info)
+    logger.info(
+        "rank %d/%d: joined %s group (launcher=%s, node %d, device %s)",
+        world.rank,
+        world.world_size,
+        world.backend,
+        world.launcher,
+        world.node_rank,
+        world.device,
+    )
+    return world

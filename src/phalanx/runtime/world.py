@@ -1,0 +1,121 @@
+"""`World`: where this process stands in the job, the group that connects it, and the
+few collectives the Trainer needs on it.
+
+A `World` is derived from torch.distributed's state and the launcher's
+environment on every call rather than cached, which is what makes `init`
+idempotent and lets it describe a group the user built by hand. A single
+process has a real one-rank group too, so the collectives need no special case.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from phalanx import errors
+from phalanx.errors import PhalanxError
+from phalanx.jobenv import LaunchInfo
+from phalanx.runtime.backend import current_device
+
+__all__ = ["World", "describe_default_group"]
+
+# The error classes `barrier_or_raise` re-raises by name on the ranks that did not fail.
+_KINDS: dict[str, type[PhalanxError]] = {name: getattr(errors, name) for name in errors.__all__}
+
+
+@dataclass(frozen=True)
+class World:
+    """Where this process stands in the job, and the group that connects it."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    node_rank: int
+    device: torch.device
+    """cuda:local_rank when the backend drives GPUs, else cpu."""
+    backend: str
+    process_group: dist.ProcessGroup
+    """The default (WORLD) group; pass it on explicitly rather than relying on globals."""
+    launcher: str
+    """One of "env" (phalanx launch / torchrun), "slurm", "mpi", "none" (plain python)."""
+    master_addr: str | None
+    master_port: int | None
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one rank that writes checkpoints, logs and progress bars."""
+        return self.rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        """More than one rank: only then is there anything to communicate."""
+        return self.world_size > 1
+
+    def all_reduce_sum(self, values: list[float]) -> list[float]:
+        """Sum each number over ranks, in float64 so counts stay exact."""
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor, group=self.process_group)
+        return [float(v) for v in tensor.tolist()]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order, on every rank."""
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.process_group)
+        return out
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.process_group)
+        return box[0]
+
+    def barrier_or_raise(self, error: PhalanxError | None) -> None:
+        """A barrier that fails on every rank if it failed on any: pass your error or None.
+
+        When one rank fails alone (rank 0 writing a checkpoint), the others would
+        wait at the next collective until the timeout; here they all raise
+        instead. A failing rank raises its own error; the others raise the first
+        failing rank's, of the same class (a `PhalanxError` if it is not one of
+        phalanx.errors), prefixed with that rank. Every rank must call it.
+        """
+        mine = None if error is None else (type(error).__name__, str(error))
+        failures = [
+            (rank, failure)
+            for rank, failure in enumerate(self.all_gather_object(mine))
+            if failure is not None
+        ]
+        if not failures:
+            return
+        if error is not None:
+            raise error
+        rank, (kind, message) = failures[0]
+        raise _KINDS.get(kind, PhalanxError)(f"rank {rank}: {message}")
+
+
+def describe_default_group(info: LaunchInfo) -> World:
+    """Describe the existing default group, with node details from the launcher's env."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    backend = str(dist.get_backend())
+    if (info.rank, info.world_size) != (rank, world_size):
+        # The user built the group by hand with values the environment does not
+        # describe: all we know is that the ranks are somewhere.
+        info = LaunchInfo("none", rank, rank, world_size, world_size, 0, None, None)
+    group = dist.group.WORLD
+    assert group is not None  # dist.is_initialized() holds here
+    return World(
+        rank=rank,
+        local_rank=info.local_rank,
+        world_size=world_size,
+        local_world_size=info.local_world_size,
+        node_rank=info.node_rank,
+        device=current_device(backend),
+        backend=backend,
+        process_group=group,
+        launcher=info.launcher,
+        master_addr=info.master_addr,
+        master_port=info.master_port,
+    )
