@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,7 +31,7 @@ from torch.optim import Optimizer
 from phalanx.ddp.module import reducer_of
 from phalanx.ddp.reductions import AllReduce
 from phalanx.errors import ConfigurationError, PhalanxError
-from phalanx.optim import zero_state
+from phalanx.optim import zero_checkpoint, zero_state
 from phalanx.optim.grad_sharding import ReduceScatter
 from phalanx.optim.sharding import Piece, ShardedFlat, all_gather_flat, piece_of
 
@@ -250,6 +251,14 @@ class ZeroRedundancyOptimizer(Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the plain optimizer's format (whole tensors) and keep this rank's pieces."""
         zero_state.load_plain(self, state_dict)
+
+    def save_sharded(self, directory: Path) -> None:
+        """Collective: every rank writes its pieces to `directory` (torch DCP format)."""
+        zero_checkpoint.save_sharded(self, directory)
+
+    def load_sharded(self, directory: Path) -> None:
+        """Collective: read this rank's pieces from a `save_sharded` directory, any world size."""
+        zero_checkpoint.load_sharded(self, directory)
 
     # ------------------------------------------------------------------ checks
     def _check_wrapped(self) -> None:

@@ -42,7 +42,7 @@ def is_piecewise(key: str, value: Any, piece: Piece) -> bool:
     )
 
 
-def _plain_groups(zero: ZeroRedundancyOptimizer) -> list[dict[str, Any]]:
+def plain_groups(zero: ZeroRedundancyOptimizer) -> list[dict[str, Any]]:
     index = {id(p): i for i, p in enumerate(zero._params)}
     groups = []
     for group in zero.param_groups:
@@ -78,7 +78,7 @@ def consolidate(zero: ZeroRedundancyOptimizer, to: int) -> dict[str, Any] | None
                 full[i][key] = target
     if zero.rank != to:
         return None
-    return {"state": full, "param_groups": _plain_groups(zero)}
+    return {"state": full, "param_groups": plain_groups(zero)}
 
 
 def load_plain(zero: ZeroRedundancyOptimizer, state_dict: dict[str, Any]) -> None:

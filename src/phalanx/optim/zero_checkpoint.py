@@ -1,0 +1,123 @@
+"""ZeRO optimizer state through torch.distributed.checkpoint: each rank writes its pieces.
+
+The saved structure is the plain optimizer format (phalanx.optim.zero_state)
+with every piece-wise tensor as a 1-D DTensor over the flattened parameter,
+sharded as phalanx.optim.sharding cuts it. DCP records where each rank's
+piece lies, so loading at another world size reads whatever saved pieces
+overlap the new ones, and `dcp_to_torch_save` (or `phalanx consolidate`)
+turns the directory into whole tensors without any phalanx code.
+
+Loading builds its destination from the checkpoint's own metadata, not
+from the live optimizer: a fresh optimizer has no state yet, and the saved
+one may hold state for only some parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from phalanx.errors import CheckpointError
+from phalanx.optim.sharding import Piece
+from phalanx.optim.zero_state import SCALAR_KEYS, is_piecewise, plain_groups
+
+if TYPE_CHECKING:
+    from phalanx.optim.zero import ZeroRedundancyOptimizer
+
+
+def _mesh(zero: ZeroRedundancyOptimizer) -> DeviceMesh:
+    device_type = zero._params[0].device.type if zero._params else "cpu"
+    return DeviceMesh.from_group(zero.process_group, device_type)
+
+
+def _as_dtensor(local: torch.Tensor, piece: Piece, mesh: DeviceMesh) -> DTensor:
+    return DTensor.from_local(
+        local, mesh, [Shard(0)], run_check=False, shape=torch.Size([piece.numel]), stride=(1,)
+    )
+
+
+def save_sharded(zero: ZeroRedundancyOptimizer, directory: Path) -> None:
+    """Collective: write this rank's pieces (and, once, the scalars and groups) to `directory`."""
+    mesh = _mesh(zero)
+    state: dict[str, dict[str, Any]] = {}
+    for i, entry in zero.optim.state_dict()["state"].items():
+        piece = zero._pieces[i]
+        state[str(i)] = {
+            key: _as_dtensor(value, piece, mesh) if is_piecewise(key, value, piece) else value
+            for key, value in entry.items()
+        }
+    groups = {str(g): group for g, group in enumerate(plain_groups(zero))}
+    dcp.save(
+        {"state": state, "param_groups": groups},
+        checkpoint_id=str(directory),
+        process_group=zero.process_group,
+    )
+
+
+def load_sharded(zero: ZeroRedundancyOptimizer, directory: Path) -> None:
+    """Collective: read the pieces this rank owns now (any saved world size) and load them."""
+    mesh = _mesh(zero)
+    try:
+        metadata = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    except Exception as exc:  # a missing or torn .metadata file: the checkpoint is unusable
+        raise CheckpointError(
+            f"{directory} is not a readable torch.distributed.checkpoint directory "
+            f"({type(exc).__name__}: {exc}) — resume from an earlier checkpoint"
+        ) from exc
+
+    def allocate(fqn: str, meta: TensorStorageMetadata) -> torch.Tensor:
+        dtype = meta.properties.dtype
+        section, index, key = [*fqn.split(".", 2), "", ""][:3]
+        if section == "state" and key not in SCALAR_KEYS and len(meta.size) == 1:
+            piece = zero._pieces[int(index)]
+            if meta.size[0] == piece.numel:
+                local = torch.empty(piece.length, dtype=dtype, device=zero._params[0].device)
+                return _as_dtensor(local, piece, mesh)
+        return torch.empty(meta.size, dtype=dtype)
+
+    destination = nest(metadata, allocate)
+    dcp.load(destination, checkpoint_id=str(directory), process_group=zero.process_group)
+    state = {
+        int(i): {k: v.to_local() if isinstance(v, DTensor) else v for k, v in entry.items()}
+        for i, entry in destination.get("state", {}).items()
+    }
+    groups = [destination["param_groups"][str(g)] for g in range(len(destination["param_groups"]))]
+    for group in groups:
+        group["params"] = list(group["params"])
+    whole = {"state": state, "param_groups": groups}
+    _load_pieces(zero, whole)
+
+
+def _load_pieces(zero: ZeroRedundancyOptimizer, state_dict: dict[str, Any]) -> None:
+    """The local optimizer takes the pieces as they are (they are already this rank's)."""
+    zero.optim.load_state_dict(state_dict)
+    for mine, saved in zip(zero.param_groups, state_dict["param_groups"]):
+        mine.update({k: v for k, v in saved.items() if k != "params"})
+
+
+def nest(
+    metadata: dict[str, Any], allocate: Callable[[str, TensorStorageMetadata], torch.Tensor]
+) -> dict[str, Any]:
+    """A nested destination dict whose flattened keys are exactly the checkpoint's.
+
+    Tensors come from `allocate(fqn, meta)`; other values are placeholders that
+    DCP replaces with the saved objects.
+    """
+    root: dict[str, Any] = {}
+    for fqn, meta in metadata.items():
+        *path, leaf = fqn.split(".")
+        node = root
+        for part in path:
+            node = node.setdefault(part, {})
+        if isinstance(meta, TensorStorageMetadata):
+            node[leaf] = allocate(fqn, meta)
+        elif isinstance(meta, BytesStorageMetadata):
+            node[leaf] = None
+    return root
