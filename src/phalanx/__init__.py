@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from phalanx.optim.zero import ZeroRedundancyOptimizer
     from phalanx.runtime import World, init, launched_by_launcher, shutdown
     from phalanx.train import Trainer, TrainingArguments
+    from phalanx.zero3 import MixedPrecisionPolicy, fully_shard
 
 __version__ = "0.1.0"
 
@@ -32,12 +33,15 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "DistributedSampler": ("phalanx.data.sampler", "DistributedSampler"),
     "comm_hooks": ("phalanx.ddp.comm_hooks", None),
     "ZeroRedundancyOptimizer": ("phalanx.optim.zero", "ZeroRedundancyOptimizer"),
+    "fully_shard": ("phalanx.zero3", "fully_shard"),
+    "MixedPrecisionPolicy": ("phalanx.zero3", "MixedPrecisionPolicy"),
 }
 
 __all__ = [
     "ConfigurationError",
     "DistributedDataParallel",
     "DistributedSampler",
+    "MixedPrecisionPolicy",
     "PhalanxError",
     "ReducerError",
     "Trainer",
@@ -45,6 +49,7 @@ __all__ = [
     "World",
     "ZeroRedundancyOptimizer",
     "comm_hooks",
+    "fully_shard",
     "init",
     "launched_by_launcher",
     "shutdown",

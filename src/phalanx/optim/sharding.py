@@ -56,12 +56,19 @@ class ShardedFlat:
     padded to `chunk`. `offsets[i]` is where parameter i's piece starts in a block.
     """
 
-    def __init__(self, tensors: Sequence[torch.Tensor], world_size: int, rank: int) -> None:
-        self.dtype = tensors[0].dtype
-        self.device = tensors[0].device
+    def __init__(
+        self,
+        numels: Sequence[int],
+        world_size: int,
+        rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.dtype = dtype
+        self.device = device
         self.world_size = world_size
         self.rank = rank
-        self.numels = [t.numel() for t in tensors]
+        self.numels = list(numels)
         self.pieces = [piece_of(n, world_size, rank) for n in self.numels]
         self.chunks = [p.chunk for p in self.pieces]
         self.offsets: list[int] = []
@@ -71,6 +78,12 @@ class ShardedFlat:
             offset += chunk
         self.block = offset
         """Elements per rank on the wire."""
+
+    @classmethod
+    def of(cls, tensors: Sequence[torch.Tensor], world_size: int, rank: int) -> ShardedFlat:
+        """The layout of `tensors` (their sizes, dtype and device) across `world_size` ranks."""
+        first = tensors[0]
+        return cls([t.numel() for t in tensors], world_size, rank, first.dtype, first.device)
 
     def padded_rows(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         """Parameter i's flattened values as (N, chunk), zero-padded at the end."""
@@ -136,3 +149,11 @@ def all_gather_flat(
     """Every rank's `block` into `output`, rank after rank (torch's newer name where it exists)."""
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return gather(output, block, group=group, async_op=async_op)
+
+
+def reduce_scatter_flat(
+    output: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool
+) -> dist.Work | None:
+    """Sum `send` (N blocks) across ranks; block r lands in rank r's `output`."""
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return scatter(output, send, group=group, async_op=async_op)

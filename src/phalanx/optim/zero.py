@@ -161,7 +161,7 @@ class ZeroRedundancyOptimizer(Optimizer):
                 self._gathers.append(self._gather_plan(members))
 
     def _gather_plan(self, members: list[int]) -> tuple[ShardedFlat, list[int]]:
-        layout = ShardedFlat([self._params[i] for i in members], self.world_size, self.rank)
+        layout = ShardedFlat.of([self._params[i] for i in members], self.world_size, self.rank)
         return layout, members
 
     # -------------------------------------------------------------------- step
@@ -233,9 +233,25 @@ class ZeroRedundancyOptimizer(Optimizer):
         return zero_state.clip_pieces(self._shards, max_norm, norm_type, self.process_group)
 
     # ------------------------------------------------------------- state dicts
+    def pieces(self) -> zero_state.PieceOptimizer:
+        """The local optimizer seen as pieces of whole tensors (for state conversions)."""
+        device = self._params[0].device if self._params else torch.device("cpu")
+        return zero_state.PieceOptimizer(
+            optim=self.optim,
+            shapes=[p.shape for p in self._params],
+            pieces=self._pieces,
+            group=self.process_group,
+            groups=self.param_groups,
+            device=device,
+        )
+
+    def _adopt_groups(self, saved: list[dict[str, Any]]) -> None:
+        for mine, group in zip(self.param_groups, saved):
+            mine.update({k: v for k, v in group.items() if k != "params"})
+
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Collective: assemble the whole optimizer state, in the plain format, on rank `to`."""
-        full = zero_state.consolidate(self, to)
+        full = zero_state.consolidate(self.pieces(), to)
         self._consolidated = full if self.rank == to else None
 
     def state_dict(self) -> dict[str, Any]:
@@ -250,15 +266,15 @@ class ZeroRedundancyOptimizer(Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the plain optimizer's format (whole tensors) and keep this rank's pieces."""
-        zero_state.load_plain(self, state_dict)
+        self._adopt_groups(zero_state.load_plain(self.pieces(), state_dict))
 
     def save_sharded(self, directory: Path) -> None:
         """Collective: every rank writes its pieces to `directory` (torch DCP format)."""
-        zero_checkpoint.save_sharded(self, directory)
+        zero_checkpoint.save_sharded(self.pieces(), directory)
 
     def load_sharded(self, directory: Path) -> None:
         """Collective: read this rank's pieces from a `save_sharded` directory, any world size."""
-        zero_checkpoint.load_sharded(self, directory)
+        self._adopt_groups(zero_checkpoint.load_sharded(self.pieces(), directory))
 
     # ------------------------------------------------------------------ checks
     def _check_wrapped(self) -> None:
