@@ -172,9 +172,12 @@ class ZeroRedundancyOptimizer(Optimizer):
         self._push_hyperparameters()
         if not self.shard_gradients:
             self._slice_gradients()
-        loss = self.optim.step(closure) if closure is not None else self.optim.step()
-        self._gather_parameters()
-        return loss
+        if closure is not None or not isinstance(self.optim, ELEMENTWISE):
+            loss = self.optim.step(closure) if closure is not None else self.optim.step()
+            self._gather_parameters(step_each=False)
+            return loss
+        self._gather_parameters(step_each=True)
+        return None
 
     def _slice_gradients(self) -> None:
         """Stage 1: this rank's piece of each averaged `.grad`, as a view (no copy)."""
@@ -190,10 +193,26 @@ class ZeroRedundancyOptimizer(Optimizer):
             )
 
     @torch.no_grad()
-    def _gather_parameters(self) -> None:
-        """All-gather every updated piece; the next gather is in flight while one is copied out."""
+    def _gather_parameters(self, step_each: bool) -> None:
+        """All-gather every updated piece; the next gather is in flight while one is copied out.
+
+        `step_each`: step the pieces of one gather at a time, right before its all-gather,
+        so each all-gather runs while the optimizer computes the next pieces. Only for the
+        elementwise torch optimizers, whose step on a subset of parameters (the others
+        without `.grad`) is exactly their share of a whole step.
+        """
+        grads = [s.grad for s in self._shards]
+        if step_each:
+            for shard in self._shards:
+                shard.grad = None
         in_flight: list[tuple[Any, torch.Tensor, ShardedFlat, list[int]]] = []
         for layout, members in self._gathers:
+            if step_each:
+                for i in members:
+                    self._shards[i].grad = grads[i]
+                self.optim.step()
+                for i in members:
+                    self._shards[i].grad = None
             block = layout.own_block_input([self._shards[i] for i in members])
             out = torch.empty(
                 layout.world_size * layout.block, dtype=block.dtype, device=block.device
@@ -204,6 +223,8 @@ class ZeroRedundancyOptimizer(Optimizer):
                 self._copy_out(*in_flight.pop(0))
         for entry in in_flight:
             self._copy_out(*entry)
+        for shard, grad in zip(self._shards, grads):
+            shard.grad = grad
 
     def _copy_out(
         self, work: Any, out: torch.Tensor, layout: ShardedFlat, members: list[int]
