@@ -36,7 +36,7 @@ import torch
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "zero_memory.json"
 MB = 1024 * 1024
-STAGES = (0, 1, 2)
+STAGES = (0, 1, 2, 3)
 
 
 def build_model(tiny: bool) -> torch.nn.Module:
@@ -53,10 +53,17 @@ def batch(rank: int, step: int, tiny: bool) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def wrap(stage: int, tiny: bool) -> tuple[Any, torch.optim.Optimizer]:
-    """The model under DDP, and Adam (stage 0) or ZeRO's Adam (stages 1 and 2)."""
+    """Stage 0: DDP + Adam; 1 and 2: DDP + ZeRO's Adam; 3: fully_shard each block, then
+    the root, and a plain Adam over the pieces."""
     import phalanx
 
     torch.manual_seed(0)
+    if stage == 3:
+        net = build_model(tiny)
+        for block in net.blocks:
+            phalanx.fully_shard(block)
+        phalanx.fully_shard(net)
+        return net, torch.optim.Adam(net.parameters(), lr=1e-4)
     model = phalanx.DistributedDataParallel(build_model(tiny))
     if stage == 0:
         return model, torch.optim.Adam(model.parameters(), lr=1e-4)
@@ -77,7 +84,8 @@ def storage_mb(tensors: Iterable[torch.Tensor | None]) -> float:
 
 def gradient_tensors(model: Any, opt: Any) -> list[torch.Tensor | None]:
     grads = [p.grad for p in model.parameters()]
-    grads += [b.buffer for b in model.reducer.buckets]
+    if hasattr(model, "reducer"):
+        grads += [b.buffer for b in model.reducer.buckets]
     if hasattr(opt, "optim"):
         grads += [s.grad for g in opt.optim.param_groups for s in g["params"]]
     return grads
@@ -88,23 +96,36 @@ def state_tensors(opt: Any) -> list[torch.Tensor]:
     return [v for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
 
 
-def watch_peak_grad(model: Any) -> Callable[[], float]:
-    """Track the most `.grad` memory alive during backward (after the reducer's own hook)."""
+def watch_peak_transient(model: Any) -> Callable[[], float]:
+    """The most full-size memory alive at once beyond what the table counts at rest.
+
+    Stages 0-2: `.grad`s during backward (after the reducer's hook, which frees them in
+    stage 2). Stage 3: gathered whole parameters and their `.grad`s, sampled at every
+    unit's forward and at every gradient.
+    """
+    from phalanx import zero3
+
+    units = [u for m in model.modules() if (u := zero3.unit_of(m)) is not None]
     params = list(model.parameters())
+    fulls = [s.full for u in units for s in u.slots()]
     peak = [0.0]
 
-    def hook(_: torch.Tensor) -> None:
-        peak[0] = max(peak[0], storage_mb(p.grad for p in params))
+    def sample(*_: Any) -> None:
+        live = sum(g._storage.nbytes() for u in units for g in u.groups) / MB
+        live += storage_mb([p.grad for p in fulls] if units else [p.grad for p in params])
+        peak[0] = max(peak[0], live)
 
-    for p in params:
-        p.register_post_accumulate_grad_hook(hook)
+    for p in fulls or params:
+        p.register_post_accumulate_grad_hook(sample)
+    for u in units:
+        u.module.register_forward_hook(sample)
     return lambda: peak[0]
 
 
 def measure_rank(rank: int, world: int, stage: int, tiny: bool) -> dict[str, float]:
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     model, opt = wrap(stage, tiny)
-    peak_grad = watch_peak_grad(model)
+    peak_grad = watch_peak_transient(model)
     loss_fn = models.token_loss
     grads_mb = 0.0
     for step in range(3):
@@ -127,11 +148,14 @@ def time_rank(rank: int, world: int, rounds: int, per_round: int, tiny: bool) ->
     """All stages in this process, interleaved; per variant, each step's seconds."""
     import torch.distributed as dist
 
+    from phalanx import zero3
+
     variants = {stage: wrap(stage, tiny) for stage in STAGES}
+    start_stats: dict[str, float] = {}
     times: dict[int, list[float]] = {stage: [] for stage in STAGES}
     step = 0
     for r in range(rounds + 1):  # round 0 warms up (allocator, DDP's bucket rebuild)
-        order = STAGES[r % 3 :] + STAGES[: r % 3]
+        order = STAGES[r % len(STAGES) :] + STAGES[: r % len(STAGES)]
         for stage in order:
             model, opt = variants[stage]
             for _ in range(per_round):
@@ -146,11 +170,16 @@ def time_rank(rank: int, world: int, rounds: int, per_round: int, tiny: bool) ->
                 if r:
                     times[stage].append(float(elapsed))
                 step += 1
+        if r == 0:
+            start_stats = zero3.communication_stats(variants[3][0])
+    end_stats = zero3.communication_stats(variants[3][0])
+    steps = len(times[3])
+    stage3 = {k: (end_stats[k] - start_stats[k]) / steps for k in end_stats}
     diff = max(
         float((a - b).detach().abs().max())
         for a, b in zip(variants[0][0].parameters(), variants[2][0].parameters())
-    )
-    return {"times": times, "stage2_vs_stage0_max_param_diff": diff}
+    )  # stage 3's parameters are pieces: its parity is tests/distributed/test_zero3.py's
+    return {"times": times, "stage2_vs_stage0_max_param_diff": diff, "stage3_comm": stage3}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,13 +208,21 @@ def main(argv: list[str] | None = None) -> int:
     timing = spawn.run_ranks(time_rank, 2, args.rounds, args.per_round, args.tiny)[0]
     medians = {s: statistics.median(timing["times"][s]) for s in STAGES}
     speed = {f"stage{s}_over_ddp": medians[s] / medians[0] for s in STAGES if s}
+    comm = timing["stage3_comm"]
     print(f"world 2 step medians (s): {medians}; ratios to DDP: {speed}", flush=True)
+    print(
+        f"stage 3 per step: {comm['gathers']:.0f} all-gathers, {comm['gather_wait_s']:.3f} s "
+        f"waiting for them (the rest overlapped compute), {comm['reduce_wait_s']:.3f} s waiting "
+        "for reduce-scatters at the end of backward",
+        flush=True,
+    )
     result = {
         "model_params": sum(p.numel() for p in build_model(args.tiny).parameters()),
         "memory": memory,
         "step_s_median": medians,
         "speed": speed,
         "param_diff_stage2_vs_ddp": timing["stage2_vs_stage0_max_param_diff"],
+        "stage3_comm_per_step": comm,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
@@ -195,9 +232,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def markdown_table(result: dict[str, Any]) -> str:
     lines = [
-        "| world | stage | params MB | grads MB | peak .grad MB | optimizer state MB | "
-        "state ÷ stage 0 | peak RSS MB |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| world | stage | params MB | grads MB | peak transient MB | optimizer state MB | "
+        "state ÷ stage 0 | all ÷ stage 0 | peak RSS MB |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     memory = result["memory"]
     for key, ranks in memory.items():
@@ -205,10 +242,13 @@ def markdown_table(result: dict[str, Any]) -> str:
             int(part.removeprefix("world").removeprefix("stage")) for part in key.split("-")
         )
         r0 = ranks[0]
-        base = memory[f"world{world}-stage0"][0]["state_mb"]
+        base = memory[f"world{world}-stage0"][0]
+        total = r0["params_mb"] + r0["grads_mb"] + r0["state_mb"]
+        base_total = base["params_mb"] + base["grads_mb"] + base["state_mb"]
         lines.append(
             f"| {world} | {stage} | {r0['params_mb']:.0f} | {r0['grads_mb']:.0f} | "
-            f"{r0['peak_grad_mb']:.0f} | {r0['state_mb']:.0f} | {r0['state_mb'] / base:.3f} | "
+            f"{r0['peak_grad_mb']:.0f} | {r0['state_mb']:.0f} | "
+            f"{r0['state_mb'] / base['state_mb']:.3f} | {total / base_total:.3f} | "
             f"{max(r['peak_rss_mb'] for r in ranks):.0f} |"
         )
     return "\n".join(lines)

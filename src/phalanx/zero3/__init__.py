@@ -29,6 +29,7 @@ __all__ = [
     "ShardParameter",
     "ShardUseError",
     "clip_grad_norm_",
+    "communication_stats",
     "full_optimizer_state_dict",
     "full_shape_of",
     "full_state_dict",
@@ -43,6 +44,17 @@ __all__ = [
     "sharded_state_dict",
     "unit_of",
 ]
+
+
+def communication_stats(model: nn.Module) -> dict[str, float]:
+    """Summed over the model's units: gathers and reduces, and how long training waited."""
+    total = {"gathers": 0.0, "gather_wait_s": 0.0, "reduces": 0.0, "reduce_wait_s": 0.0}
+    for module in model.modules():
+        unit = unit_of(module)
+        for group in unit.groups if unit is not None else []:
+            for key in total:
+                total[key] += getattr(group.stats, key)
+    return total
 
 
 def shard_parameters(model: nn.Module) -> Iterator[ShardParameter]:

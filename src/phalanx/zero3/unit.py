@@ -14,6 +14,7 @@ bump the version counter that autograd checks on the tensors it saved.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,18 @@ class MixedPrecisionPolicy:
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
+
+
+@dataclass
+class UnitStats:
+    """Where a unit's communication time went: waits are time the training thread was blocked."""
+
+    gathers: int = 0
+    gather_wait_s: float = 0.0
+    """Blocked waiting for an all-gather: what prefetching did not hide."""
+    reduces: int = 0
+    reduce_wait_s: float = 0.0
+    """Blocked at the end of backward waiting for a reduce-scatter."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +93,7 @@ class FlatGroup:
             for f in fulls
         ]
         self._gather: tuple[Any, torch.Tensor] | None = None
+        self.stats = UnitStats()
 
     @property
     def full_bytes(self) -> int:
@@ -105,7 +119,10 @@ class FlatGroup:
         assert self._gather is not None
         work, out = self._gather
         self._gather = None
+        start = time.perf_counter()
         work.wait()
+        self.stats.gather_wait_s += time.perf_counter() - start
+        self.stats.gathers += 1
         if self._storage.nbytes() != self._nbytes:
             self._storage.resize_(self._nbytes)
         with torch.no_grad():
@@ -130,7 +147,10 @@ class FlatGroup:
         if handle is None:
             return
         work, out, _send = handle
+        start = time.perf_counter()
         work.wait()
+        self.stats.reduce_wait_s += time.perf_counter() - start
+        self.stats.reduces += 1
         with torch.no_grad():
             for slot, piece in zip(self.slots, self.layout.piece_views(out)):
                 if not slot.shard.requires_grad:
