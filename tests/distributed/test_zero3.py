@@ -166,3 +166,138 @@ def test_stage3_matches_unsharded_ddp(zero3_run: list[Outcome], case: str) -> No
         # The policy computes every op in bf16 (autocast keeps softmax and norms in fp32),
         # so it may drift somewhat further than autocast does; the same order is the bar.
         assert got["bf16_gap"] <= 3 * got["autocast_gap"] + 1e-4, got
+
+
+# --------------------------------------------------------------- what it refuses
+
+
+class ReachesIntoBlock(nn.Module):
+    """The head reuses a sharded block's weight by reference: outside that block's forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.block(x))
+        return self.head(h) + F.linear(h, self.block.weight).sum(-1, keepdim=True)
+
+
+def _used_outside_forward(rank: int) -> str:
+    model = ReachesIntoBlock()
+    phalanx.fully_shard(model.block)
+    phalanx.fully_shard(model)
+    x, y = regression_batch(rank, 0, 0)
+    try:
+        mse_loss(model(x), y).backward()
+    except zero3.ShardUseError as exc:
+        return str(exc)
+    return "no error"
+
+
+def _wrapped_twice(rank: int) -> str:
+    block = nn.Linear(4, 4)
+    phalanx.fully_shard(block)
+    try:
+        phalanx.fully_shard(block)
+    except phalanx.ConfigurationError as exc:
+        return str(exc)
+    return "no error"
+
+
+def _tied_across_units(rank: int) -> str:
+    model = TinyGPT()
+    model.blocks[0].fc.weight = nn.Parameter(torch.randn(32, 16))
+    model.blocks[1].fc.weight = model.blocks[0].fc.weight  # tied between two blocks
+    phalanx.fully_shard(model.blocks[0])
+    try:
+        phalanx.fully_shard(model.blocks[1])
+        phalanx.fully_shard(model)
+    except phalanx.ConfigurationError as exc:
+        return str(exc)
+    return "no error"
+
+
+class SkipsBlock(nn.Module):
+    """Block 1 runs on even steps only (on every rank alike), and one block is frozen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 24)
+        self.blocks = nn.ModuleList(nn.Linear(24, 24) for _ in range(3))
+        self.blocks[2].requires_grad_(False)
+        self.out = nn.Linear(24, 4)
+
+    def forward(self, x: Tensor, step: int) -> Tensor:
+        h = torch.tanh(self.inp(x))
+        for i, block in enumerate(self.blocks):
+            if i != 1 or step % 2 == 0:
+                h = torch.tanh(block(h))
+        return self.out(h)
+
+
+def _skipped_unit(rank: int) -> dict[str, float]:
+    finals = []
+    for how in ("ddp", "zero3"):
+        torch.manual_seed(5)
+        net = SkipsBlock()
+        if how == "zero3":
+            for block in net.blocks:
+                phalanx.fully_shard(block)
+            model: Any = phalanx.fully_shard(net)
+        else:
+            model = phalanx.DistributedDataParallel(net, find_unused_parameters=True)
+        opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=0.01)
+        for step in range(6):
+            x, y = regression_batch(rank, step, 0)
+            mse_loss(model(x, step), y).backward()
+            opt.step()
+            opt.zero_grad()
+        if how == "zero3":
+            finals.append(zero3.full_state_dict(model, to=0) or {})
+        else:
+            finals.append({k.removeprefix("module."): v for k, v in model.state_dict().items()})
+    return {"gap": _gap(finals[0], finals[1]) if rank == 0 else 0.0}
+
+
+LIMITS = {
+    "used_outside_forward": _used_outside_forward,
+    "wrapped_twice": _wrapped_twice,
+    "tied_across_units": _tied_across_units,
+    "skipped_unit": _skipped_unit,
+}
+
+
+def _limits(rank: int, world_size: int) -> dict[str, Any]:
+    return run_scenarios({k: functools.partial(f, rank) for k, f in LIMITS.items()}, rank)
+
+
+@pytest.fixture(scope="module")
+def limits_run() -> list[Outcome]:
+    return run_workers(_limits, 2, timeout=120)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(
+    ("case", "fragment"),
+    [
+        ("used_outside_forward", "block.weight"),
+        ("wrapped_twice", "already a fully_shard unit"),
+        ("tied_across_units", "tied"),
+    ],
+)
+def test_refusals_are_one_clear_error_on_every_rank(
+    limits_run: list[Outcome], case: str, fragment: str
+) -> None:
+    for o in limits_run:
+        assert fragment in o.value[case], f"rank {o.rank}: {o.value[case]}"
+
+
+@pytest.mark.timeout(150)
+def test_a_unit_skipped_on_some_steps_and_a_frozen_unit_train_like_ddp(
+    limits_run: list[Outcome],
+) -> None:
+    got = limits_run[0].value["skipped_unit"]
+    assert "error" not in got, got
+    assert got["gap"] <= 1e-5, got

@@ -43,16 +43,25 @@ class ShardParameter(nn.Parameter):
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = nn.Parameter.__torch_function__(func, types, args, kwargs or {})
+        try:
+            out = nn.Parameter.__torch_function__(func, types, args, kwargs or {})
+        except Exception as exc:  # a shape error, most likely: the op wanted the whole tensor
+            if torch.is_grad_enabled():
+                raise _misuse(args) from exc
+            raise
         if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.grad_fn is not None:
-            shard = next(a for a in _flat(args) if isinstance(a, ShardParameter))
-            raise ShardUseError(
-                f"parameter '{getattr(shard, 'qualified_name', '?')}' of a fully_shard unit was "
-                "used in a computation outside that unit's forward, where only this rank's "
-                "piece exists — use it only inside the unit's forward, or fully_shard a module "
-                "that contains every module using it (tied weights belong in one unit)"
-            )
+            raise _misuse(args)
         return out
+
+
+def _misuse(args: Any) -> ShardUseError:
+    shard = next((a for a in _flat(args) if isinstance(a, ShardParameter)), None)
+    return ShardUseError(
+        f"parameter '{getattr(shard, 'qualified_name', '?')}' of a fully_shard unit was used "
+        "in a computation outside that unit's forward, where only this rank's piece exists "
+        "— use it only inside the unit's forward, or fully_shard a module that contains "
+        "every module using it (tied weights belong in one unit)"
+    )
 
 
 def _flat(args: Any) -> list[Any]:

@@ -33,6 +33,11 @@ from phalanx.zero3.params import ShardParameter
 from phalanx.zero3.unit import FlatGroup, Managed, MixedPrecisionPolicy, build_groups
 
 _STATE = "_phalanx_unit"
+# Which unit cut each original parameter: a parameter still registered whole somewhere
+# else (tied weights) must not be cut a second time by another unit. Weak: it keeps no
+# parameter alive, and a parameter no module holds any more drops out by itself.
+# Keyed by id(): tensors compare elementwise, so they cannot be dictionary keys.
+_CUT_BY: dict[int, tuple[weakref.ref[nn.Parameter], str]] = {}
 
 
 class Unit:
@@ -58,8 +63,6 @@ class Unit:
         self.expected = sum(s.full.requires_grad for g in groups for s in g.slots)
         self.arrived = 0
         self.reducing: list[tuple[FlatGroup, Any]] | None = None
-        self.originals: list[weakref.ref[nn.Parameter]] = []
-        """The parameters this unit took over, to refuse them to a unit above (tied weights)."""
         for g in groups:
             for slot in g.slots:
                 if slot.full.requires_grad:
@@ -121,6 +124,10 @@ class Root:
         self.units = [u for m in unit.module.modules() if (u := getattr(m, _STATE, None))]
         for u in self.units:
             u.root = self
+        for name, module in unit.module.named_modules(remove_duplicate=False):
+            for pname, p in module._parameters.items():
+                if isinstance(p, ShardParameter):  # names relative to the whole model now
+                    p.qualified_name = f"{name}.{pname}" if name else pname
         self.order: list[Unit] = []
         self.recording = True
         self.backward_queued = False
@@ -234,7 +241,7 @@ def fully_shard(
     group = process_group if process_group is not None else dist.group.WORLD
     assert group is not None
     managed = _unmanaged_parameters(module)
-    _refuse_shared_with_units_below(module, managed)
+    _refuse_parameters_of_other_units(module, managed)
     if managed:
         verify_same_parameters([(m.fqn, m.param) for m in managed], group)
         broadcast_coalesced([m.param for m in managed], group)
@@ -245,7 +252,8 @@ def fully_shard(
             slot.register(slot.shard)
         g.free()
     unit = Unit(module, groups, group, policy, reshard_after_forward, broadcast_buffers)
-    unit.originals = [weakref.ref(m.param) for m in managed]
+    for m in managed:
+        _CUT_BY[id(m.param)] = (weakref.ref(m.param), f"{type(module).__name__} (at '{m.fqn}')")
     setattr(module, _STATE, unit)
     module.register_forward_pre_hook(_pre_forward, with_kwargs=True)
     module.register_forward_hook(_post_forward)
@@ -268,20 +276,20 @@ def _unmanaged_parameters(module: nn.Module) -> list[Managed]:
     return [Managed(p, fqn, tuple(owners[key])) for key, (p, fqn) in first.items()]
 
 
-def _refuse_shared_with_units_below(module: nn.Module, managed: list[Managed]) -> None:
-    """A parameter already cut by a unit below, still registered whole here: tied across units."""
-    for name, sub in module.named_modules():
-        below = getattr(sub, _STATE, None)
-        if below is None or sub is module:
-            continue
-        originals = {id(p) for ref in below.originals if (p := ref()) is not None}
-        for m in managed:
-            if id(m.param) in originals:
-                raise ConfigurationError(
-                    f"parameter '{m.fqn}' is shared with the fully_shard unit '{name}' (tied "
-                    "weights) — a tied parameter must live in one unit: do not fully_shard "
-                    f"'{name}' on its own, or move every user of the parameter inside it"
-                )
+def _refuse_parameters_of_other_units(module: nn.Module, managed: list[Managed]) -> None:
+    """A parameter another unit already cut, still registered whole here: tied across units."""
+    for key, (ref, _) in list(_CUT_BY.items()):
+        if ref() is None:
+            del _CUT_BY[key]  # prune: that parameter is gone
+    for m in managed:
+        entry = _CUT_BY.get(id(m.param))
+        other = entry[1] if entry is not None and entry[0]() is m.param else None
+        if other is not None:
+            raise ConfigurationError(
+                f"parameter '{m.fqn}' of {type(module).__name__} is also a parameter of the "
+                f"fully_shard unit {other} (tied weights) — a tied parameter must live in one "
+                "unit: fully_shard only a module that contains every user of it (e.g. the root)"
+            )
 
 
 def unit_of(module: nn.Module) -> Unit | None:
