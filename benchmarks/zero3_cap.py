@@ -15,6 +15,7 @@ decides: a rank over its limit is killed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -53,10 +54,8 @@ def remove_empty_cgroups() -> None:
     """The ranks' cgroups, once their processes are gone (a cgroup with members stays)."""
     for root in (CGROUP_V1, CGROUP_V2):
         for group in root.glob("phalanx-cap-*"):
-            try:
+            with contextlib.suppress(OSError):
                 group.rmdir()
-            except OSError:
-                pass
 
 
 def cgroups_usable() -> bool:
