@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from phalanx.data.sampler import DistributedSampler
     from phalanx.ddp import comm_hooks
     from phalanx.ddp.module import DistributedDataParallel
+    from phalanx.diagnostics.replicas import check_replicas
     from phalanx.optim.zero import ZeroRedundancyOptimizer
     from phalanx.runtime import World, init, launched_by_launcher, shutdown
     from phalanx.train import Trainer, TrainingArguments
@@ -34,6 +35,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "comm_hooks": ("phalanx.ddp.comm_hooks", None),
     "ZeroRedundancyOptimizer": ("phalanx.optim.zero", "ZeroRedundancyOptimizer"),
     "fully_shard": ("phalanx.zero3", "fully_shard"),
+    "check_replicas": ("phalanx.diagnostics.replicas", "check_replicas"),
     "MixedPrecisionPolicy": ("phalanx.zero3", "MixedPrecisionPolicy"),
 }
 
@@ -48,6 +50,7 @@ __all__ = [
     "TrainingArguments",
     "World",
     "ZeroRedundancyOptimizer",
+    "check_replicas",
     "comm_hooks",
     "fully_shard",
     "init",

@@ -1,0 +1,1 @@
+"""What a run can tell about itself: replica checks, progress records, timelines."""
