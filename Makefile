@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 # The CPU build of torch; GPU users install their own torch before `pip install phalanx`.
 TORCH  ?= torch==2.13.0
 
-.PHONY: venv test test-slow lint demo bench clean
+.PHONY: venv test test-slow gpu-check lint demo bench clean
 
 venv: $(VENV)/.installed
 
@@ -25,6 +25,11 @@ test: lint
 
 test-slow: venv
 	$(VENV)/bin/pytest -q -m slow
+
+# The checks only a CUDA machine can run (tests/gpu/, skipped without one). On a machine
+# whose python already has a CUDA torch: PYTHONPATH=src python -m pytest -q tests/gpu
+gpu-check: venv
+	$(VENV)/bin/pytest -q tests/gpu
 
 # The main job: 2 ranks through our launcher, first the hand-written loop, then the Trainer.
 demo: venv
