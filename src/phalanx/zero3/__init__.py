@@ -10,6 +10,7 @@ from torch import nn
 
 from phalanx.optim.zero_state import clip_pieces
 from phalanx.zero3.params import ShardParameter, ShardUseError, full_shape_of
+from phalanx.zero3.policy import Policy, by_class_names, repeated_blocks, shard_model
 from phalanx.zero3.state import (
     full_optimizer_state_dict,
     full_state_dict,
@@ -26,8 +27,10 @@ from phalanx.zero3.wrap import fully_shard, unit_of
 
 __all__ = [
     "MixedPrecisionPolicy",
+    "Policy",
     "ShardParameter",
     "ShardUseError",
+    "by_class_names",
     "clip_grad_norm_",
     "communication_stats",
     "full_optimizer_state_dict",
@@ -38,8 +41,10 @@ __all__ = [
     "load_full_state_dict",
     "load_model_sharded",
     "load_optimizer_sharded",
+    "repeated_blocks",
     "save_model_sharded",
     "save_optimizer_sharded",
+    "shard_model",
     "shard_parameters",
     "sharded_state_dict",
     "unit_of",
