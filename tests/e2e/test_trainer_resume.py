@@ -133,10 +133,25 @@ def test_checkpoints_are_complete_directories_and_rotate(tmp_path: Path) -> None
     _trainer(tmp_path, save_total_limit=2).train()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4", "checkpoint-6"]
     newest = tmp_path / "checkpoint-6"
-    files = json.loads((newest / MANIFEST).read_text())["files"]
-    assert {"model.pt", "optimizer.pt", "scheduler.pt", "trainer_state.pt"} <= files.keys()
-    assert "rng/rank-00000.pt" in files and "args.json" in files
-    state = torch.load(newest / "trainer_state.pt", weights_only=True)
+    manifest = json.loads((newest / MANIFEST).read_text())
+    assert manifest["entries"] == {
+        "trainer": "replicated",
+        "model": "replicated",
+        "optimizer": "replicated",
+        "scheduler": "replicated",
+        "sampler": "replicated",
+        "rng": "per_rank",
+    }
+    assert sorted(manifest["files"]) == [
+        "args.json",
+        "model.pt",
+        "optimizer.pt",
+        "rng/rank-00000.pt",
+        "sampler.pt",
+        "scheduler.pt",
+        "trainer.pt",
+    ]
+    state = torch.load(newest / "trainer.pt", weights_only=True)
     assert (state["global_step"], state["world_size"]) == (6, 1)
     assert state["args"]["save_total_limit"] == 2
 
