@@ -61,7 +61,9 @@ def test_a_job_killed_mid_run_resumes_to_bit_identical_parameters(tmp_path: Path
 
     _ok(_run(PHALANX, broken, tmp_path / "b.pt", "--save-steps", "5", "--resume"))
     summary = json.loads((tmp_path / "b.json").read_text())
-    assert summary == {"global_step": 20, "resumed_from": str(broken / "checkpoint-10")}
+    assert (summary["global_step"], summary["resumed_from"]) == (20, str(broken / "checkpoint-10"))
+    whole_loss = json.loads((tmp_path / "a.json").read_text())["train_loss"]
+    assert summary["train_loss"] == pytest.approx(whole_loss, rel=1e-6)  # the mean since step 0
     a, b = torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt")
     assert a.keys() == b.keys()
     for name in a:
@@ -72,20 +74,38 @@ def test_a_job_killed_mid_run_resumes_to_bit_identical_parameters(tmp_path: Path
     assert logged == [4, 8, 12, 16, 20]
 
 
-def test_the_launcher_restarts_a_killed_job_and_it_ends_bit_identical(tmp_path: Path) -> None:
-    """Lose a worker without losing the run: --max-restarts plus resume_from_checkpoint=True."""
+@pytest.mark.timeout(2 * RUN_TIMEOUT_S + 30)
+@pytest.mark.parametrize("stage", [1, 2])
+def test_the_launcher_restarts_a_killed_job_and_it_ends_bit_identical(
+    tmp_path: Path, stage: int
+) -> None:
+    """Lose a worker without losing the run: --max-restarts plus resume_from_checkpoint=True.
+
+    Under ZeRO too (stages 1 and 2): the optimizer state comes back from the
+    shards every rank wrote through torch.distributed.checkpoint.
+    """
     whole, restarted = tmp_path / "whole", tmp_path / "restarted"
-    _ok(_run(PHALANX, whole, tmp_path / "a.pt"))
+    zero = ("--zero-stage", str(stage))
+    _ok(_run(PHALANX, whole, tmp_path / "a.pt", *zero))
     launcher = [*PHALANX[:-2], "--max-restarts", "1", *PHALANX[-2:]]
     run = _run(
         launcher,
-        *(restarted, tmp_path / "b.pt", "--save-steps", "5", "--resume"),
+        *(restarted, tmp_path / "b.pt", "--save-steps", "5", "--resume", *zero),
         *("--kill-after-step", "13", "--kill-on-first-attempt-only"),
     )
     _ok(run)
-    assert "SIGKILL" in run.stdout + run.stderr, "the first attempt should have been killed"
+    printed = run.stdout + run.stderr
+    assert "SIGKILL" in printed, "the first attempt should have been killed"
+    # What rank 0 tells the console: 8 steps per epoch, so step 10 is 2 steps (4
+    # micro-batches of 4 samples on 2 ranks) into epoch 1.
+    assert "saved checkpoint-5 (" in printed
+    assert "restart 1 of 1: resuming…" in printed
+    assert "resumed from checkpoint-10 (step 10, epoch 1, sample 32 of the epoch)" in printed
     summary = json.loads((tmp_path / "b.json").read_text())
-    assert summary == {"global_step": 20, "resumed_from": str(restarted / "checkpoint-10")}
+    assert summary["global_step"] == 20
+    assert summary["resumed_from"] == str(restarted / "checkpoint-10")
+    entries = json.loads((restarted / "checkpoint-20" / MANIFEST).read_text())["entries"]
+    assert entries["optimizer"] == ("sharded" if stage else "replicated")
     a, b = torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt")
     for name in a:
         assert torch.equal(a[name], b[name]), name

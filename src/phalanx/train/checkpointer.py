@@ -2,11 +2,12 @@
 
 Saving takes turns in one temporary directory (checkpoint.py makes it atomic):
 
-1. every rank hands rank 0 its per-rank states (one gather);
-2. rank 0 writes the replicated entries as `<name>.pt` and the per-rank ones
-   as `<name>/rank-XXXXX.pt`;
-3. every rank calls `save_sharded(<tmp>/<name>)` of each sharded entry (DCP:
+1. every rank hands rank 0 its per-rank states (one gather), and rank 0
+   makes the empty `checkpoint-<step>.tmp/`;
+2. every rank calls `save_sharded(<tmp>/<name>)` of each sharded entry (DCP:
    each rank writes its own files);
+3. rank 0 writes the replicated entries as `<name>.pt` and the per-rank ones
+   as `<name>/rank-XXXXX.pt`;
 4. after a barrier, rank 0 hashes and fsyncs every file, including the ones
    the other ranks wrote, writes the manifest, renames, rotates.
 
@@ -102,10 +103,14 @@ class Checkpointer:
             if placements[name] == "per_rank"
         }
         tmp = staging_dir(self.output_dir, step)
+        self._turn(tmp, step, partial(begin, self.output_dir, step), everyone=False)
+        for name, entry in states.items():
+            if placements[name] == "sharded":
+                save = partial(_sharded(name, entry).save_sharded, tmp / name)
+                self._turn(tmp, step, save, everyone=True, part=name)
         written: dict[str, dict[str, Any]] = {}
 
         def write_on_main() -> None:
-            begin(self.output_dir, step)
             for name, entry in states.items():
                 if placements[name] == "replicated":
                     file = replicated_file(name)
@@ -118,10 +123,6 @@ class Checkpointer:
                 written[file] = write_file(tmp, file, data)
 
         self._turn(tmp, step, write_on_main, everyone=False)
-        for name, entry in states.items():
-            if placements[name] == "sharded":
-                save = partial(_sharded(name, entry).save_sharded, tmp / name)
-                self._turn(tmp, step, save, everyone=True)
         sealed: list[Path] = []
 
         def seal_on_main() -> None:
@@ -133,8 +134,18 @@ class Checkpointer:
         size = int(self.world.broadcast_object(size))
         return Saved(tmp.with_name(f"{PREFIX}{step}"), size, time.perf_counter() - started)
 
-    def _turn(self, tmp: Path, step: int, action: Callable[[], None], everyone: bool) -> None:
-        """Run `action` (on rank 0, or on every rank), then meet; any failure fails all."""
+    def _turn(
+        self,
+        tmp: Path,
+        step: int,
+        action: Callable[[], object],
+        everyone: bool,
+        part: str | None = None,
+    ) -> None:
+        """Run `action` (on rank 0, or on every rank), then meet; any failure fails all.
+
+        `part` names the sharded entry every rank is writing, for the message.
+        """
         error: PhalanxError | None = None
         if everyone or self.world.is_main:
             try:
@@ -142,7 +153,7 @@ class Checkpointer:
             except PhalanxError as exc:
                 error = exc
             except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
-                error = CheckpointError(self._write_failure(tmp, step, exc))
+                error = CheckpointError(self._write_failure(tmp, step, exc, part))
         try:
             self.world.barrier_or_raise(error)
         except PhalanxError:
@@ -150,10 +161,10 @@ class Checkpointer:
                 discard(tmp)  # every rank is past its writes: nothing is still writing here
             raise
 
-    def _write_failure(self, tmp: Path, step: int, exc: BaseException) -> str:
+    def _write_failure(self, tmp: Path, step: int, exc: BaseException, part: str | None) -> str:
         existing = [path for _, path in list_checkpoints(self.output_dir)]
         kept = f"{existing[0].name} is intact" if existing else "there is no earlier checkpoint"
-        reason, on_disk = _reason(exc, tmp)
+        reason, on_disk = _reason(exc, tmp if part is None else tmp / part)
         fix = (
             f"free space or fix permissions in {self.output_dir}"
             if on_disk
@@ -286,7 +297,7 @@ def _reason(exc: BaseException, tmp: Path) -> tuple[str, bool]:
         # directory brings the system's reason back.
         probed = _probe(tmp)
         cause = probed or _first_line(exc.failures[ranks[0]][0])
-        return f"rank(s) {ranks} could not write their part ({cause})", probed is not None
+        return f"rank(s) {ranks} could not write their shards ({cause})", probed is not None
     probed = _probe(tmp) if "unexpected pos" in str(exc) else None
     if probed is not None:
         return probed, True
