@@ -221,6 +221,22 @@ def test_a_checkpoint_with_unsafe_pickles_is_refused_by_weights_only(tmp_path: P
         _trainer(tmp_path).train(resume_from_checkpoint=path)
 
 
+def test_train_loss_is_the_runs_mean_and_a_finished_run_has_nothing_to_do(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = _trainer(tmp_path, report_to=["jsonl"], logging_steps=1).train()
+    logged = [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").open()]
+    assert len(logged) == 6
+    assert out.train_loss == pytest.approx(sum(logged) / 6, rel=1e-6)  # not the last step's
+    again = _trainer(tmp_path, report_to=["jsonl"]).train(resume_from_checkpoint=True)
+    assert (again.global_step, again.train_loss) == (6, pytest.approx(out.train_loss, rel=1e-12))
+    printed = capsys.readouterr().out
+    assert "saved checkpoint-6 (" in printed and " kB, " in printed
+    assert "resumed from checkpoint-6 (step 6, epoch 1, sample 8 of the epoch)" in printed
+    assert "already at max_steps (6) — nothing to do" in printed
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 6  # left as it was
+
+
 class _Crash(Exception):
     pass
 
