@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import asdict
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.optim import AdamW, Optimizer
+from torch.utils.data import DataLoader, Dataset
 
+from phalanx.data.sampler import DistributedSampler
 from phalanx.ddp.module import DistributedDataParallel
 from phalanx.errors import ConfigurationError
 from phalanx.optim.zero import ZeroRedundancyOptimizer
@@ -120,6 +124,32 @@ def check_user_optimizer(optimizer: Optimizer, args: TrainingArguments) -> None:
             f"take your {type(optimizer).__name__} — drop optimizer= (and set learning_rate "
             "and weight_decay), or keep your optimizer with zero_stage=0"
         )
+
+
+def train_loader(
+    dataset: Dataset[Any],
+    sampler: DistributedSampler,
+    args: TrainingArguments,
+    collate_fn: Callable[[list[Any]], Any] | None,
+    generator: torch.Generator,
+) -> DataLoader[Any]:
+    """This rank's micro-batches; an epoch with none of them is an error naming the fix."""
+    loader: DataLoader[Any] = DataLoader(
+        dataset,
+        batch_size=args.per_device_train_batch_size,
+        sampler=sampler,
+        num_workers=args.dataloader_num_workers,
+        collate_fn=collate_fn,
+        drop_last=args.dataloader_drop_last,
+        generator=generator,
+    )
+    if len(loader) == 0:
+        raise ConfigurationError(
+            f"the training set ({len(sampler)} samples for this rank) gives no "
+            f"micro-batch of {args.per_device_train_batch_size} — lower "
+            "per_device_train_batch_size or set dataloader_drop_last=False"
+        )
+    return loader
 
 
 def wrap_model(model: nn.Module, args: TrainingArguments, world: World) -> nn.Module:

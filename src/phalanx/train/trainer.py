@@ -13,7 +13,6 @@ between steps, on every rank together.
 from __future__ import annotations
 
 import json
-import logging
 import math
 import warnings
 from collections.abc import Callable, Iterator
@@ -25,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from phalanx.data.sampler import DistributedSampler
 from phalanx.ddp.module import DistributedDataParallel
@@ -52,6 +51,7 @@ from phalanx.train.setup import (
     join_world,
     prepare_model,
     release,
+    train_loader,
     wrap_model,
 )
 from phalanx.train.stateful import Stateful
@@ -64,8 +64,6 @@ from phalanx.train.trainer_state import (
     TrainState,
     resume_warning,
 )
-
-logger = logging.getLogger("phalanx.train")
 
 
 @dataclass(frozen=True)
@@ -147,22 +145,10 @@ class Trainer:
         # Its own generator: making an iterator must not draw from the global RNG,
         # or a resumed run (which makes one mid-epoch) would shift the dropout masks.
         self._loader_generator = torch.Generator()
-        self.train_loader: DataLoader[Any] = DataLoader(
-            dataset,
-            batch_size=args.per_device_train_batch_size,
-            sampler=self.sampler,
-            num_workers=args.dataloader_num_workers,
-            collate_fn=self.collate_fn,
-            drop_last=args.dataloader_drop_last,
-            generator=self._loader_generator,
+        self.train_loader = train_loader(
+            dataset, self.sampler, args, self.collate_fn, self._loader_generator
         )
         self.micro_batches_per_epoch = len(self.train_loader)
-        if self.micro_batches_per_epoch == 0:
-            raise ConfigurationError(
-                f"the training set ({len(self.sampler)} samples for this rank) gives no "
-                f"micro-batch of {args.per_device_train_batch_size} — lower "
-                "per_device_train_batch_size or set dataloader_drop_last=False"
-            )
         steps_per_epoch = math.ceil(self.micro_batches_per_epoch / args.gradient_accumulation_steps)
         self.max_steps = (
             args.max_steps
@@ -219,15 +205,15 @@ class Trainer:
         self._check_open()
         if self.train_dataset is None:
             raise ConfigurationError("train() needs a train_dataset — pass one to the Trainer")
-        fresh = resume_from_checkpoint is None or resume_from_checkpoint is False
+        resume = resume_from_checkpoint if resume_from_checkpoint is not None else False
         restart = restart_note()
         if restart is not None:
-            self._report.say(f"{restart}: " + ("starting afresh" if fresh else "resuming…"))
-        prepare_output_dir(self.world, self.args, fresh)
+            self._report.say(f"{restart}: " + ("resuming…" if resume else "starting afresh"))
+        prepare_output_dir(self.world, self.args, fresh=resume is False)
         seed_everything(self.args.seed)
         self.state = TrainState()
         self._make_entries()
-        resumed_from = None if fresh else self._resume(resume_from_checkpoint)  # type: ignore[arg-type]
+        resumed_from = None if resume is False else self._resume(resume)
         if self.state.global_step >= self.max_steps:
             self._rng.restore()
             self._report.say(f"already at max_steps ({self.max_steps}) — nothing to do")
