@@ -24,6 +24,7 @@ import phalanx
 from phalanx.errors import CheckpointError, ConfigurationError
 from phalanx.train import Trainer, TrainingArguments
 from phalanx.train.checkpoint import MANIFEST, verify_checkpoint
+from tests.distributed.test_zero_state import _same
 from tests.harness import run_workers
 
 STAGES = (1, 2)
@@ -94,16 +95,6 @@ def _phase(rank: int, world: int, root: str, runs: list[tuple[str, int]]) -> dic
         for stage in STAGES
         for tag, steps in runs
     }
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, list | tuple):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    return bool(a == b)
 
 
 def _saved(root: Path, stage: int, tag: str) -> Any:
