@@ -34,7 +34,7 @@ gpu-check: venv
 # The main job: 2 ranks through our launcher, first the hand-written loop, then the Trainer.
 demo: venv
 	$(VENV)/bin/phalanx launch --nproc-per-node 2 examples/digits.py
-	$(VENV)/bin/phalanx launch --nproc-per-node 2 examples/digits_trainer.py --no-resume
+	$(VENV)/bin/phalanx launch --nproc-per-node 2 examples/digits_trainer.py --no-resume --overwrite_output_dir
 
 bench: venv
 	$(PY) benchmarks/ddp_step.py

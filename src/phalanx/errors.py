@@ -12,6 +12,7 @@ __all__ = [
     "CheckpointError",
     "ConfigurationError",
     "MasterUnreachableError",
+    "OutputError",
     "PhalanxError",
     "ReducerError",
     "RendezvousError",
@@ -45,3 +46,8 @@ class MasterUnreachableError(PhalanxError):
 
 class CheckpointError(PhalanxError):
     """A checkpoint is missing, torn or corrupt, or cannot be written."""
+
+
+class OutputError(PhalanxError):
+    """A file the Trainer writes (metrics, output_dir itself) cannot be written: full disk,
+    read-only file system, no permission."""
