@@ -1,6 +1,6 @@
 """ZeRO in the Trainer: sharded checkpoints through DCP that reshard between world sizes.
 
-A world-4 run with zero_stage 1 and 2 saves mid-epoch; a world-2 run resumes
+A world-4 run with zero_stage 1, 2 and 3 saves mid-epoch; a world-2 run resumes
 that checkpoint and must hold exactly the state the world-4 run consolidated
 (parameters and optimizer state, compared as whole tensors); it trains on
 and saves, and a world-4 run resumes that and must hold exactly the world-2
@@ -21,13 +21,14 @@ from torch import Tensor, nn
 from torch.utils.data import TensorDataset
 
 import phalanx
+from phalanx import zero3
 from phalanx.errors import CheckpointError, ConfigurationError
 from phalanx.train import Trainer, TrainingArguments
 from phalanx.train.checkpoint import MANIFEST, verify_checkpoint
 from tests.distributed.test_zero_state import _same
 from tests.harness import run_workers
 
-STAGES = (1, 2)
+STAGES = (1, 2, 3)
 
 
 class _Net(nn.Module):
@@ -73,10 +74,19 @@ def _train_and_consolidate(out_dir: Path, stage: int, max_steps: int, tag: str) 
         warnings.simplefilter("always")
         out = trainer.train(resume_from_checkpoint=True)
     optimizer = trainer.optimizer
-    assert isinstance(optimizer, phalanx.ZeroRedundancyOptimizer)
-    optimizer.consolidate_state_dict(to=0)
+    if stage == 3:  # the model holds pieces, the optimizer is a plain AdamW over them
+        state = {
+            "model": zero3.full_state_dict(trainer.model, to=0),
+            "optimizer": zero3.full_optimizer_state_dict(optimizer, to=0),
+        }
+        local = optimizer
+    else:
+        assert isinstance(optimizer, phalanx.ZeroRedundancyOptimizer)
+        optimizer.consolidate_state_dict(to=0)
+        local = optimizer.optim
+        if trainer.world.is_main:
+            state = {"model": trainer.model.state_dict(), "optimizer": optimizer.state_dict()}
     if trainer.world.is_main:
-        state = {"model": trainer.model.state_dict(), "optimizer": optimizer.state_dict()}
         torch.save(state, out_dir / f"{tag}.pt")
     return {
         "step": out.global_step,
@@ -84,7 +94,7 @@ def _train_and_consolidate(out_dir: Path, stage: int, max_steps: int, tag: str) 
         "batches_done": trainer.state.batches_done,
         "train_loss": out.train_loss,
         "warnings": [str(w.message) for w in caught],
-        "local_numel": sum(s.numel() for s in optimizer.optim.state_dict()["state"][0].values()),
+        "local_numel": sum(s.numel() for s in local.state_dict()["state"][0].values()),
     }
 
 

@@ -75,14 +75,15 @@ def test_a_job_killed_mid_run_resumes_to_bit_identical_parameters(tmp_path: Path
 
 
 @pytest.mark.timeout(2 * RUN_TIMEOUT_S + 30)
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_the_launcher_restarts_a_killed_job_and_it_ends_bit_identical(
     tmp_path: Path, stage: int
 ) -> None:
     """Lose a worker without losing the run: --max-restarts plus resume_from_checkpoint=True.
 
-    Under ZeRO too (stages 1 and 2): the optimizer state comes back from the
-    shards every rank wrote through torch.distributed.checkpoint.
+    Under ZeRO too (stages 1 to 3): the optimizer state (and under stage 3 the
+    model's pieces) come back from the shards every rank wrote through
+    torch.distributed.checkpoint.
     """
     whole, restarted = tmp_path / "whole", tmp_path / "restarted"
     zero = ("--zero-stage", str(stage))

@@ -82,6 +82,8 @@ class ZeroRedundancyOptimizer(Optimizer):
         self.parameters_as_bucket_view = parameters_as_bucket_view
         """Accepted for torch's signature; the all-gather always goes through flat buffers."""
         self.shard_gradients = shard_gradients
+        self._reducer_scatters = False
+        """Stage 2 is live: the reducer delivers each piece's gradient (else step slices .grad)."""
         self._params: list[torch.nn.Parameter] = []
         self._pieces: list[Piece] = []
         self._shards: list[torch.Tensor] = []
@@ -170,7 +172,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         self._check_wrapped()
         self._consolidated = None
         self._push_hyperparameters()
-        if not self.shard_gradients:
+        if not self._reducer_scatters:
             self._slice_gradients()
         if closure is not None or not isinstance(self.optim, ELEMENTWISE):
             loss = self.optim.step(closure) if closure is not None else self.optim.step()
@@ -249,7 +251,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         Equal to `torch.nn.utils.clip_grad_norm_` over the full averaged gradients,
         which under stage 2 no rank holds: each rank sums its pieces' partial norms.
         """
-        if not self.shard_gradients:
+        if not self._reducer_scatters:
             self._slice_gradients()
         return zero_state.clip_pieces(self._shards, max_norm, norm_type, self.process_group)
 
@@ -316,7 +318,8 @@ class ZeroRedundancyOptimizer(Optimizer):
         reducers = {id(r): r for p in self._params if p.requires_grad and (r := reducer_of(p))}
         self._check_wrapped()
         if self.world_size == 1 and not reducers:
-            return
+            return  # one rank, no wrapper: the one piece is the whole .grad, sliced at step
+
         if len(reducers) != 1:
             raise ConfigurationError(
                 f"shard_gradients=True needs the optimizer's parameters wrapped by exactly one "
@@ -346,6 +349,7 @@ class ZeroRedundancyOptimizer(Optimizer):
             id(p): (s, piece) for p, s, piece in zip(self._params, self._shards, self._pieces)
         }
         reducer.set_reduction(ReduceScatter(reducer.group, shards))
+        self._reducer_scatters = True
 
 
 def _group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:

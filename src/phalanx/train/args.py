@@ -90,9 +90,14 @@ class TrainingArguments(Config):
     """Recompute activations in backward to save memory; calls the model's
     gradient_checkpointing_enable(), so the model must have one."""
     zero_stage: ZeroStage = 0
-    """ZeRO sharding of the Trainer's AdamW over the ranks: 1 shards the optimizer state,
-    2 also the gradients; checkpoints are then sharded (torch.distributed.checkpoint) and
-    reshard to another world size. 3 (parameters too) is not implemented yet."""
+    """ZeRO sharding over the ranks: 1 shards the optimizer state, 2 also the gradients,
+    3 also the parameters (each unit of zero3_units gathered only while it computes);
+    checkpoints are then sharded (torch.distributed.checkpoint) and reshard to another
+    world size."""
+    zero3_units: list[str] | None = None
+    """Under zero_stage=3, the class names of the modules that become units (e.g. "Block",
+    "GPT2Block", "LlamaDecoderLayer"); None takes the model's repeated blocks (the heaviest
+    list of modules of one class). The root is always a unit too."""
 
     # ----------------------------------------------------------- logging, evaluation, saving
     logging_steps: int = 10
@@ -297,9 +302,9 @@ def _check_ddp(args: TrainingArguments) -> None:
         f"ddp_bucket_cap_mb={cap} must be > 0 MiB — the default is 25",
     )
     _require(
-        args.zero_stage != 3,
-        "zero_stage=3 is not implemented in the Trainer yet — use zero_stage=1 or 2 "
-        "(optimizer state, and gradients, sharded)",
+        args.zero3_units is None or args.zero_stage == 3,
+        f"zero3_units={args.zero3_units} only means something with zero_stage=3 — set "
+        "zero_stage=3, or drop zero3_units",
     )
 
 

@@ -57,6 +57,7 @@ from phalanx.train.checkpoint import (
     write_file,
 )
 from phalanx.train.stateful import (
+    Entry,
     Placement,
     ShardedStateful,
     Stateful,
@@ -92,13 +93,13 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ save
     def save(
-        self, states: Mapping[str, Stateful], step: int, notes: Mapping[str, bytes] | None = None
+        self, states: Mapping[str, Entry], step: int, notes: Mapping[str, bytes] | None = None
     ) -> Saved:
         """Write every entry of `states` as checkpoint-<step>; `notes`: extra files for people."""
         started = time.perf_counter()
         placements = {name: placement_of(entry) for name, entry in states.items()}
         per_rank = {
-            name: self.world.all_gather_object(entry.state_dict())
+            name: self.world.all_gather_object(_stateful(name, entry).state_dict())
             for name, entry in states.items()
             if placements[name] == "per_rank"
         }
@@ -114,7 +115,7 @@ class Checkpointer:
             for name, entry in states.items():
                 if placements[name] == "replicated":
                     file = replicated_file(name)
-                    written[file] = write_file(tmp, file, entry.state_dict())
+                    written[file] = write_file(tmp, file, _stateful(name, entry).state_dict())
                 for rank, state in enumerate(per_rank.get(name, [])):
                     written[per_rank_file(name, rank)] = write_file(
                         tmp, per_rank_file(name, rank), state
@@ -223,7 +224,7 @@ class Checkpointer:
         return path
 
     # ------------------------------------------------------------------ load
-    def load(self, path: Path, states: Mapping[str, Stateful]) -> None:
+    def load(self, path: Path, states: Mapping[str, Entry]) -> None:
         """Load every entry from `path` (already verified by rank 0); every rank calls it."""
         manifest: dict[str, Any] = {}
 
@@ -234,10 +235,12 @@ class Checkpointer:
             for name, entry in states.items():
                 placement = placement_of(entry)
                 if placement == "replicated":
-                    entry.load_state_dict(load_file(path, replicated_file(name), manifest))
+                    state = load_file(path, replicated_file(name), manifest)
+                    _stateful(name, entry).load_state_dict(state)
                 elif placement == "per_rank":
                     rank = self.world.rank % ranks_saved(manifest, name)
-                    entry.load_state_dict(load_file(path, per_rank_file(name, rank), manifest))
+                    state = load_file(path, per_rank_file(name, rank), manifest)
+                    _stateful(name, entry).load_state_dict(state)
 
         self._load_turn(path, load_local)
         for name, entry in states.items():
@@ -256,6 +259,15 @@ class Checkpointer:
                 f"{_first_line(exc)}) — resume with the model and optimizer that wrote it"
             )
         self.world.barrier_or_raise(error)
+
+
+def _stateful(name: str, entry: object) -> Stateful:
+    if not isinstance(entry, Stateful):
+        raise CheckpointError(
+            f"checkpoint entry {name!r} has no state_dict/load_state_dict — give it those "
+            "methods, or declare it sharded (save_sharded/load_sharded)"
+        )
+    return entry
 
 
 def _sharded(name: str, entry: object) -> ShardedStateful:

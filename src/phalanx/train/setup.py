@@ -13,6 +13,7 @@ from torch import nn
 from torch.optim import AdamW, Optimizer
 from torch.utils.data import DataLoader, Dataset
 
+from phalanx import zero3
 from phalanx.data.sampler import DistributedSampler
 from phalanx.ddp.module import DistributedDataParallel
 from phalanx.errors import ConfigurationError
@@ -92,14 +93,15 @@ def build_optimizer(model: nn.Module, args: TrainingArguments, world: World) -> 
         raise ConfigurationError(
             "the model has no trainable parameter — unfreeze some (requires_grad=True)"
         )
-    decay = [p for p in trainable if p.dim() >= 2]
-    no_decay = [p for p in trainable if p.dim() < 2]
+    # By the parameter's real shape: under stage 3 the model holds 1-D pieces.
+    decay = [p for p in trainable if len(zero3.full_shape_of(p)) >= 2]
+    no_decay = [p for p in trainable if len(zero3.full_shape_of(p)) < 2]
     groups = [
         {"params": decay, "weight_decay": args.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
     groups = [g for g in groups if g["params"]]
-    if args.zero_stage == 0:
+    if args.zero_stage in (0, 3):  # stage 3's AdamW steps the model's pieces as they are
         return AdamW(groups, lr=args.learning_rate)
     return ZeroRedundancyOptimizer(
         groups,
@@ -118,7 +120,17 @@ def check_user_optimizer(optimizer: Optimizer, args: TrainingArguments) -> None:
             "(stage 2 must hook that wrapper) — pass zero_stage=1 or 2 instead of "
             "optimizer=ZeroRedundancyOptimizer(...)"
         )
-    if args.zero_stage > 0:
+    if args.zero_stage == 3:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if not all(isinstance(p, zero3.ShardParameter) for p in params):
+            raise ConfigurationError(
+                "zero_stage=3 shards the model, so an optimizer built over its whole "
+                "parameters steps tensors the model no longer uses — shard the model first "
+                "(phalanx.zero3.shard_model) and build the optimizer over model.parameters(), "
+                "or drop optimizer= and let the Trainer build AdamW"
+            )
+        return
+    if args.zero_stage in (1, 2):
         raise ConfigurationError(
             f"zero_stage={args.zero_stage} shards the AdamW the Trainer builds, so it cannot "
             f"take your {type(optimizer).__name__} — drop optimizer= (and set learning_rate "
@@ -153,7 +165,17 @@ def train_loader(
 
 
 def wrap_model(model: nn.Module, args: TrainingArguments, world: World) -> nn.Module:
-    """phalanx DDP with the arguments' DDP options, or the model itself in a world of one."""
+    """phalanx DDP with the arguments' DDP options, or the model itself in a world of one.
+
+    Under zero_stage=3 the model is sharded in place instead (its units, then the
+    root; in a world of one too, so checkpoints have one layout whatever the size)
+    unless it arrives sharded already, and the loop calls it as it is.
+    """
+    if args.zero_stage == 3:
+        if zero3.unit_of(model) is None:
+            policy = zero3.by_class_names(args.zero3_units) if args.zero3_units else None
+            zero3.shard_model(model, policy)
+        return model
     if not world.is_distributed:
         return model  # one rank has nothing to all-reduce: skip the hooks and their cost
     # A model wrapped before (by an earlier Trainer) is unhooked from that wrapper by DDP itself.

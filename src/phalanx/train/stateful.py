@@ -48,6 +48,10 @@ class ShardedStateful(Protocol):
     def load_sharded(self, directory: Path) -> None: ...
 
 
+Entry = Stateful | ShardedStateful
+"""What a checkpoint holds under each name: torch's protocol, or the sharded one."""
+
+
 def placement_of(entry: object) -> Placement:
     """Where `entry`'s state lives: its declared placement, else sharded or replicated."""
     declared = getattr(entry, "checkpoint_placement", None)

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
+from phalanx import zero3
 from phalanx.optim.zero import ZeroRedundancyOptimizer
 from phalanx.train.args import TrainingArguments
 
@@ -31,6 +32,8 @@ def clip_gradients(model: nn.Module, optimizer: Optimizer, max_norm: float) -> T
         # The norm from the shards (one all-reduce): under stage 2 no rank holds the
         # whole gradient that torch's clip would read.
         return optimizer.clip_grad_norm_(max_norm)
+    if zero3.unit_of(model) is not None:
+        return zero3.clip_grad_norm_(model, max_norm)  # stage 3: the same, over its pieces
     params = [p for p in model.parameters() if p.grad is not None]
     return torch.nn.utils.clip_grad_norm_(params, max_norm)
 

@@ -54,13 +54,14 @@ from phalanx.train.setup import (
     train_loader,
     wrap_model,
 )
-from phalanx.train.stateful import Stateful
+from phalanx.train.stateful import Entry
 from phalanx.train.step import autocast_for, optimizer_step
 from phalanx.train.trainer_state import (
     Counters,
     ResumeWarning,
     RngStreams,
     SamplerPosition,
+    ShardedModel,
     TrainState,
     resume_warning,
 )
@@ -170,17 +171,18 @@ class Trainer:
         )
         self._rng = RngStreams()
 
-    def checkpoint_states(self) -> dict[str, Stateful]:
+    def checkpoint_states(self) -> dict[str, Entry]:
         """Everything a checkpoint holds, one entry each: new state is one more entry here.
 
         The placement of each (stateful.py) says who writes it: the ZeRO
         optimizer is sharded, "rng" per rank, the rest replicated. "trainer"
         comes first: it loads the counters the others' messages use.
         """
-        states: dict[str, Stateful] = {
+        sharded = self.args.zero_stage == 3  # the model holds pieces: both go through DCP
+        states: dict[str, Entry] = {
             "trainer": self._counters,
-            "model": self.model,
-            "optimizer": self.optimizer,
+            "model": ShardedModel(self.model) if sharded else self.model,
+            "optimizer": ShardedModel(self.model, self.optimizer) if sharded else self.optimizer,
             "scheduler": self.scheduler,
         }
         if self.scaler is not None:

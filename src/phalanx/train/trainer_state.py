@@ -17,8 +17,13 @@ checkpoint's global sample count, rounded down to a whole optimizer step
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Final
 
+from torch import nn
+from torch.optim import Optimizer
+
+from phalanx import zero3
 from phalanx.data.sampler import DistributedSampler
 from phalanx.errors import ConfigurationError
 from phalanx.runtime import World
@@ -221,3 +226,27 @@ def resume_warning(name: str, counters: Counters, position: SamplerPosition) -> 
     else:
         parts.append("the data position carries over exactly")
     return parts[0] + " — " + "; ".join(parts[1:])
+
+
+class ShardedModel:
+    """Checkpoint entries "model" and "optimizer" under zero_stage=3: pieces, written by
+    every rank through torch.distributed.checkpoint (which reshards on load)."""
+
+    checkpoint_placement: Placement = "sharded"
+
+    def __init__(self, model: nn.Module, optimizer: Optimizer | None = None) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        """None: this entry is the model's pieces; else this optimizer's state of them."""
+
+    def save_sharded(self, directory: Path) -> None:
+        if self.optimizer is None:
+            zero3.save_model_sharded(self.model, directory)
+        else:
+            zero3.save_optimizer_sharded(self.optimizer, directory)
+
+    def load_sharded(self, directory: Path) -> None:
+        if self.optimizer is None:
+            zero3.load_model_sharded(self.model, directory)
+        else:
+            zero3.load_optimizer_sharded(self.optimizer, directory)

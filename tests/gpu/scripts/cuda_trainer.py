@@ -44,6 +44,7 @@ def main() -> None:
         save_steps=opts.save_steps,
         per_device_train_batch_size=16,
         learning_rate=1e-2,
+        lr_scheduler_type="constant",  # the same schedule for 12 steps straight and 6 + 6
         fp16=opts.precision == "fp16",
         bf16=opts.precision == "bf16",
         report_to=[],
