@@ -50,8 +50,10 @@ def save_sharded(view: PieceOptimizer, directory: Path) -> None:
             for key, value in entry.items()
         }
     groups = {str(g): group for g, group in enumerate(view.plain_groups())}
+    # The whole shapes, so a consolidation without the model can restore them.
+    shapes = {str(i): list(shape) for i, shape in enumerate(view.shapes)}
     dcp.save(
-        {"state": state, "param_groups": groups},
+        {"state": state, "param_groups": groups, "shapes": shapes},
         checkpoint_id=str(directory),
         process_group=view.group,
     )
