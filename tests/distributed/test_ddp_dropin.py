@@ -174,6 +174,44 @@ def _refusals(rank: int) -> dict[str, str]:
     return messages
 
 
+REFUSED_METHODS = [
+    "join",
+    "join_hook",
+    "_register_fused_optim",
+    "_register_buffer_comm_hook",
+    "_get_ddp_logging_data",
+    "_set_ddp_runtime_logging_sample_rate",
+    "_set_sparse_metadata",
+    "_update_process_group",
+]
+
+
+def _surface(rank: int) -> dict[str, Any]:
+    """torch's smaller methods: the provided ones do what torch's do, the refused ones say so."""
+    torch.manual_seed(rank)
+    net = MLPWithStats()
+    model = ddp_under_test()(net)
+    result: dict[str, Any] = {"syncs_before": model.will_sync_module_buffers()}
+    model.broadcast_buffers = False  # the older name must reach forward_sync_buffers
+    result["syncs_after_off"] = model.will_sync_module_buffers()
+    x, y = regression_batch(rank, 0, 0)
+    mse_loss(model(x), y).backward()
+    model._check_reducer_finalized()
+    result["synced_grad_spread"] = spread_from_rank0(flat([net.fc2.weight.grad]))
+    model._remove_autograd_hooks()
+    net.zero_grad()
+    mse_loss(model(x), y).backward()  # no longer reduced: each rank keeps its own gradient
+    result["local_grad_spread"] = spread_from_rank0(flat([net.fc2.weight.grad]))
+    result["refused"] = {}
+    for method in REFUSED_METHODS:
+        try:
+            getattr(model, method)(None)
+            result["refused"][method] = "accepted"
+        except Exception as exc:
+            result["refused"][method] = f"{type(exc).__name__}: {exc}"
+    return result
+
+
 def _builtin_hook(ddp: Any) -> None:
     ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
 
@@ -277,7 +315,7 @@ PARITY: dict[str, Callable[[int], dict[str, Any]]] = {
 # What torch's DDP cannot pass, so `PHALANX_TEST_DDP=torch` (which checks the tests
 # themselves) leaves out: torch's skip_all_reduce_unused_params hangs when ranks
 # differ, and torch accepts the arguments phalanx refuses.
-PHALANX_ONLY = {"skip_unused_bucket_ranks_differ", "refusals"}
+PHALANX_ONLY = {"skip_unused_bucket_ranks_differ", "refusals", "surface"}
 
 
 def _torch_under_test() -> bool:
@@ -291,6 +329,7 @@ def _all(rank: int, world_size: int) -> dict[str, Any]:
     scenarios["ignore_via_helper"] = functools.partial(_ignore_list, rank, False)
     scenarios["ignore_via_attribute"] = functools.partial(_ignore_list, rank, True)
     scenarios["refusals"] = functools.partial(_refusals, rank)
+    scenarios["surface"] = functools.partial(_surface, rank)
     if _torch_under_test():
         scenarios = {k: v for k, v in scenarios.items() if k not in PHALANX_ONLY}
     return run_scenarios(scenarios, rank)
@@ -363,3 +402,16 @@ def test_refused_arguments_name_themselves(dropin_run: list[Outcome]) -> None:
             argument = case.split("=")[0]
             assert message.startswith(error_type), f"{case}: {message}"
             assert argument in message and "\n" not in message, f"{case}: {message}"
+
+
+@pytest.mark.timeout(200)
+def test_smaller_torch_methods_work_or_refuse_by_name(dropin_run: list[Outcome]) -> None:
+    for o in _per_rank(dropin_run, "surface"):
+        got = o.value
+        assert "error" not in got, got.get("error")
+        assert got["syncs_before"] and not got["syncs_after_off"], got
+        assert got["synced_grad_spread"] == 0.0, got
+        assert got["local_grad_spread"] > 0, f"_remove_autograd_hooks left the reducer: {got}"
+        for method, message in got["refused"].items():
+            assert message.startswith("NotSupportedError"), f"{method}: {message}"
+            assert method.strip("_") in message and "\n" not in message, f"{method}: {message}"

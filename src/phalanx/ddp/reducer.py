@@ -28,13 +28,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from phalanx.ddp import reducer_errors
 from phalanx.ddp.autograd import EndOfBackward
 from phalanx.ddp.buckets import Bucket, assign_buckets
 from phalanx.ddp.reductions import AllReduce, BucketReduction
 from phalanx.ddp.signals import StepSignals
 from phalanx.ddp.static_graph import GradientCounts
+from phalanx.ddp.sync import rank0_order
 from phalanx.ddp.unused import UnusedParameters
-from phalanx.errors import ReducerError
 
 
 class Phase(Enum):
@@ -180,18 +181,12 @@ class Reducer:
             return
         self._rebuilt = True
         self._recording_arrival = False
-        n = len(self.params)
-        order = torch.full((n,), -1, dtype=torch.int64)
         # A parameter counted several times (static_graph's first backward) is ready at
         # its last gradient: keep that arrival.
         arrival = list(dict.fromkeys(reversed(self._arrival)))[::-1]
-        if arrival:
-            order[: len(arrival)] = torch.tensor(arrival, dtype=torch.int64)
-        order = order.to(self.signals.device)
-        dist.broadcast(order, src=dist.get_global_rank(self.group, 0), group=self.group)
-        seen = [i for i in order.tolist() if i >= 0]
+        seen = rank0_order(arrival, len(self.params), self.group, self.signals.device)
         seen_set = set(seen)
-        new_order = seen + [i for i in reversed(range(n)) if i not in seen_set]
+        new_order = seen + [i for i in reversed(range(len(self.params))) if i not in seen_set]
         self._arrival = []
         self.stats.rebuilds += 1
         new = assign_buckets(self.params, new_order, self.bucket_caps)
@@ -201,21 +196,14 @@ class Reducer:
     def set_static_graph(self) -> None:
         """`_set_static_graph()`: from the next synced backward on, as static_graph=True."""
         if self._backwards_seen or self.phase is not Phase.IDLE:
-            raise ReducerError(
-                "_set_static_graph() was called after training started — call it right after "
-                "wrapping the model, before the first forward, or pass static_graph=True"
-            )
+            raise reducer_errors.static_graph_too_late()
         self.counts.start_recording()
         self.unused.make_static()
 
     def check_finalized(self) -> None:
         """`_check_reducer_finalized()`: the last synced backward finished its reduction."""
         if self.phase in (Phase.REDUCING, Phase.RECORDING):
-            raise ReducerError(
-                "the last synced backward did not finish its gradient reduction — a backward "
-                "was interrupted, or ran outside the autograd engine; run forward and "
-                "backward again before optimizer.step()"
-            )
+            raise reducer_errors.not_finalized()
 
     # ------------------------------------------------------------- iteration
     def prepare_for_backward(self, outputs: Any, sync: bool) -> None:
@@ -269,23 +257,19 @@ class Reducer:
                 self._mark_unused_ready()
                 return True
             self.phase = phase = Phase.RECORDING
-        if phase is Phase.RECORDING:
-            self._used[i] = 1
-            self.counts.count(i)
-            if self._recording_arrival:
-                self._arrival.append(i)
-            return False
-        if phase is Phase.LOCAL_ARMED:
+        elif phase is Phase.LOCAL_ARMED:
             self._begin_backward()
             self.phase = phase = Phase.LOCAL
-        if phase is Phase.LOCAL:
+        elif phase is Phase.REDUCED:
+            self._raise_ready_twice(i)
+        if phase is Phase.RECORDING or phase is Phase.LOCAL:
             self._used[i] = 1
             if self._recording_arrival:
                 self._arrival.append(i)
-            if self.gradient_as_bucket_view:
+            if phase is Phase.RECORDING:
+                self.counts.count(i)
+            elif self.gradient_as_bucket_view:
                 self._bucket_of[i].accumulate_in_view(self._slot_of[i], param)
-        elif phase is Phase.REDUCED:
-            self._raise_ready_twice(i)
         return False
 
     def _begin_backward(self) -> None:
@@ -406,40 +390,13 @@ class Reducer:
 
     # ----------------------------------------------------------------- errors
     def _raise_ready_twice(self, i: int) -> None:
-        changed = (
-            "; with static_graph=True this means the graph changed since the first iteration"
-            if self.unused.static_graph
-            else ""
-        )
-        raise ReducerError(
-            f"parameter '{self.names[i]}' was marked ready twice in one iteration: its gradient "
-            "arrived after it had already been reduced (a second backward through the same "
-            "forward, a parameter used outside forward(), or one used by several reentrant "
-            f"checkpoints{changed}) — run one forward per backward through the DDP model, "
-            "accumulate with no_sync(), or pass static_graph=True when the graph is the same "
-            "every iteration"
-        )
+        raise reducer_errors.ready_twice(self.names[i], self.unused.static_graph)
 
     def _raise_for_failed_ranks(self, failed: list[int]) -> None:
-        if any(self._fires_left):
-            self._raise_missing_gradients(failed)
-        raise ReducerError(
-            f"rank(s) {failed} received no gradient for some parameters in this backward (their "
-            "own error names them) — pass find_unused_parameters=True to "
-            "DistributedDataParallel if some parameters are legitimately unused on some ranks"
-        )
-
-    def _raise_missing_gradients(self, failed: list[int]) -> None:
         missing = [self.names[i] for i, left in enumerate(self._fires_left) if left]
-        shown = ", ".join(missing[:20]) + (
-            f" and {len(missing) - 20} more" if len(missing) > 20 else ""
-        )
-        raise ReducerError(
-            f"{len(missing)} parameter(s) received no gradient in this backward (ranks with "
-            f"missing gradients: {failed}): {shown} — pass find_unused_parameters=True to "
-            "DistributedDataParallel if some parameters are legitimately unused, or make sure "
-            "every parameter contributes to the loss"
-        )
+        if missing:
+            raise reducer_errors.missing_gradients(missing, failed)
+        raise reducer_errors.missing_elsewhere(failed)
 
     def remove_hooks(self) -> None:
         for handle in self._handles:

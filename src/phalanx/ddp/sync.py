@@ -106,3 +106,16 @@ def _broadcast_chunk(chunk: list[torch.Tensor], group: dist.ProcessGroup, src: i
             return
         values = torch.split(flat, [t.numel() for t in chunk])
         torch._foreach_copy_(chunk, [v.view_as(t) for v, t in zip(values, chunk)])
+
+
+def rank0_order(
+    arrival: list[int], n: int, group: dist.ProcessGroup, device: torch.device
+) -> list[int]:
+    """Rank 0's `arrival` (distinct indices below `n`), on every rank: the bucket rebuild
+    must lay out identical buckets everywhere."""
+    order = torch.full((n,), -1, dtype=torch.int64)
+    if arrival:
+        order[: len(arrival)] = torch.tensor(arrival, dtype=torch.int64)
+    order = order.to(device)
+    dist.broadcast(order, src=dist.get_global_rank(group, 0), group=group)
+    return [i for i in order.tolist() if i >= 0]

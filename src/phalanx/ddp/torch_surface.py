@@ -78,6 +78,7 @@ class TorchSurface:
         self._ddp_sink_clone = val
 
     # ------------------------------------------------------------ refused
+    # Any arguments: whatever a caller passes, it gets the reason, not a TypeError.
     def join(self, *args: Any, **kwargs: Any) -> NoReturn:
         _refuse(
             "join()",
@@ -102,26 +103,26 @@ class TorchSurface:
             "(broadcast_buffers=True), or turn it off and reduce your buffers yourself",
         )
 
-    def _get_ddp_logging_data(self) -> NoReturn:
+    def _get_ddp_logging_data(self, *args: Any, **kwargs: Any) -> NoReturn:
         _refuse(
             "_get_ddp_logging_data()",
             "it reads torch's C++ DDP logger, which phalanx does not have — read the "
             "reducer's counters in model.reducer.stats",
         )
 
-    def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> NoReturn:
+    def _set_ddp_runtime_logging_sample_rate(self, *args: Any, **kwargs: Any) -> NoReturn:
         _refuse(
             "_set_ddp_runtime_logging_sample_rate()",
             "phalanx has no runtime logger to sample — model.reducer.stats counts every step",
         )
 
-    def _set_sparse_metadata(self, global_unique_ids: Any) -> NoReturn:
+    def _set_sparse_metadata(self, *args: Any, **kwargs: Any) -> NoReturn:
         _refuse(
             "_set_sparse_metadata()",
             "sparse gradients are not supported — use nn.Embedding(sparse=False)",
         )
 
-    def _update_process_group(self, new_process_group: Any) -> NoReturn:
+    def _update_process_group(self, *args: Any, **kwargs: Any) -> NoReturn:
         _refuse(
             "_update_process_group()",
             "a live reducer keeps its group — wrap the module again with "
