@@ -36,8 +36,8 @@ def _train(ddp_class: Any, build: Any, kwargs: dict[str, Any]) -> list[float]:
 def _both(rank: int, world_size: int) -> dict[str, float]:
     import phalanx
 
-    dist.init_process_group("nccl", init_method="env://")
     torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method="env://", device_id=torch.device("cuda", 0))
     gaps = {}
     cases = {
         "reentrant_head": (CheckpointedHead, {}),

@@ -68,9 +68,7 @@ class ReducerStats:
 
     sync_rounds: int = 0  # backward passes whose gradients were reduced
     buckets_launched: int = 0  # bucket collectives launched
-    buckets_skipped: int = (
-        0  # buckets unused on every rank, not sent (skip_all_reduce_unused_params)
-    )
+    buckets_skipped: int = 0  # not sent, unused on every rank (skip_all_reduce_unused_params)
     collectives: int = 0  # every collective launched for gradients (buckets + step signals)
     comm_wait_s: float = 0.0  # time spent waiting on communication at the end of backward
     rebuilds: int = 0  # bucket rebuilds (at most one)
