@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from phalanx.errors import ConfigurationError, PhalanxError, ReducerError
+from phalanx.errors import ConfigurationError, NotSupportedError, PhalanxError, ReducerError
 
 if TYPE_CHECKING:
     from phalanx.data.sampler import DistributedSampler
@@ -44,6 +44,7 @@ __all__ = [
     "DistributedDataParallel",
     "DistributedSampler",
     "MixedPrecisionPolicy",
+    "NotSupportedError",
     "PhalanxError",
     "ReducerError",
     "Trainer",

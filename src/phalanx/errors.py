@@ -12,6 +12,7 @@ __all__ = [
     "CheckpointError",
     "ConfigurationError",
     "MasterUnreachableError",
+    "NotSupportedError",
     "OutputError",
     "PhalanxError",
     "ReducerError",
@@ -34,6 +35,11 @@ class UsageError(ConfigurationError):
 
 class ReducerError(PhalanxError):
     """The gradient reducer saw a state that would give wrong gradients or a hang."""
+
+
+class NotSupportedError(PhalanxError, NotImplementedError):
+    """A torch feature phalanx does not provide on purpose: the message says why, and what
+    to use instead (never silently ignored)."""
 
 
 class RendezvousError(PhalanxError):
