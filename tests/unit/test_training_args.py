@@ -64,7 +64,7 @@ BAD_VALUES: list[tuple[str, Any, str]] = [
     ("save_steps", -1, "save_steps=-1"),
     ("save_total_limit", 0, "would delete every checkpoint"),
     ("report_to", ["console", "wandb"], "report_to names ['wandb']"),
-    ("zero_stage", 3, "zero_stage=3 is not implemented in the Trainer yet"),
+    ("zero3_units", ["Block"], "only means something with zero_stage=3"),
     ("zero_stage", 4, "zero_stage=4 is unknown — use one of [0, 1, 2, 3]"),
     ("ddp_backend", "", "ddp_backend is empty"),
     ("ddp_timeout", 0.0, "ddp_timeout=0.0"),

@@ -25,8 +25,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
-from phalanx.ddp.autograd import at_end_of_backward
-from phalanx.ddp.sync import broadcast_coalesced, verify_same_parameters
+from phalanx.ddp.autograd import EndOfBackward
+from phalanx.ddp.sync import broadcast_coalesced, verify_same_state
 from phalanx.errors import ConfigurationError
 from phalanx.nested import iter_tensors, map_tensors
 from phalanx.zero3.params import ShardParameter
@@ -130,7 +130,7 @@ class Root:
                     p.qualified_name = f"{name}.{pname}" if name else pname
         self.order: list[Unit] = []
         self.recording = True
-        self.backward_queued = False
+        self._end = EndOfBackward(self.end_of_backward)
         # DDP's rule, kept for parity with it: buffers follow rank 0 before the first forward
         # and before any forward that follows a gradient-tracked one.
         self._broadcast_next = True
@@ -138,7 +138,6 @@ class Root:
     def begin_forward(self) -> None:
         if self.recording and self.order:
             self.recording = False
-        self.backward_queued = False
         broadcast, self._broadcast_next = self._broadcast_next, torch.is_grad_enabled()
         if broadcast and self.unit.broadcast_buffers:
             buffers = list(self.unit.module.buffers())
@@ -152,9 +151,8 @@ class Root:
         return self.order[i] if 0 <= i < len(self.order) else None
 
     def queue_end_of_backward(self) -> None:
-        if not self.backward_queued:
-            self.backward_queued = True
-            at_end_of_backward(self.end_of_backward)
+        """Called from the first unit backward hook, which fires in the outermost backward."""
+        self._end.queue()
 
     def end_of_backward(self) -> None:
         """Every unit's gradients reduced into the pieces; every unit freed."""
@@ -164,7 +162,6 @@ class Root:
         for u in self.units:
             u.finish_reduce()
             u.reshard()
-        self.backward_queued = False
 
 
 # ------------------------------------------------------------------- hooks
@@ -243,7 +240,7 @@ def fully_shard(
     managed = _unmanaged_parameters(module)
     _refuse_parameters_of_other_units(module, managed)
     if managed:
-        verify_same_parameters([(m.fqn, m.param) for m in managed], group)
+        verify_same_state([(m.fqn, m.param) for m in managed], [], group)
         broadcast_coalesced([m.param for m in managed], group)
     policy = mp_policy or MixedPrecisionPolicy()
     groups = build_groups(managed, group, policy)
