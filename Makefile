@@ -36,8 +36,11 @@ demo: venv
 	$(VENV)/bin/phalanx launch --nproc-per-node 2 examples/digits.py
 	$(VENV)/bin/phalanx launch --nproc-per-node 2 examples/digits_trainer.py --no-resume --overwrite_output_dir
 
+# The suite (benchmarks/suite.py, ~20 min): DDP step vs torch at worlds 2 and 4, the bucket
+# sweep, the launcher's start-up; plots need matplotlib, the `bench` extra.
 bench: venv
-	$(PY) benchmarks/ddp_step.py
+	$(PY) -m pip install -q -e ".[bench]"
+	$(PY) benchmarks/suite.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info
