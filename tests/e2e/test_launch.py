@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from phalanx.launch import devices
+from phalanx.storeclient import ATTEMPT_KEY
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "tests" / "e2e" / "scripts"
@@ -75,12 +76,14 @@ def wait_for(paths: Sequence[Path], timeout_s: float = 20.0) -> None:
 
 
 @pytest.fixture
-def listening_port() -> Iterator[int]:
-    """A port something listens on, standing in for a master on another node."""
-    with socket.socket() as server:
-        server.bind(("127.0.0.1", 0))
-        server.listen()
-        yield int(server.getsockname()[1])
+def master_store() -> Iterator[int]:
+    """A torch store serving attempt 0, standing in for node 0's launcher on another node."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    store.set(ATTEMPT_KEY, "0")
+    yield int(store.port)
+    del store
 
 
 # --- environment -------------------------------------------------------------------------
@@ -99,7 +102,7 @@ def test_every_rank_gets_torchrun_environment(tmp_path: Path) -> None:
         assert (env["GROUP_RANK"], env["GROUP_WORLD_SIZE"]) == ("0", "1")
         assert env["MASTER_ADDR"] == "127.0.0.1"
         assert env["PHALANX_RESTART_COUNT"] == env["TORCHELASTIC_RESTART_COUNT"] == "0"
-        assert env["TORCHELASTIC_USE_AGENT_STORE"] == "False"
+        assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"  # the launcher hosts the store
         assert env["OMP_NUM_THREADS"] == threads
         assert env["PYTHONUNBUFFERED"] == "1"
         assert env["GLOO_SOCKET_IFNAME"] is None  # one node: loopback is right
@@ -125,9 +128,9 @@ def test_user_settings_are_kept(tmp_path: Path) -> None:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("user_ifname", [None, "eth7"])
 def test_second_node_ranks_and_interface(
-    tmp_path: Path, listening_port: int, user_ifname: str | None
+    tmp_path: Path, master_store: int, user_ifname: str | None
 ) -> None:
-    flags = f"--nnodes 2 --node-rank 1 --master-addr 127.0.0.1 --master-port {listening_port}"
+    flags = f"--nnodes 2 --node-rank 1 --master-addr 127.0.0.1 --master-port {master_store}"
     result = launch(f"{flags} --nproc-per-node 2 --rdzv-timeout 20", SCRIPTS / "env_dump.py",
                     tmp_path, env=_env(GLOO_SOCKET_IFNAME=user_ifname))  # fmt: skip
     assert result.returncode == 0, result.stderr
@@ -135,7 +138,7 @@ def test_second_node_ranks_and_interface(
         assert env["RANK"] == str(2 + local_rank)
         assert env["LOCAL_RANK"] == str(local_rank)
         assert (env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"], env["GROUP_RANK"]) == ("4", "2", "1")
-        assert env["MASTER_PORT"] == str(listening_port)
+        assert env["MASTER_PORT"] == str(master_store)
         # A master on loopback has no interface to pin; a user's choice passes untouched.
         assert env["GLOO_SOCKET_IFNAME"] == user_ifname
 
@@ -148,9 +151,8 @@ def test_unreachable_master_fails_with_a_clear_message(tmp_path: Path) -> None:
         flags = f"--nnodes 2 --node-rank 1 --master-addr 127.0.0.1 --master-port {port}"
         result = launch(f"{flags} --rdzv-timeout 1", SCRIPTS / "env_dump.py", tmp_path)
     assert result.returncode == 1
-    assert f"cannot reach the master at 127.0.0.1:{port} after 1s — check --master-addr" in (
-        result.stderr
-    )
+    assert f"cannot reach the master at 127.0.0.1:{port} after 1s (" in result.stderr
+    assert "— check --master-addr" in result.stderr
     assert list(tmp_path.iterdir()) == []  # no worker was started
 
 
@@ -257,8 +259,8 @@ def test_restarts(tmp_path: Path, max_restarts: int, code: int) -> None:
     attempts = range(max_restarts + 1)
     seen = [json.loads((tmp_path / f"attempt_0_{n}.json").read_text()) for n in attempts]
     assert [s["TORCHELASTIC_RESTART_COUNT"] for s in seen] == [str(n) for n in attempts]
-    ports = [s["MASTER_PORT"] for s in seen]
-    assert len(set(ports)) == len(ports)  # a fresh port per restart
+    # One port for the whole run: the launcher holds it, and serves each attempt a fresh store.
+    assert len({s["MASTER_PORT"] for s in seen}) == 1
     assert not (tmp_path / f"attempt_0_{max_restarts + 1}.json").exists()
 
 
@@ -321,7 +323,7 @@ def test_gpu_count_reads_driver_and_visible_devices(tmp_path: Path) -> None:
         ("--nnodes 2 --node-rank 2 --master-addr h SCRIPT OUT", "--node-rank 2 is outside 0..1"),
         ("--nproc-per-node 0 SCRIPT OUT", "--nproc-per-node must be at least 1"),
         ("--standalone --nnodes 2 SCRIPT OUT", "--standalone is for one node"),
-        ("--rdzv-backend c10d SCRIPT OUT", "phalanx does not do"),
+        ("--rdzv-backend etcd SCRIPT OUT", "needs an external service"),
         ("no_such_script.py OUT", "script 'no_such_script.py' not found"),
         ("", "the following arguments are required: script"),
     ],

@@ -29,6 +29,7 @@ from phalanx.ddp.buckets import FIRST_BUCKET_BYTES, Bucket, assign_buckets
 from phalanx.ddp.reductions import AllReduce, BucketReduction
 from phalanx.ddp.signals import StepSignals
 from phalanx.ddp.unused import UnusedParameters
+from phalanx.diagnostics import progress
 from phalanx.errors import ReducerError
 
 
@@ -246,6 +247,7 @@ class Reducer:
         buckets, k = self.buckets, self._next_launch
         while k < len(buckets) and buckets[k].pending == 0:
             buckets[k].launch(self.reduction)
+            progress.collective("ddp all_reduce bucket", k, self.stats.sync_rounds + 1)
             self.stats.buckets_launched += 1
             self.stats.collectives += 1
             k += 1

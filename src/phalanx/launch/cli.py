@@ -10,6 +10,7 @@ import argparse
 import shutil
 import signal
 import sys
+import uuid
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
@@ -18,13 +19,25 @@ from typing import Any, NoReturn
 from phalanx.errors import ConfigurationError, PhalanxError, UsageError
 from phalanx.launch.agent import Agent
 from phalanx.launch.config import (
+    DEFAULT_GRACE_S,
     DEFAULT_MULTINODE_PORT,
     DEFAULT_RDZV_TIMEOUT_S,
     LaunchConfig,
     parse_nnodes,
     parse_nproc,
+    parse_signals,
 )
 from phalanx.launch.output import OutputSink
+from phalanx.launch.rdzvflags import DEFAULT_C10D_PORT, store_site
+from phalanx.launch.routing import (
+    ERR,
+    OUT,
+    OutputRouting,
+    parse_filters,
+    parse_ranks,
+    parse_std,
+)
+from phalanx.netif import is_local_address
 
 USAGE_EXIT = 2
 TOP_USAGE = """usage: phalanx <command> [args]
@@ -74,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NPROC",
     )
     add("--nnodes", "nodes in the job; default 1", default="1", metavar="N")
-    add("--node-rank", "this node's index, from 0", type=int, default=0, metavar="R")
+    add("--node-rank", "this node's index, from 0 (c10d: assigned when not given)", type=int,
+        metavar="R")  # fmt: skip
     add(
         "--master-addr",
         "address of node 0, where rank 0 listens; needed with --nnodes > 1",
@@ -112,15 +126,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--rdzv-backend",
-        "only static (fixed node ranks) is supported",
+        "static (node ranks given with --node-rank) or c10d (assigned at rendezvous)",
         default="static",
         metavar="NAME",
     )
     add(
         "--rdzv-endpoint",
-        "HOST[:PORT], the same as --master-addr HOST --master-port PORT",
+        "HOST[:PORT] of the store: static, the same as --master-addr/--master-port; c10d, "
+        f"the host whose launcher hosts it (port {DEFAULT_C10D_PORT} by default)",
         metavar="HOST:PORT",
     )
+    add(
+        "--rdzv-conf",
+        "KEY=VALUE,... : timeout (as --rdzv-timeout), join_timeout, read_timeout, is_host",
+        metavar="CONF",
+    )
+    add("--local-addr", "this node's own address (its store, interface and identity)",
+        metavar="ADDR")  # fmt: skip
     add(
         "--monitor-interval",
         "seconds between checks of the workers; default 0.1",
@@ -128,8 +150,43 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.1,
         metavar="S",
     )
+    add(
+        "--shutdown-timeout",
+        f"seconds between SIGTERM and SIGKILL when stopping workers; default {DEFAULT_GRACE_S:g}",
+        type=float,
+        default=DEFAULT_GRACE_S,
+        metavar="S",
+    )
+    add(
+        "--signals-to-handle",
+        "signals that stop the job; default SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+        default=None,
+        metavar="SIGS",
+    )
+    add("--role", "ROLE_NAME of the workers; default 'default'", default="default",
+        metavar="ROLE")  # fmt: skip
     add("-m --module", "run the target as a module, like python -m", action="store_true")
     add("--no-python", "run the target as an executable, not through python", action="store_true")
+    add("--run-path", "run the script with runpy.run_path in the worker", action="store_true")
+    add("-r --redirects", "streams to log files only: 1 stdout, 2 stderr, 3 both; or 0:1,1:2",
+        metavar="STD")  # fmt: skip
+    add("-t --tee", "streams to log files and the console (as --redirects)", metavar="STD")
+    add("--local-ranks-filter", "show only these local ranks' output on the console, e.g. 0",
+        metavar="RANKS")  # fmt: skip
+    add("--duplicate-stdout-filters", "copy stdout lines containing any of these to a file",
+        metavar="WORDS")  # fmt: skip
+    add("--duplicate-stderr-filters", "copy stderr lines containing any of these to a file",
+        metavar="WORDS")  # fmt: skip
+    add("--virtual-local-rank", "LOCAL_RANK=0 everywhere, each worker seeing only its GPU",
+        action="store_true")  # fmt: skip
+    add("--start-method", "accepted for torchrun; workers are always fresh interpreters",
+        choices=("spawn", "fork", "forkserver"), default="spawn")  # fmt: skip
+    add("--logs-specs", "only torchrun's default: phalanx writes its log layout itself",
+        metavar="NAME")  # fmt: skip
+    add("--event-log-handler", "only 'null': phalanx reports through its own messages",
+        default="null", metavar="NAME")  # fmt: skip
+    add("--numa-binding", "refused: see docs/launch.md",
+        choices=("node", "socket", "exclusive", "core-complex"))  # fmt: skip
     parser.add_argument("script", help="the training script (or module, or executable)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="passed to the script")
     return parser
@@ -137,58 +194,78 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(ns: argparse.Namespace) -> LaunchConfig:
     """Turn parsed flags into a validated config; every mistake is a ConfigurationError."""
+    _refuse_what_needs_torch(ns)
     nnodes = parse_nnodes(ns.nnodes)
-    master_addr, master_port = _master(ns, nnodes)
+    site = store_site(ns, nnodes)
     return LaunchConfig(
         command=_command(ns),
         use_python=not ns.no_python,
+        run_path=ns.run_path,
         nproc_per_node=parse_nproc(ns.nproc_per_node),
         nnodes=nnodes,
-        node_rank=ns.node_rank,
-        master_addr=master_addr,
-        master_port=master_port,
+        node_rank=site.node_rank,
+        master_addr=site.master_addr,
+        master_port=site.master_port,
         max_restarts=ns.max_restarts,
         log_dir=ns.log_dir,
-        rdzv_timeout_s=ns.rdzv_timeout,
+        routing=_routing(ns),
+        rdzv_timeout_s=site.rdzv_timeout_s,
+        rdzv=site.rdzv,
+        local_addr=ns.local_addr,
+        grace_s=ns.shutdown_timeout,
         monitor_interval_s=ns.monitor_interval,
-        **({"run_id": ns.run_id} if ns.run_id else {}),
+        # torchrun's default id; the same on every node, as a job id should be.
+        run_id=ns.run_id or (uuid.uuid4().hex[:12] if nnodes == 1 else "none"),
+        role=ns.role,
+        handled_signals=parse_signals(ns.signals_to_handle),
+        virtual_local_rank=ns.virtual_local_rank,
+        notes=site.notes,
     )
 
 
-def _master(ns: argparse.Namespace, nnodes: int) -> tuple[str, int]:
-    """MASTER_ADDR and MASTER_PORT; port 0 means the agent picks a free one per attempt."""
-    if ns.rdzv_backend != "static":
+def _refuse_what_needs_torch(ns: argparse.Namespace) -> None:
+    """The torchrun flags whose meaning is torch code running inside the launcher, and a
+    --local-addr that is not this host's."""
+    if ns.logs_specs not in (None, "default"):
         raise ConfigurationError(
-            f"--rdzv-backend {ns.rdzv_backend} assigns node ranks at run time, which phalanx "
-            "does not do — give each node --node-rank, plus --master-addr and --master-port"
+            f"--logs-specs {ns.logs_specs} loads a torch LogsSpecs plugin into the launcher, "
+            "which imports no torch — drop it: phalanx writes torchrun's log layout itself "
+            "(--log-dir with -r/-t)"
         )
-    addr, port = ns.master_addr, ns.master_port
-    if ns.rdzv_endpoint:
-        host, endpoint_port = _split_endpoint(ns.rdzv_endpoint)
-        addr = addr or host
-        port = endpoint_port if port is None else port
-    if ns.standalone:
-        if nnodes != 1:
-            raise ConfigurationError("--standalone is for one node — drop it or --nnodes")
-        return "127.0.0.1", 0
-    if nnodes == 1:
-        return addr or "127.0.0.1", port or 0
-    if not addr:
+    if ns.event_log_handler != "null":
         raise ConfigurationError(
-            f"--nnodes {nnodes} needs --master-addr — pass node 0's address on every node"
+            f"--event-log-handler {ns.event_log_handler} is torch's elastic event API, which "
+            "the launcher (no torch) does not run — drop it; the launcher's own [phalanx] "
+            "lines report each start, failure and restart"
         )
-    return addr, DEFAULT_MULTINODE_PORT if port is None else port
+    if ns.numa_binding is not None:
+        raise ConfigurationError(
+            "--numa-binding needs each GPU's NUMA node in CUDA's device order, which the "
+            "launcher cannot read without torch — bind inside a wrapper instead, e.g. "
+            "--no-python numactl --cpunodebind=N python train.py"
+        )
+    if ns.local_addr is not None and not is_local_address(ns.local_addr):
+        raise ConfigurationError(
+            f"--local-addr {ns.local_addr} is not an address of this host — pass one of its "
+            "own addresses (ip -brief addr lists them)"
+        )
 
 
-def _split_endpoint(endpoint: str) -> tuple[str, int | None]:
-    host, colon, port = endpoint.rpartition(":")
-    if not colon:
-        return endpoint, None
-    if not port.isdigit():
-        raise ConfigurationError(
-            f"--rdzv-endpoint {endpoint!r} is not HOST[:PORT] — e.g. 10.0.0.1:29500"
+def _routing(ns: argparse.Namespace) -> OutputRouting:
+    filters = {
+        stream: parse_filters(text)
+        for stream, text in (
+            (OUT, ns.duplicate_stdout_filters),
+            (ERR, ns.duplicate_stderr_filters),
         )
-    return host, int(port)
+        if text
+    }
+    return OutputRouting(
+        redirects=parse_std("--redirects", ns.redirects) if ns.redirects else 0,
+        tee=parse_std("--tee", ns.tee) if ns.tee else 0,
+        local_ranks_filter=parse_ranks(ns.local_ranks_filter) if ns.local_ranks_filter else None,
+        duplicate_filters={k: v for k, v in filters.items() if v},
+    )
 
 
 def _command(ns: argparse.Namespace) -> list[str]:

@@ -1,0 +1,125 @@
+"""This node's side of the rendezvous: host the job's store or find it, get a node rank,
+and start each attempt only once the store serves it.
+
+The launcher that hosts the store (node 0 under static rendezvous; the one on
+the endpoint's host under c10d, which then is node 0) binds it at once, so a
+master address that is not this host's fails before anything starts. Every
+other launcher proves it reached that store before it spawns a worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import replace
+
+from phalanx.launch.config import LaunchConfig
+from phalanx.launch.lifeline import Lifeline
+from phalanx.launch.rendezvous import (
+    claim_node_rank,
+    join_nodes,
+    wait_for_joiners,
+    wait_for_store,
+)
+from phalanx.launch.storehost import StoreHost, bind_store_socket
+from phalanx.storeclient import StoreClient
+
+__all__ = ["Meeting"]
+
+# Long enough for the store helper to import torch on a busy machine.
+_OWN_STORE_TIMEOUT_S = 120.0
+
+
+class Meeting:
+    """The store and the rendezvous of one launcher, for the whole run."""
+
+    def __init__(
+        self,
+        config: LaunchConfig,
+        lifeline: Lifeline,
+        announce: Callable[[str], None],
+        cancelled: Callable[[], bool],
+    ) -> None:
+        self.config = config
+        self.port = config.master_port
+        self._lifeline = lifeline
+        self._announce = announce
+        self._cancelled = cancelled
+        self._store: StoreHost | None = None
+        self._ready_attempt = -1  # the attempt whose store is already known to be up
+
+    def open(self) -> LaunchConfig:
+        """Host or reach the store and learn this node's rank: the config the workers get."""
+        cfg = self.config
+        if cfg.rdzv.hosts_store:
+            sock = bind_store_socket(
+                cfg.local_addr or cfg.master_addr,
+                cfg.master_port,
+                cfg.rdzv.port_flag,
+                free_hint=cfg.nnodes == 1,
+            )
+            self._store = StoreHost(sock, self._lifeline, self._announce)
+            self.port = self._store.port
+            if cfg.nnodes > 1 and cfg.rdzv.assign_node_rank:
+                self._gather_nodes()
+            return _with_node_rank(cfg, 0) if cfg.rdzv.assign_node_rank else cfg
+        client = wait_for_store(cfg.master_addr, self.port, 0, cfg.rdzv_timeout_s,
+                                self._announce, self._cancelled)  # fmt: skip
+        if client is None:
+            return cfg
+        with client:
+            self._ready_attempt = 0
+            if not cfg.rdzv.assign_node_rank:
+                claim_node_rank(client, cfg.node_rank)
+                return cfg
+            node_rank = join_nodes(client, cfg.run_id, cfg.nnodes, cfg.rdzv.join_timeout_s,
+                                   self._cancelled)  # fmt: skip
+        self._announce(f"rendezvous {cfg.run_id!r}: this is node {node_rank} of {cfg.nnodes}")
+        return _with_node_rank(cfg, node_rank)
+
+    def _gather_nodes(self) -> None:
+        """c10d host: serve attempt 0 now and wait until every node has joined."""
+        assert self._store is not None
+        self._store.open_attempt(0)
+        self._ready_attempt = 0
+        cfg = self.config
+        self._announce(
+            f"rendezvous {cfg.run_id!r}: hosting at {self._store.address}:{self.port}, "
+            f"waiting for {cfg.nnodes - 1} more node{'s' if cfg.nnodes > 2 else ''}"
+        )
+        with StoreClient(self._store.address, self.port, _OWN_STORE_TIMEOUT_S) as client:
+            wait_for_joiners(client, cfg.run_id, cfg.nnodes, cfg.rdzv.join_timeout_s,
+                             self._cancelled)  # fmt: skip
+
+    def begin_attempt(self, attempt: int) -> bool:
+        """Serve (host) or wait for (others) the store of `attempt`; False when cancelled."""
+        if self._store is not None:
+            if attempt != self._ready_attempt:
+                self._store.open_attempt(attempt)
+            return True
+        if attempt == self._ready_attempt:
+            return True
+        cfg = self.config
+        client = wait_for_store(cfg.master_addr, self.port, attempt, cfg.rdzv_timeout_s,
+                                self._announce, self._cancelled)  # fmt: skip
+        if client is None:
+            return False
+        client.close()
+        return True
+
+    def end_attempt(self) -> None:
+        """The attempt's workers are gone: its store goes too (each attempt starts clean)."""
+        self._ready_attempt = -1
+        if self._store is not None:
+            self._store.close_attempt()
+
+    def close(self) -> None:
+        if self._store is not None:
+            with contextlib.suppress(OSError):
+                self._store.close()
+            self._store = None
+
+
+def _with_node_rank(config: LaunchConfig, node_rank: int) -> LaunchConfig:
+    """`config` once the rendezvous assigned this node its rank."""
+    return replace(config, node_rank=node_rank, rdzv=replace(config.rdzv, assign_node_rank=False))
