@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 # The CPU build of torch; GPU users install their own torch before `pip install phalanx`.
 TORCH  ?= torch==2.13.0
 
-.PHONY: venv test test-slow lint demo bench clean
+.PHONY: venv test test-slow test-faults lint demo bench clean
 
 venv: $(VENV)/.installed
 
@@ -25,6 +25,10 @@ test: lint
 
 test-slow: venv
 	$(VENV)/bin/pytest -q -m slow
+
+# Every fault-injection test, the short versions (also in `make test`) and the slow soaks.
+test-faults: venv
+	$(VENV)/bin/pytest -q -m faults tests/faults
 
 # The main job: 2 ranks through our launcher, first the hand-written loop, then the Trainer.
 demo: venv

@@ -29,6 +29,9 @@ _VALIDATE, _SET, _GET, _ADD, _CHECK = 0, 1, 3, 4, 5
 _PING = 13
 _READY = 0  # CheckResponseType::READY
 _POLL_S = 0.05
+# How much of a foreign program's greeting to show, and how long to wait for the rest of it.
+_GREETING_BYTES = 60
+_GREETING_WAIT_S = 0.2
 
 
 class NotAStoreError(OSError):
@@ -58,7 +61,7 @@ class StoreClient:
             )
             reply = self._recv_exactly(4, handshake=True)
             if struct.unpack("=I", reply)[0] != nonce:
-                raise NotAStoreError(f"{self.address} answered {reply!r} to the store handshake")
+                raise NotAStoreError(f"it answered {self._more(reply)!r} to the store handshake")
         except BaseException:
             self._sock.close()
             raise
@@ -71,6 +74,14 @@ class StoreClient:
 
     def close(self) -> None:
         self._sock.close()
+
+    def _more(self, start: bytes) -> bytes:
+        """`start` and whatever else the peer already sent: enough to recognise a program."""
+        self._sock.settimeout(_GREETING_WAIT_S)
+        try:
+            return start + self._sock.recv(_GREETING_BYTES)
+        except OSError:
+            return start
 
     def _recv_exactly(self, size: int, handshake: bool = False) -> bytes:
         data = b""

@@ -7,83 +7,30 @@ a few interpreter start-ups and the whole file stays fast.
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import socket
 import subprocess
 import sys
-import time
-from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
 
 from phalanx.launch import devices
-from phalanx.storeclient import ATTEMPT_KEY
+from tests.launchkit import (
+    LAUNCH,
+    REPO,
+    SCRIPTS,
+    TIMEOUT_S,
+    clean_env,
+    is_running,
+    launch,
+    pids_of,
+    read_envs,
+    wait_for,
+)
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPTS = REPO / "tests" / "e2e" / "scripts"
-LAUNCH = [sys.executable, "-m", "phalanx", "launch"]
-TIMEOUT_S = 30
-
-
-def _env(**changes: str | None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.endswith("_SOCKET_IFNAME")}
-    env.pop("OMP_NUM_THREADS", None)
-    for key, value in changes.items():
-        if value is None:
-            env.pop(key, None)
-        else:
-            env[key] = value
-    return env
-
-
-def launch(
-    flags: str,
-    *args: object,
-    env: dict[str, str] | None = None,
-    cwd: Path = REPO,
-    merge: bool = False,
-    prefix: Sequence[str] = LAUNCH,
-) -> subprocess.CompletedProcess[str]:
-    """`phalanx launch FLAGS ARGS...` to completion; a hang fails the test after TIMEOUT_S."""
-    argv = [*prefix, *flags.split(), *map(str, args)]
-    return subprocess.run(
-        argv, cwd=cwd, env=env or _env(), text=True, timeout=TIMEOUT_S, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT if merge else subprocess.PIPE,
-    )  # fmt: skip
-
-
-def read_envs(out: Path, ranks: Sequence[int], restart: int = 0) -> list[dict[str, object]]:
-    return [json.loads((out / f"env_{r}_{restart}.json").read_text()) for r in ranks]
-
-
-def is_running(pid: int) -> bool:
-    """Alive and not a zombie (orphans whose reaper never reaps stay zombies forever)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rfind(")") + 2] not in "ZX"
-
-
-def wait_for(paths: Sequence[Path], timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not all(p.exists() for p in paths):
-        assert time.monotonic() < deadline, f"never appeared: {[str(p) for p in paths]}"
-        time.sleep(0.05)
-
-
-@pytest.fixture
-def master_store() -> Iterator[int]:
-    """A torch store serving attempt 0, standing in for node 0's launcher on another node."""
-    import torch.distributed as dist
-
-    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
-    store.set(ATTEMPT_KEY, "0")
-    yield int(store.port)
-    del store
+_env = clean_env
 
 
 # --- environment -------------------------------------------------------------------------
@@ -203,10 +150,6 @@ def test_log_dir_gets_one_file_per_rank(tmp_path: Path) -> None:
 # --- failures ----------------------------------------------------------------------------
 
 
-def _pids(out: Path, ranks: Sequence[int]) -> list[int]:
-    return [int(pid) for r in ranks for pid in (out / f"pids_{r}").read_text().split()]
-
-
 @pytest.mark.timeout(60)
 def test_failed_worker_stops_everyone(tmp_path: Path) -> None:
     # Ranks 0 and 2 sleep 60 s with a grandchild each; rank 1 fails once they are asleep.
@@ -216,7 +159,7 @@ def test_failed_worker_stops_everyone(tmp_path: Path) -> None:
     assert "rank 1 (local rank 1 on node 0" in summary and "exit code 3" in summary
     assert "Traceback (most recent call last)" in summary
     assert "ValueError: boom from rank 1" in summary
-    sleepers = _pids(tmp_path, [0, 2])
+    sleepers = pids_of(tmp_path, [0, 2])
     assert len(sleepers) == 4
     assert [p for p in sleepers if is_running(p)] == []
 
@@ -227,7 +170,7 @@ def test_worker_killed_by_signal(tmp_path: Path) -> None:
     assert result.returncode == 128 + signal.SIGKILL
     assert "rank 0 (local rank 0 on node 0" in result.stderr
     assert "killed by SIGKILL" in result.stderr
-    assert [p for p in _pids(tmp_path, [1]) if is_running(p)] == []
+    assert [p for p in pids_of(tmp_path, [1]) if is_running(p)] == []
 
 
 @pytest.mark.timeout(60)

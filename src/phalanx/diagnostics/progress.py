@@ -121,9 +121,8 @@ class _Recorder:
             label = self._labels[name] = name.encode()[: _LABEL_BYTES - 8]
         self.collectives += 1
         self.iteration = iteration
-        self.label = label
-        text = label + b" %d" % index if index >= 0 else label
-        self._publish(text.ljust(_LABEL_BYTES, b"\0"))
+        self.label = label + b" %d" % index if index >= 0 else label
+        self._publish(self.label.ljust(_LABEL_BYTES, b"\0"))
 
     def set_step(self, value: int) -> None:
         self.step = value
@@ -186,12 +185,18 @@ class Position:
     updated: float
     label: str
 
+    def collective_text(self) -> str:
+        """'#12 (ddp all_reduce bucket 0, iteration 5)': the last collective entered."""
+        return f"#{self.collectives} ({self.label}, iteration {self.iteration})"
+
     def where(self) -> str:
-        """'step 5, after collective #12 (ddp all_reduce bucket 0)', for a summary."""
-        when = f"step {self.step}" if self.step else f"iteration {self.iteration}"
-        if not self.collectives:
-            return f"{when}, before its first collective"
-        return f"{when}, collective #{self.collectives} ({self.label})"
+        """'in step 5; last collective entered: #12 (...)', for a summary."""
+        last = (
+            f"last collective entered: {self.collective_text()}"
+            if self.collectives
+            else "no collective entered yet"
+        )
+        return f"in step {self.step}; {last}" if self.step else last
 
 
 def read_record(path: Path) -> Position | None:
@@ -229,7 +234,9 @@ class _Watchdog(threading.Thread):
             time.sleep(_WATCH_EVERY_S)
             rec = self._recorder
             idle = time.time() - rec.updated
-            if idle >= self._after_s and rec.updated != reported:
+            # Armed by the first collective: before it, setup (loading a model, a dataset)
+            # may take its time, and the stall the watchdog reports is one between peers.
+            if rec.collectives and idle >= self._after_s and rec.updated != reported:
                 reported = rec.updated
                 self._report(idle)
 

@@ -201,6 +201,8 @@ class Agent:
                                  master_port=port, base=self.environ, extra=extra)  # fmt: skip
                 rank = cfg.global_rank(local_rank)
                 workers.append(spawn_worker(argv, env, rank, local_rank, self.sink, plan))
+                # At once, not after the whole group: a SIGKILL now must not orphan it.
+                lifeline.watch(workers[-1].pid)
         except OSError as exc:
             WorkerGroup(workers, lifeline).stop(signal.SIGKILL, 0.0, self.stop_request)
             raise ConfigurationError(

@@ -22,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import IO
@@ -55,14 +56,16 @@ class Lifeline:
         finally:
             os.close(read_end)
         self._pipe: IO[bytes] | None = os.fdopen(write_end, "wb", buffering=0)
+        self._lock = threading.Lock()  # the store helper is watched from another thread
 
     def _send(self, line: str) -> None:
-        if self._pipe is None:
-            return
-        try:
-            self._pipe.write(f"{line}\n".encode())
-        except OSError:  # the guard is gone; nothing more it can do for us
-            self._pipe = None
+        with self._lock:
+            if self._pipe is None:
+                return
+            try:
+                self._pipe.write(f"{line}\n".encode())
+            except OSError:  # the guard is gone; nothing more it can do for us
+                self._pipe = None
 
     def watch(self, pgid: int) -> None:
         """Stop group `pgid` if the launcher dies before `release(pgid)`."""
@@ -75,9 +78,10 @@ class Lifeline:
     def close(self) -> None:
         """The launcher is leaving cleanly: let the guard go without touching anything."""
         self._send("exit")
-        if self._pipe is not None:
-            self._pipe.close()
-            self._pipe = None
+        with self._lock:
+            if self._pipe is not None:
+                self._pipe.close()
+                self._pipe = None
         try:
             self._guard.wait(timeout=5)
         except subprocess.TimeoutExpired:

@@ -67,9 +67,11 @@ def bind_store_socket(host: str, port: int, port_flag: str, free_hint: bool) -> 
             last = exc
             if exc.errno == errno.EADDRINUSE:
                 raise ConfigurationError(_port_taken(host, port, port_flag, free_hint)) from exc
+    resolved = ", ".join(dict.fromkeys(str(info[4][0]) for info in infos))
+    shown = host if resolved == host else f"{host} ({resolved})"
     raise ConfigurationError(
-        f"the master address {host} ({', '.join(str(i[4][0]) for i in infos)}) is not an "
-        f"address of this host ({last.strerror if last else 'no address'}), but this node "
+        f"the master address {shown} is not an address of this host "
+        f"({last.strerror if last else 'no address'}), but this node "
         "hosts the store — pass this host's own address as --master-addr on every node "
         "(behind NAT or a Kubernetes Service, add --local-addr <this host's address>)"
     )

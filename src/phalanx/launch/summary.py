@@ -105,16 +105,16 @@ def _size(path: Path) -> int:
         return 0
 
 
-def _stall_lines(failed: _Worker, code: str, stall: Stall, now: float) -> list[str]:
+def _stall_lines(failed: _Worker, code: str, node_rank: int, stall: Stall) -> list[str]:
     failed_at = stall.positions[failed.rank]
+    many = len(stall.laggards) > 1
     names = ", ".join(str(r) for r in stall.laggards)
-    lines = [
-        f"FAILED: rank{'s' if len(stall.laggards) > 1 else ''} {names} did not arrive at "
-        f"collective #{failed_at.collectives} ({failed_at.label}): rank {failed.rank} (pid "
-        f"{failed.pid}) waited for {'them' if len(stall.laggards) > 1 else 'it'} and failed "
-        f"first: {code}",
+    return [
+        f"FAILED: rank{'s' if many else ''} {names} did not arrive at collective "
+        f"{failed_at.collective_text()}: rank {failed.rank} (local rank {failed.local_rank} "
+        f"on node {node_rank}, pid {failed.pid}) waited for {'them' if many else 'it'} there "
+        f"and failed first: {code}"
     ]
-    return lines + _positions(stall, now, failed.rank)
 
 
 def _positions(stall: Stall, now: float, failed_rank: int) -> list[str]:
@@ -127,9 +127,7 @@ def _positions(stall: Stall, now: float, failed_rank: int) -> list[str]:
             if rank in stall.laggards
             else ""
         )
-        lines.append(
-            f"  rank {rank}: {pos.where()}, last progress {now - pos.updated:.1f}s ago{note}"
-        )
+        lines.append(f"  rank {rank}: {pos.where()}; {now - pos.updated:.1f}s ago{note}")
     for rank, stack in sorted(stall.stacks.items()):
         lines.append(f"the Python stacks of rank {rank}:")
         lines.extend(f"  | {line}" for line in stack)
@@ -142,14 +140,14 @@ def failure_summary(
     """Who failed first, how, where each rank stood, and the end of its stderr."""
     code = describe_returncode(returncode)
     if stall is not None and stall.laggards:
-        lines = _stall_lines(failed, code, stall, time.time())
+        lines = _stall_lines(failed, code, node_rank, stall)
     else:
         lines = [
             f"FAILED: rank {failed.rank} (local rank {failed.local_rank} on node {node_rank}, "
             f"pid {failed.pid}) was the first to fail: {code}"
         ]
-        if stall is not None and stall.positions:
-            lines += _positions(stall, time.time(), failed.rank)
+    if stall is not None and stall.positions:
+        lines += _positions(stall, time.time(), failed.rank)
     tail = failed.stderr_tail()
     if tail:
         lines.append(f"the end of rank {failed.rank}'s stderr:")

@@ -149,10 +149,9 @@ class WorkerGroup:
     """The workers of one attempt on this node."""
 
     def __init__(self, workers: list[Worker], lifeline: Lifeline) -> None:
+        """`workers` are already on the lifeline's watch list (see `Agent._spawn`)."""
         self.workers = workers
         self._lifeline = lifeline
-        for worker in workers:
-            lifeline.watch(worker.pid)
 
     def first_failure(self) -> Failure | None:
         """The lowest-ranked worker found failed in this sweep, if any."""
