@@ -115,6 +115,17 @@ class StoreClient:
         (size,) = struct.unpack("=Q", self._recv_exactly(8))
         return self._recv_exactly(size) if size else b""
 
+    def wait_for_count(
+        self, key: str, count: int, timeout_s: float, cancelled: Callable[[], bool]
+    ) -> bool:
+        """Poll until counter `key` reaches `count` (True), or time runs out or `cancelled()`."""
+        deadline = time.monotonic() + timeout_s
+        while self.add(key, 0) < count:
+            if time.monotonic() >= deadline or cancelled():
+                return False
+            time.sleep(_POLL_S)
+        return True
+
     def wait_for(
         self, keys: Sequence[str], timeout_s: float, cancelled: Callable[[], bool] = lambda: False
     ) -> bool:

@@ -82,10 +82,11 @@ class Agent:
             for restart in range(self.config.max_restarts + 1):
                 if not meeting.begin_attempt(restart):
                     return self._stopped_by(self.stop_request.signum)
+                status: int | None = None  # an exception: no exit barrier
                 try:
                     status = self._attempt(restart, meeting.port, extra, lifeline)
                 finally:
-                    meeting.end_attempt()
+                    meeting.end_attempt(last=status is not None)
                 if status is not None:
                     return status
         raise AssertionError("unreachable: the last attempt always returns a status")

@@ -36,6 +36,9 @@ class Rendezvous:
     """c10d across nodes without --node-rank: node ranks are handed out at rendezvous."""
     hosts_store: bool = True
     """This launcher hosts the job's store: node 0 (static), or the endpoint's host (c10d)."""
+    host_forced: bool = False
+    """--rdzv-conf is_host said so; otherwise a c10d host whose port is taken (another
+    launcher on the same host got there first) joins as a client, as torchrun's does."""
     port_flag: str = "--master-port"
     """The flag that set the store's port, named when that port is taken."""
     read_timeout_s: float = 60.0

@@ -13,6 +13,7 @@ import contextlib
 from collections.abc import Callable
 from dataclasses import replace
 
+from phalanx.errors import PortTakenError
 from phalanx.launch.config import LaunchConfig
 from phalanx.launch.lifeline import Lifeline
 from phalanx.launch.rendezvous import (
@@ -28,6 +29,9 @@ __all__ = ["Meeting"]
 
 # Long enough for the store helper to import torch on a busy machine.
 _OWN_STORE_TIMEOUT_S = 120.0
+# torchrun's exit barrier timeout: how long the host keeps the store for the other nodes.
+_EXIT_BARRIER_S = 300.0
+_LEFT_KEY = "phalanx/left"
 
 
 class Meeting:
@@ -52,19 +56,14 @@ class Meeting:
         """Host or reach the store and learn this node's rank: the config the workers get."""
         cfg = self.config
         if cfg.rdzv.hosts_store:
-            sock = bind_store_socket(
-                cfg.local_addr or cfg.master_addr,
-                cfg.master_port,
-                cfg.rdzv.port_flag,
-                free_hint=cfg.nnodes == 1,
-            )
-            self._store = StoreHost(sock, self._lifeline, self._announce)
-            self.port = self._store.port
-            if cfg.nnodes > 1 and cfg.rdzv.assign_node_rank:
-                self._gather_nodes()
-            return _with_node_rank(cfg, 0) if cfg.rdzv.assign_node_rank else cfg
-        client = wait_for_store(cfg.master_addr, self.port, 0, cfg.rdzv_timeout_s,
-                                self._announce, self._cancelled)  # fmt: skip
+            try:
+                return self._host()
+            except PortTakenError:
+                if not cfg.rdzv.assign_node_rank or cfg.rdzv.host_forced:
+                    raise
+                # Another launcher on this host hosts the c10d store: join it, as torchrun does.
+                cfg = self.config = replace(cfg, rdzv=replace(cfg.rdzv, hosts_store=False))
+        client = self._reach_store(0)
         if client is None:
             return cfg
         with client:
@@ -77,6 +76,20 @@ class Meeting:
         self._announce(f"rendezvous {cfg.run_id!r}: this is node {node_rank} of {cfg.nnodes}")
         return _with_node_rank(cfg, node_rank)
 
+    def _host(self) -> LaunchConfig:
+        cfg = self.config
+        sock = bind_store_socket(
+            cfg.local_addr or cfg.master_addr,
+            cfg.master_port,
+            cfg.rdzv.port_flag,
+            free_hint=cfg.nnodes == 1,
+        )
+        self._store = StoreHost(sock, self._lifeline, self._announce)
+        self.port = self._store.port
+        if cfg.nnodes > 1 and cfg.rdzv.assign_node_rank:
+            self._gather_nodes()
+        return _with_node_rank(cfg, 0) if cfg.rdzv.assign_node_rank else cfg
+
     def _gather_nodes(self) -> None:
         """c10d host: serve attempt 0 now and wait until every node has joined."""
         assert self._store is not None
@@ -87,7 +100,9 @@ class Meeting:
             f"rendezvous {cfg.run_id!r}: hosting at {self._store.address}:{self.port}, "
             f"waiting for {cfg.nnodes - 1} more node{'s' if cfg.nnodes > 2 else ''}"
         )
-        with StoreClient(self._store.address, self.port, _OWN_STORE_TIMEOUT_S) as client:
+        with StoreClient(
+            self._store.address, self.port, max(_OWN_STORE_TIMEOUT_S, cfg.rdzv.read_timeout_s)
+        ) as client:
             wait_for_joiners(client, cfg.run_id, cfg.nnodes, cfg.rdzv.join_timeout_s,
                              self._cancelled)  # fmt: skip
 
@@ -99,19 +114,52 @@ class Meeting:
             return True
         if attempt == self._ready_attempt:
             return True
-        cfg = self.config
-        client = wait_for_store(cfg.master_addr, self.port, attempt, cfg.rdzv_timeout_s,
-                                self._announce, self._cancelled)  # fmt: skip
+        client = self._reach_store(attempt)
         if client is None:
             return False
         client.close()
         return True
 
-    def end_attempt(self) -> None:
-        """The attempt's workers are gone: its store goes too (each attempt starts clean)."""
+    def _reach_store(self, attempt: int) -> StoreClient | None:
+        """A client of the host's store once it serves `attempt`; None when cancelled."""
+        cfg = self.config
+        return wait_for_store(
+            cfg.master_addr,
+            self.port,
+            attempt,
+            cfg.rdzv_timeout_s,
+            self._announce,
+            self._cancelled,
+            cfg.rdzv.read_timeout_s,
+        )
+
+    def end_attempt(self, last: bool) -> None:
+        """The attempt's workers are gone: its store goes too (each attempt starts clean).
+
+        After the `last` attempt the nodes leave together: the host keeps its store
+        up until every other node's workers are done with it (torchrun's exit
+        barrier), for workers that still use the store as they shut down.
+        """
         self._ready_attempt = -1
+        if last and self.config.nnodes > 1:
+            self._leave_together()
         if self._store is not None:
             self._store.close_attempt()
+
+    def _leave_together(self) -> None:
+        cfg = self.config
+        with contextlib.suppress(OSError):
+            if self._store is None:
+                with StoreClient(cfg.master_addr, self.port, cfg.rdzv.read_timeout_s) as client:
+                    client.add(_LEFT_KEY, 1)
+                return
+            with StoreClient(self._store.address, self.port, cfg.rdzv.read_timeout_s) as client:
+                if not client.wait_for_count(_LEFT_KEY, cfg.nnodes - 1, _EXIT_BARRIER_S,
+                                             self._cancelled):  # fmt: skip
+                    self._announce(
+                        f"closing the store although only {client.add(_LEFT_KEY, 0)} of "
+                        f"{cfg.nnodes - 1} other nodes finished within {_EXIT_BARRIER_S:g}s"
+                    )
 
     def close(self) -> None:
         if self._store is not None:

@@ -133,15 +133,15 @@ def store_site(ns: argparse.Namespace, nnodes: int) -> StoreSite:
             "every node"
         )
     if backend == "c10d" and ns.node_rank is None:
-        hosts = _is_host(conf)
-        if hosts is None:
-            hosts = _same_host(addr, ns.local_addr)
+        forced = _is_host(conf)
+        hosts = _same_host(addr, ns.local_addr) if forced is None else forced
         return StoreSite(
             addr,
             DEFAULT_C10D_PORT if port is None else port,
             0,
-            Rendezvous(assign_node_rank=True, hosts_store=hosts, port_flag=port_flag,
-                       join_timeout_s=rdzv.join_timeout_s, read_timeout_s=rdzv.read_timeout_s),
+            Rendezvous(assign_node_rank=True, hosts_store=hosts, host_forced=forced is not None,
+                       port_flag=port_flag, join_timeout_s=rdzv.join_timeout_s,
+                       read_timeout_s=rdzv.read_timeout_s),
             rdzv_timeout,
             notes,
         )  # fmt: skip

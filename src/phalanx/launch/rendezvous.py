@@ -21,9 +21,8 @@ from phalanx.storeclient import ATTEMPT_KEY, NotAStoreError, StoreClient
 
 _FIRST_BACKOFF_S = 0.2
 _MAX_BACKOFF_S = 5.0
-# Long enough for the host's store helper to import torch on a busy machine.
-_HANDSHAKE_TIMEOUT_S = 60.0
 _CANCEL_POLL_S = 0.1
+_ATTEMPT_KEY_WAIT_S = 2.0
 
 
 @dataclass
@@ -58,7 +57,9 @@ def _sleep_unless(cancelled: Callable[[], bool], seconds: float) -> None:
 
 
 def _serves_attempt(client: StoreClient, attempt: int) -> bool:
-    return client.check([ATTEMPT_KEY]) and client.get(ATTEMPT_KEY) == str(attempt).encode()
+    # The helper sets the key just after its store starts answering: give it a moment.
+    ready = client.wait_for([ATTEMPT_KEY], _ATTEMPT_KEY_WAIT_S)
+    return ready and client.get(ATTEMPT_KEY) == str(attempt).encode()
 
 
 def wait_for_store(
@@ -68,6 +69,7 @@ def wait_for_store(
     timeout_s: float,
     announce: Callable[[str], None],
     cancelled: Callable[[], bool] = lambda: False,
+    read_timeout_s: float = 60.0,
 ) -> StoreClient | None:
     """A client of the master's store once it serves `attempt`; None when `cancelled()`.
 
@@ -79,7 +81,7 @@ def wait_for_store(
     backoff, announced, note = _FIRST_BACKOFF_S, False, _Attempt()
     while not cancelled():
         left = deadline - time.monotonic()
-        client = _try_store(host, port, max(0.1, min(left, _HANDSHAKE_TIMEOUT_S)), note)
+        client = _try_store(host, port, max(0.1, min(left, read_timeout_s)), note)
         if client is not None:
             if _serves_attempt(client, attempt):
                 return client

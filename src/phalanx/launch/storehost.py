@@ -29,7 +29,7 @@ import sys
 import threading
 from collections.abc import Callable
 
-from phalanx.errors import ConfigurationError
+from phalanx.errors import ConfigurationError, PortTakenError
 from phalanx.launch.lifeline import Lifeline
 from phalanx.launch.procgroup import signal_group
 
@@ -66,7 +66,7 @@ def bind_store_socket(host: str, port: int, port_flag: str, free_hint: bool) -> 
             sock.close()
             last = exc
             if exc.errno == errno.EADDRINUSE:
-                raise ConfigurationError(_port_taken(host, port, port_flag, free_hint)) from exc
+                raise PortTakenError(_port_taken(host, port, port_flag, free_hint)) from exc
     resolved = ", ".join(dict.fromkeys(str(info[4][0]) for info in infos))
     shown = host if resolved == host else f"{host} ({resolved})"
     raise ConfigurationError(

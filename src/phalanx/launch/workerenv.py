@@ -82,10 +82,9 @@ def worker_env(
 
 
 # --run-path: what torchrun's run_script_path does, in the worker's own fresh interpreter.
+# As there, the script's directory is not put on sys.path (the working directory is).
 _RUN_PATH = (
-    "import os, runpy, sys; sys.argv = sys.argv[1:]; "
-    "sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0])); "
-    "runpy.run_path(sys.argv[0], run_name='__main__')"
+    "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
 )
 
 
