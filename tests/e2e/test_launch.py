@@ -299,3 +299,15 @@ def test_launcher_imports_no_torch(tmp_path: Path) -> None:
                             capture_output=True, timeout=TIMEOUT_S)  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "env_0_0.json").exists()
+
+
+@pytest.mark.timeout(60)
+def test_two_nodes_given_the_same_node_rank_are_told(tmp_path: Path, master_store: int) -> None:
+    flags = f"--nnodes 3 --node-rank 1 --master-addr 127.0.0.1 --master-port {master_store}"
+    (tmp_path / "a").mkdir()
+    first = launch(flags, SCRIPTS / "env_dump.py", tmp_path / "a")
+    assert first.returncode == 0, first.stderr
+    second = launch(flags, SCRIPTS / "env_dump.py", tmp_path / "b")
+    assert second.returncode == 2
+    assert "--node-rank 1 is already taken by another node's launcher" in second.stderr
+    assert not (tmp_path / "b").exists()
