@@ -264,6 +264,7 @@ def test_shutdown_timeout_is_the_grace_before_sigkill(tmp_path: Path, grace: flo
         ("-r 7", "--redirects '7' is not a stream spec"),
         ("--local-ranks-filter one", "--local-ranks-filter 'one' is not a list of local ranks"),
         ("--start-method thread", "invalid choice: 'thread'"),
+        ("--run-path -m", "-m and --run-path exclude each other"),
     ],
 )
 def test_refused_flags_say_why_in_one_line(tmp_path: Path, flags: str, complaint: str) -> None:
@@ -279,3 +280,14 @@ def test_accepted_defaults_of_refused_flags(tmp_path: Path) -> None:
     result = launch("--logs-specs default --event-log-handler null --local-addr 127.0.0.1",
                     ENV_DUMP, tmp_path)  # fmt: skip
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_monitor_interval_is_how_often_workers_are_checked(tmp_path: Path) -> None:
+    # The workers are done at once; the launcher only sees it at its next check.
+    started = time.monotonic()
+    result = launch("--nproc-per-node 2 --monitor-interval 3", ENV_DUMP, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert time.monotonic() - started >= 3
+    refused = launch("--monitor-interval 0", ENV_DUMP, tmp_path)
+    assert refused.returncode == 2 and "--monitor-interval must be positive" in refused.stderr

@@ -11,6 +11,8 @@ the same way, leaves all four processes running: docs/reliability.md.)
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 import signal
 import subprocess
@@ -45,6 +47,13 @@ def _start_sleepers(out: Path, mark: str) -> subprocess.Popen[str]:
     return start(argv, env=clean_env(PHALANX_TEST_MARK=mark))
 
 
+def _kill_leftovers(mark: str) -> None:
+    """A failed trial must not leave its sleepers to the next test."""
+    for pid in marked_processes(mark):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def _expected_status(signum: int) -> int:
     return -signal.SIGKILL if signum == signal.SIGKILL else 128 + signum
 
@@ -54,13 +63,16 @@ def _expected_status(signum: int) -> int:
 def test_no_worker_outlives_the_launcher(tmp_path: Path, signum: signal.Signals) -> None:
     mark = uuid.uuid4().hex
     launcher = _start_sleepers(tmp_path, mark)
-    wait_for([tmp_path / f"pids_{r}" for r in range(2)])
-    workers = pids_of(tmp_path, range(2))  # each worker and its grandchild
-    launcher.send_signal(signum)
-    _, err = finish(launcher)
-    assert launcher.returncode == _expected_status(signum), err
-    assert wait_until_gone(workers, GONE_WITHIN_S) == []
-    assert wait_until_gone(marked_processes(mark), GONE_WITHIN_S) == []
+    try:
+        wait_for([tmp_path / f"pids_{r}" for r in range(2)])
+        workers = pids_of(tmp_path, range(2))  # each worker and its grandchild
+        launcher.send_signal(signum)
+        _, err = finish(launcher)
+        assert launcher.returncode == _expected_status(signum), err
+        assert wait_until_gone(workers, GONE_WITHIN_S) == []
+        assert wait_until_gone(marked_processes(mark), GONE_WITHIN_S) == []
+    finally:
+        _kill_leftovers(mark)
     if signum == signal.SIGKILL:
         assert "the launcher died without stopping its workers" in err
     else:
@@ -91,10 +103,12 @@ def _one_random_trial(tmp_path: Path, signum: int, rng: random.Random) -> tuple[
     time.sleep(rng.uniform(0.0, 1.5))
     launcher.send_signal(signum)
     finish(launcher)
+    left = wait_until_gone(marked_processes(mark), GONE_WITHIN_S)
+    _kill_leftovers(mark)
     # Before its handlers are in place (the first milliseconds), the signal's default
     # action ends the launcher, which has spawned nothing yet.
     status_ok = launcher.returncode in (_expected_status(signum), -signum)
-    return status_ok, wait_until_gone(marked_processes(mark), GONE_WITHIN_S)
+    return status_ok, left
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """A stuck rank is reported as the stuck rank, not as a failure of a healthy one (issue 12,
-item 6).
+item 6); and, while the ranks are stuck, the store listens on loopback only (item 11: `ss -ltn`
+sees 127.0.0.1 whether `phalanx launch` hosts the store or rank 0 does).
 
 Rank(s) stall (sleep) at a step while the others wait in the next all-reduce
 until `init(timeout=...)` runs out. Under `phalanx launch` the summary must name
@@ -28,7 +29,9 @@ from tests.launchkit import (
     TORCHRUN,
     clean_env,
     finish,
+    listening_addresses,
     start,
+    wait_for,
 )
 
 pytestmark = pytest.mark.faults
@@ -37,12 +40,23 @@ STALL = FAULT_SCRIPTS / "stall.py"
 
 
 def _run_stall(out: Path, nproc: int, stuck: str, step: int, timeout: int) -> tuple[str, float]:
-    """Launch stall.py; (the launcher's stderr, seconds from the first stall to its exit)."""
-    launcher = start([*LAUNCH, "--nproc-per-node", nproc, STALL, stuck, step, timeout, out])
-    _, err = finish(launcher, timeout_s=180)
+    """Launch stall.py; (the launcher's stderr, seconds from the first stall to its exit).
+
+    While the ranks are stalled, the store must listen on loopback only (issue 12, item 11).
+    """
+    port = free_port()
+    launcher = start([*LAUNCH, "--nproc-per-node", nproc, "--master-port", port, STALL, stuck,
+                      step, timeout, out])  # fmt: skip
+    first_stuck = int(stuck.split(",")[0])
+    try:
+        wait_for([out / f"stalled_{first_stuck}"], timeout_s=150)
+        listening = listening_addresses(port)
+    finally:
+        _, err = finish(launcher, timeout_s=180)
     ended = time.time()
     first_stall = min(float(p.read_text()) for p in out.glob("stalled_*"))
     assert launcher.returncode == 1, err  # the exit code of the rank that timed out
+    assert listening == {"127.0.0.1"}
     return err, ended - first_stall
 
 
@@ -107,6 +121,9 @@ def test_without_our_launcher_each_rank_reports_itself(tmp_path: Path) -> None:
     port = free_port()
     ranks = [_start_rank(r, port, tmp_path, "1", timeout=5) for r in range(2)]
     try:
+        wait_for([tmp_path / "stalled_1"], timeout_s=150)
+        # Rank 0 hosts the store here (no launcher): on loopback only, as all ranks are local.
+        assert listening_addresses(port) == {"127.0.0.1"}
         report = _read_until(ranks[1], "[phalanx] rank 1: no collective progress", 120)
         assert "the collective timeout is 5s" in report
         assert re.search(r"last collective entered: #\d+ \(ddp all_reduce bucket 0, "

@@ -86,7 +86,7 @@ class Agent:
                 try:
                     status = self._attempt(restart, meeting.port, extra, lifeline)
                 finally:
-                    meeting.end_attempt(last=status is not None)
+                    meeting.end_attempt(last=status is not None, succeeded=status == 0)
                 if status is not None:
                     return status
         raise AssertionError("unreachable: the last attempt always returns a status")

@@ -116,8 +116,9 @@ def _routing(ns: argparse.Namespace) -> OutputRouting:
 
 
 def _command(ns: argparse.Namespace) -> list[str]:
-    if ns.module and ns.no_python:
-        raise ConfigurationError("-m and --no-python exclude each other — pick one")
+    if ns.module and (ns.no_python or ns.run_path):
+        other = "--run-path" if ns.run_path else "--no-python"
+        raise ConfigurationError(f"-m and {other} exclude each other — pick one")
     if ns.module:
         return ["-m", ns.script, *ns.script_args]
     if ns.no_python:

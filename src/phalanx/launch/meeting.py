@@ -133,15 +133,17 @@ class Meeting:
             cfg.rdzv.read_timeout_s,
         )
 
-    def end_attempt(self, last: bool) -> None:
+    def end_attempt(self, last: bool, succeeded: bool) -> None:
         """The attempt's workers are gone: its store goes too (each attempt starts clean).
 
-        After the `last` attempt the nodes leave together: the host keeps its store
-        up until every other node's workers are done with it (torchrun's exit
-        barrier), for workers that still use the store as they shut down.
+        After the `last` attempt the nodes leave together: every other node says
+        it is done, and a host whose own workers succeeded keeps its store up
+        until they all have (torchrun's exit barrier), for workers that still use
+        the store as they shut down. A host whose workers failed does not wait:
+        a node that died with them would hold it up for the whole barrier.
         """
         self._ready_attempt = -1
-        if last and self.config.nnodes > 1:
+        if last and self.config.nnodes > 1 and (self._store is None or succeeded):
             self._leave_together()
         if self._store is not None:
             self._store.close_attempt()

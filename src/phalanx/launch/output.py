@@ -36,8 +36,9 @@ class OutputSink:
         self._bar: bytes | None = None  # the progress bar drawn on stderr's last line
 
     @property
-    def stderr(self) -> TextIO:
-        return self._streams[True]
+    def stderr(self) -> TextIO | None:
+        """The launcher's stderr; None once it broke (a closed pipe, a hung-up terminal)."""
+        return self._streams.get(True)
 
     def worker_line(
         self, prefix: bytes, line: bytes, target: StreamTarget, *, to_stderr: bool, owns_bar: bool

@@ -29,11 +29,11 @@ _MAX_BAR_BYTES = 4096
 _ENDINGS = re.compile(rb"\r\n|\n|\r")
 
 
-def open_bar_pty(console: TextIO, prefix_width: int) -> tuple[int, int] | None:
+def open_bar_pty(console: TextIO | None, prefix_width: int) -> tuple[int, int] | None:
     """(master, slave) fds of a pty as wide as `console` less the prefix; None when the
     console is not a terminal (then a bar would only pile up redraws in a log)."""
     try:
-        if not console.isatty():
+        if console is None or not console.isatty():
             return None
     except (AttributeError, ValueError):
         return None
