@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     os.environ[progress.PROGRESS_DIR_VAR] = tempfile.mkdtemp(prefix="phalanx-bench-")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    progress.start(0, 1800.0)  # what phalanx.init() does; the group above is plain torch's
+    progress.start(0, 1, 1800.0)  # what phalanx.init() does; the group above is plain torch's
     try:
         result = {**per_call(args.calls, args.rounds),
                   **per_step(args.steps, args.rounds, args.warmup)}  # fmt: skip

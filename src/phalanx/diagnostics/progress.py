@@ -132,9 +132,10 @@ class _Recorder:
 _recorder: _Recorder | None = None  # one per process, like faulthandler's own state
 
 
-def start(rank: int, timeout_s: float) -> None:
+def start(rank: int, world_size: int, timeout_s: float) -> None:
     """Open this process's record (idempotent). Under `phalanx launch`, also arm the stack
-    dump the launcher asks for; elsewhere, start the watchdog that reports a stall."""
+    dump the launcher asks for; elsewhere, start the watchdog that reports a stall (not
+    in a world of one, which has no peer to stall)."""
     global _recorder
     if _recorder is not None:
         return
@@ -147,7 +148,7 @@ def start(rank: int, timeout_s: float) -> None:
         directory = None
     if directory is not None:
         _arm_stack_dump(_recorder, stacks_path(directory, rank))
-    else:
+    elif world_size > 1:
         _Watchdog(_recorder, timeout_s).start()
 
 

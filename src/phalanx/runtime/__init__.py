@@ -131,7 +131,7 @@ def init(backend: str | None = None, timeout: float | timedelta = DEFAULT_TIMEOU
     claim_device(device)
     _pin_gloo_interface(chosen, info)
     _join_group(chosen, info, device, wait)
-    progress.start(info.rank, wait.total_seconds())
+    progress.start(info.rank, info.world_size, wait.total_seconds())
     register_exit_hook()
     world = describe_default_group(info)
     logger.info(
