@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 # The CPU build of torch; GPU users install their own torch before `pip install phalanx`.
 TORCH  ?= torch==2.13.0
 
-.PHONY: venv test test-slow test-faults lint demo bench clean
+.PHONY: venv test test-slow test-faults gpu-check lint demo bench clean
 
 venv: $(VENV)/.installed
 
@@ -30,10 +30,15 @@ test-slow: venv
 test-faults: venv
 	$(VENV)/bin/pytest -q -m faults tests/faults
 
+# The checks only a CUDA machine can run (tests/gpu/, skipped without one). On a machine
+# whose python already has a CUDA torch: PYTHONPATH=src python -m pytest -q tests/gpu
+gpu-check: venv
+	$(VENV)/bin/pytest -q tests/gpu
+
 # The main job: 2 ranks through our launcher, first the hand-written loop, then the Trainer.
 demo: venv
 	$(VENV)/bin/phalanx launch --nproc-per-node 2 examples/digits.py
-	$(VENV)/bin/phalanx launch --nproc-per-node 2 examples/digits_trainer.py --no-resume
+	$(VENV)/bin/phalanx launch --nproc-per-node 2 examples/digits_trainer.py --no-resume --overwrite_output_dir
 
 bench: venv
 	$(PY) benchmarks/ddp_step.py

@@ -11,7 +11,8 @@ needs no loss_fn; it also has `gradient_checkpointing_enable()`, so
     torchrun --nproc-per-node 2 examples/char_gpt_trainer.py --bf16
 
 Every TrainingArguments field is a flag; rerunning the same command resumes
-from the newest checkpoint in --output_dir (--no-resume starts over).
+from the newest checkpoint in --output_dir (--no-resume --overwrite_output_dir
+starts over).
 """
 
 from __future__ import annotations

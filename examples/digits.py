@@ -9,7 +9,7 @@ replicas are still bit-for-bit identical.
     phalanx launch --nproc-per-node 2 examples/digits.py       # two ranks
     torchrun --nproc-per-node 2 examples/digits.py             # the same script under torchrun
 
-Needs scikit-learn (`pip install scikit-learn`). Reaches about 97% test
+Needs scikit-learn (`pip install scikit-learn`). Reaches 96.4% test
 accuracy with the defaults in a few seconds on CPU. The batch size is global
 (split over the ranks) and rank r takes every world_size-th sample, so one
 rank and two ranks see the very same batches and print the same losses.
@@ -35,7 +35,7 @@ import phalanx
 GLOBAL_BATCH = 64
 # Adam, decayed to zero on a cosine: 1e-2 is high for Adam but this small MLP on
 # standardised inputs takes it, and it gets near its final accuracy in ~100 steps.
-# 30 epochs of 22 steps is where test accuracy stops improving (about 96-97%).
+# 30 epochs of 22 steps is where test accuracy stops improving (96.4%).
 LEARNING_RATE = 1e-2
 EPOCHS = 30
 HIDDEN = 128
@@ -71,7 +71,9 @@ def load_splits() -> tuple[TensorDataset, TensorDataset]:
     n_test = int(len(x) * TEST_FRACTION)
     test, train = order[:n_test], order[n_test:]
     # Standardise with the training images' statistics: the MLP then trains well at a high lr.
-    mean, std = x[train].mean(0), x[train].std(0).clamp_min(1e-3)
+    # Pixels that never vary in training keep their scale (std floor 1, in pixel units 0-16):
+    # a floor near 0 would blow a rare test pixel up a thousandfold, and with it the loss.
+    mean, std = x[train].mean(0), x[train].std(0).clamp_min(1.0)
     x = (x - mean) / std
     return TensorDataset(x[train], y[train]), TensorDataset(x[test], y[test])
 

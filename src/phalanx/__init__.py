@@ -9,15 +9,17 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from phalanx.errors import ConfigurationError, PhalanxError, ReducerError
+from phalanx.errors import ConfigurationError, NotSupportedError, PhalanxError, ReducerError
 
 if TYPE_CHECKING:
     from phalanx.data.sampler import DistributedSampler
     from phalanx.ddp import comm_hooks
     from phalanx.ddp.module import DistributedDataParallel
+    from phalanx.diagnostics.replicas import check_replicas
     from phalanx.optim.zero import ZeroRedundancyOptimizer
     from phalanx.runtime import World, init, launched_by_launcher, shutdown
     from phalanx.train import Trainer, TrainingArguments
+    from phalanx.zero3 import MixedPrecisionPolicy, fully_shard
 
 __version__ = "0.1.0"
 
@@ -32,19 +34,26 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "DistributedSampler": ("phalanx.data.sampler", "DistributedSampler"),
     "comm_hooks": ("phalanx.ddp.comm_hooks", None),
     "ZeroRedundancyOptimizer": ("phalanx.optim.zero", "ZeroRedundancyOptimizer"),
+    "fully_shard": ("phalanx.zero3", "fully_shard"),
+    "check_replicas": ("phalanx.diagnostics.replicas", "check_replicas"),
+    "MixedPrecisionPolicy": ("phalanx.zero3", "MixedPrecisionPolicy"),
 }
 
 __all__ = [
     "ConfigurationError",
     "DistributedDataParallel",
     "DistributedSampler",
+    "MixedPrecisionPolicy",
+    "NotSupportedError",
     "PhalanxError",
     "ReducerError",
     "Trainer",
     "TrainingArguments",
     "World",
     "ZeroRedundancyOptimizer",
+    "check_replicas",
     "comm_hooks",
+    "fully_shard",
     "init",
     "launched_by_launcher",
     "shutdown",

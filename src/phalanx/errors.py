@@ -12,6 +12,8 @@ __all__ = [
     "CheckpointError",
     "ConfigurationError",
     "MasterUnreachableError",
+    "NotSupportedError",
+    "OutputError",
     "PhalanxError",
     "PortTakenError",
     "ReducerError",
@@ -40,6 +42,11 @@ class ReducerError(PhalanxError):
     """The gradient reducer saw a state that would give wrong gradients or a hang."""
 
 
+class NotSupportedError(PhalanxError, NotImplementedError):
+    """A torch feature phalanx does not provide on purpose: the message says why, and what
+    to use instead (never silently ignored)."""
+
+
 class RendezvousError(PhalanxError):
     """The ranks could not find each other (master unreachable, peers missing)."""
 
@@ -50,3 +57,8 @@ class MasterUnreachableError(PhalanxError):
 
 class CheckpointError(PhalanxError):
     """A checkpoint is missing, torn or corrupt, or cannot be written."""
+
+
+class OutputError(PhalanxError):
+    """A file the Trainer writes (metrics, output_dir itself) cannot be written: full disk,
+    read-only file system, no permission."""

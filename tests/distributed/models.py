@@ -297,12 +297,16 @@ def run_parity(
     prepare_ours: Callable[[nn.Module], nn.Module] = lambda net: net,
     setup_ours: Callable[[Any], None] = lambda ddp: None,
     after_wrap: Callable[[Any], Any] = lambda ddp: ddp,
+    setup_both: Callable[[Any], None] = lambda ddp: None,
+    ours_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Train torch DDP, then ours, from the same per-rank start and data; compare.
 
     The two never run interleaved: two reducers hooked into one backward would
     each see the other's collectives. Initial parameters differ per rank
     (seed + rank), so parity also proves the wrap-time broadcast from rank 0.
+    `setup_both` runs on both wrappers (e.g. `_set_static_graph()`); `ours_kwargs`
+    are extra arguments for ours only (where torch's would hang).
     """
     torch.manual_seed(seed + rank)
     ref_net = recipe.build()
@@ -314,10 +318,13 @@ def run_parity(
     dist.broadcast(rank0_initial, src=0)
 
     ref = torch.nn.parallel.DistributedDataParallel(ref_net, **recipe.ddp_kwargs)
+    setup_both(ref)
     ref_losses = train(ref, recipe, rank, opt_name, steps)
 
-    ours = after_wrap(ddp_under_test()(prepare_ours(our_net), **recipe.ddp_kwargs))
+    our_kwargs = {**recipe.ddp_kwargs, **(ours_kwargs or {})}
+    ours = after_wrap(ddp_under_test()(prepare_ours(our_net), **our_kwargs))
     wrap_diff = float((flat(ours.module.parameters()) - rank0_initial).abs().max())
+    setup_both(ours)
     setup_ours(ours)
     our_losses = train(ours, recipe, rank, opt_name, steps)
 

@@ -10,6 +10,7 @@ their wording can be polished without guessing.
 from __future__ import annotations
 
 import re
+import time
 from typing import Any
 
 import pytest
@@ -83,6 +84,19 @@ def _extra_layer_on_rank2(rank: int, world_size: int) -> None:
     ddp_under_test()(net)
 
 
+def _batchnorm_size_differs_on_rank1(rank: int, world_size: int) -> None:
+    # The parameters agree (BatchNorm without affine has none): only the buffers differ.
+    net = nn.Sequential(nn.Linear(16, 8), nn.BatchNorm1d(9 if rank == 1 else 8, affine=False))
+    ddp_under_test()(net)
+
+
+def _buffer_on_rank2_only(rank: int, world_size: int) -> None:
+    net = MLP()
+    if rank == 2:
+        net.register_buffer("step_count", torch.zeros(1))
+    ddp_under_test()(net)
+
+
 def _branch_unused_without_flag(rank: int, world_size: int) -> str:
     return _train_steps(ddp_under_test()(BranchNet()), steps=3, use_branch=False)
 
@@ -141,6 +155,25 @@ def test_extra_layer_on_one_rank_names_parameter_and_rank() -> None:
         assert re.search(r"rank", o.error or "", re.I) and re.search(r"\b2\b", o.error or ""), (
             f"the message does not name rank 2:\n{_messages(outcomes)}"
         )
+
+
+@pytest.mark.timeout(90)
+def test_buffer_shape_mismatch_names_buffer_and_rank() -> None:
+    outcomes = run_workers(_batchnorm_size_differs_on_rank1, 2, allow_errors=True, timeout=DEADLINE)
+    assert_error_on_every_rank(outcomes, "1.running_mean", "buffers differ")
+    for o in outcomes:
+        assert re.search(r"rank\(s\) \[1\]", o.error or ""), _messages(outcomes)
+
+
+@pytest.mark.timeout(90)
+def test_buffer_on_one_rank_only_fails_fast_naming_it() -> None:
+    # Before buffers were compared, this waited out the whole collective timeout.
+    start = time.monotonic()
+    outcomes = run_workers(_buffer_on_rank2_only, 3, allow_errors=True, timeout=DEADLINE)
+    assert_error_on_every_rank(outcomes, "step_count", "buffers differ")
+    for o in outcomes:
+        assert re.search(r"rank\(s\) \[2\]", o.error or ""), _messages(outcomes)
+    assert time.monotonic() - start < 20, "the buffer check waited on a collective"
 
 
 @pytest.mark.timeout(90)

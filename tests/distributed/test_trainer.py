@@ -22,6 +22,7 @@ from phalanx.train import (
     CheckpointError,
     CheckpointFallbackWarning,
     EvalPrediction,
+    ResumeWarning,
     Trainer,
     TrainingArguments,
 )
@@ -277,9 +278,15 @@ def test_a_torn_checkpoint_is_refused_or_skipped_back_to_the_previous_one(
         assert result["global_step"] == 10
         assert result["first_reducer_rounds"] == 8
     assert any("checkpoint-8" in w for w in outs[0].value["warnings"])  # rank 0 says why
-    # Two ranks wrote it; one process must refuse it rather than read other samples.
+    # Two ranks wrote it; one process resumes it (the state is replicated) and says that
+    # the data order changes: 4 steps of 2 x 4 samples = sample 32 of epoch 0, which for
+    # one rank is micro-batch 8 of 16.
     model, data = _mlp_and_data()
     args = _args(str(tmp_path), max_steps=10, per_device_train_batch_size=4)
     trainer = Trainer(model=model, args=args, train_dataset=data, loss_fn=_xent)
-    with pytest.raises(ConfigurationError, match="written by a job of 2 rank"):
-        trainer.train(resume_from_checkpoint=tmp_path / "checkpoint-4")
+    with pytest.warns(ResumeWarning) as caught:
+        out = trainer.train(resume_from_checkpoint=tmp_path / "checkpoint-4")
+    message = str(caught[0].message)
+    assert "resuming checkpoint-4 with changed arguments: world size 2 → 1" in message
+    assert "epoch 0 continues at sample 32 of 64" in message
+    assert (out.global_step, trainer.state.epoch, trainer.state.batches_done) == (10, 0, 14)

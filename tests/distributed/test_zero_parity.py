@@ -176,3 +176,32 @@ def test_zero_matches_unsharded_ddp(zero_run: list[Outcome], case: str) -> None:
         assert got["spread"] == 0.0, f"replicas differ: {got}"
         # 1/N of every tensor, plus at most one padding element per tensor and rank.
         assert got["state_share"] <= 1 / got["world_size"] + 0.05, f"rank {o.rank}: {got}"
+
+
+def _one_rank_unwrapped(rank: int, world_size: int, stage: int) -> float:
+    """A world of one with no DDP wrapper: the one piece is the whole gradient."""
+    finals = []
+    for zero in (False, True):
+        torch.manual_seed(0)
+        model = Dominant()
+        opt: Any = (
+            phalanx.ZeroRedundancyOptimizer(
+                model.parameters(), torch.optim.Adam, shard_gradients=stage == 2, lr=0.01
+            )
+            if zero
+            else torch.optim.Adam(model.parameters(), lr=0.01)
+        )
+        for step in range(3):
+            x, y = regression_batch(0, step, 0)
+            mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        finals.append(flat(model.parameters()))
+    return float((finals[0] - finals[1]).abs().max())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("stage", [1, 2])
+def test_one_rank_without_a_wrapper_steps_like_the_plain_optimizer(stage: int) -> None:
+    (o,) = run_workers(_one_rank_unwrapped, 1, stage, timeout=45)
+    assert o.value == 0.0, o.value

@@ -61,7 +61,9 @@ def test_a_job_killed_mid_run_resumes_to_bit_identical_parameters(tmp_path: Path
 
     _ok(_run(PHALANX, broken, tmp_path / "b.pt", "--save-steps", "5", "--resume"))
     summary = json.loads((tmp_path / "b.json").read_text())
-    assert summary == {"global_step": 20, "resumed_from": str(broken / "checkpoint-10")}
+    assert (summary["global_step"], summary["resumed_from"]) == (20, str(broken / "checkpoint-10"))
+    whole_loss = json.loads((tmp_path / "a.json").read_text())["train_loss"]
+    assert summary["train_loss"] == pytest.approx(whole_loss, rel=1e-6)  # the mean since step 0
     a, b = torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt")
     assert a.keys() == b.keys()
     for name in a:
@@ -72,20 +74,39 @@ def test_a_job_killed_mid_run_resumes_to_bit_identical_parameters(tmp_path: Path
     assert logged == [4, 8, 12, 16, 20]
 
 
-def test_the_launcher_restarts_a_killed_job_and_it_ends_bit_identical(tmp_path: Path) -> None:
-    """Lose a worker without losing the run: --max-restarts plus resume_from_checkpoint=True."""
+@pytest.mark.timeout(2 * RUN_TIMEOUT_S + 30)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_the_launcher_restarts_a_killed_job_and_it_ends_bit_identical(
+    tmp_path: Path, stage: int
+) -> None:
+    """Lose a worker without losing the run: --max-restarts plus resume_from_checkpoint=True.
+
+    Under ZeRO too (stages 1 to 3): the optimizer state (and under stage 3 the
+    model's pieces) come back from the shards every rank wrote through
+    torch.distributed.checkpoint.
+    """
     whole, restarted = tmp_path / "whole", tmp_path / "restarted"
-    _ok(_run(PHALANX, whole, tmp_path / "a.pt"))
+    zero = ("--zero-stage", str(stage))
+    _ok(_run(PHALANX, whole, tmp_path / "a.pt", *zero))
     launcher = [*PHALANX[:-2], "--max-restarts", "1", *PHALANX[-2:]]
     run = _run(
         launcher,
-        *(restarted, tmp_path / "b.pt", "--save-steps", "5", "--resume"),
+        *(restarted, tmp_path / "b.pt", "--save-steps", "5", "--resume", *zero),
         *("--kill-after-step", "13", "--kill-on-first-attempt-only"),
     )
     _ok(run)
-    assert "SIGKILL" in run.stdout + run.stderr, "the first attempt should have been killed"
+    printed = run.stdout + run.stderr
+    assert "SIGKILL" in printed, "the first attempt should have been killed"
+    # What rank 0 tells the console: 8 steps per epoch, so step 10 is 2 steps (4
+    # micro-batches of 4 samples on 2 ranks) into epoch 1.
+    assert "saved checkpoint-5 (" in printed
+    assert "restart 1 of 1: resuming…" in printed
+    assert "resumed from checkpoint-10 (step 10, epoch 1, sample 32 of the epoch)" in printed
     summary = json.loads((tmp_path / "b.json").read_text())
-    assert summary == {"global_step": 20, "resumed_from": str(restarted / "checkpoint-10")}
+    assert summary["global_step"] == 20
+    assert summary["resumed_from"] == str(restarted / "checkpoint-10")
+    entries = json.loads((restarted / "checkpoint-20" / MANIFEST).read_text())["entries"]
+    assert entries["optimizer"] == ("sharded" if stage else "replicated")
     a, b = torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt")
     for name in a:
         assert torch.equal(a[name], b[name]), name
@@ -133,10 +154,25 @@ def test_checkpoints_are_complete_directories_and_rotate(tmp_path: Path) -> None
     _trainer(tmp_path, save_total_limit=2).train()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4", "checkpoint-6"]
     newest = tmp_path / "checkpoint-6"
-    files = json.loads((newest / MANIFEST).read_text())["files"]
-    assert {"model.pt", "optimizer.pt", "scheduler.pt", "trainer_state.pt"} <= files.keys()
-    assert "rng/rank-00000.pt" in files and "args.json" in files
-    state = torch.load(newest / "trainer_state.pt", weights_only=True)
+    manifest = json.loads((newest / MANIFEST).read_text())
+    assert manifest["entries"] == {
+        "trainer": "replicated",
+        "model": "replicated",
+        "optimizer": "replicated",
+        "scheduler": "replicated",
+        "sampler": "replicated",
+        "rng": "per_rank",
+    }
+    assert sorted(manifest["files"]) == [
+        "args.json",
+        "model.pt",
+        "optimizer.pt",
+        "rng/rank-00000.pt",
+        "sampler.pt",
+        "scheduler.pt",
+        "trainer.pt",
+    ]
+    state = torch.load(newest / "trainer.pt", weights_only=True)
     assert (state["global_step"], state["world_size"]) == (6, 1)
     assert state["args"]["save_total_limit"] == 2
 
@@ -184,6 +220,22 @@ def test_a_checkpoint_with_unsafe_pickles_is_refused_by_weights_only(tmp_path: P
     (path / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match="weights_only"):
         _trainer(tmp_path).train(resume_from_checkpoint=path)
+
+
+def test_train_loss_is_the_runs_mean_and_a_finished_run_has_nothing_to_do(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = _trainer(tmp_path, report_to=["jsonl"], logging_steps=1).train()
+    logged = [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").open()]
+    assert len(logged) == 6
+    assert out.train_loss == pytest.approx(sum(logged) / 6, rel=1e-6)  # not the last step's
+    again = _trainer(tmp_path, report_to=["jsonl"]).train(resume_from_checkpoint=True)
+    assert (again.global_step, again.train_loss) == (6, pytest.approx(out.train_loss, rel=1e-12))
+    printed = capsys.readouterr().out
+    assert "saved checkpoint-6 (" in printed and " kB, " in printed
+    assert "resumed from checkpoint-6 (step 6, epoch 1, sample 8 of the epoch)" in printed
+    assert "already at max_steps (6) — nothing to do" in printed
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 6  # left as it was
 
 
 class _Crash(Exception):

@@ -56,5 +56,5 @@ def test_gradient_as_bucket_view_binds_grad_to_its_slot() -> None:
 def test_assignment_first_bucket_small_and_split_by_dtype() -> None:
     params = [torch.zeros(100), torch.zeros(100, dtype=torch.float64), torch.zeros(100)]
     order = [2, 1, 0]
-    buckets = assign_buckets(params, order, cap_bytes=10_000, first_cap_bytes=400)
+    buckets = assign_buckets(params, order, caps=[400, 10_000])
     assert buckets == [[2], [1], [0]]  # the float32 stream closes its 400-byte first bucket

@@ -12,13 +12,27 @@ import pytest
 
 from phalanx.train.checkpoint import MANIFEST, CheckpointError, verify_checkpoint, write_checkpoint
 
+_ENTRY = {"sha256": "ab", "bytes": 3}
 BAD_MANIFESTS: list[tuple[Any, str]] = [
     ([1, 2], 'no "files" mapping'),
     ({"format": 1}, 'no "files" mapping'),
     ({"files": ["model.pt"]}, 'no "files" mapping'),
-    ({"files": {"model.pt": "abc"}}, "the entry for 'model.pt'"),
-    ({"files": {"model.pt": {"sha256": "ab"}}}, "the entry for 'model.pt'"),
-    ({"files": {"model.pt": {"sha256": "ab", "bytes": "3"}}}, "the entry for 'model.pt'"),
+    ({"format": 2, "files": {"model.pt": "abc"}}, "the entry for 'model.pt'"),
+    ({"format": 2, "files": {"model.pt": {"sha256": "ab"}}}, "the entry for 'model.pt'"),
+    ({"format": 2, "files": {"model.pt": {"sha256": "ab", "bytes": "3"}}}, "the entry for"),
+    ({"format": 1, "files": {}}, "checkpoint format 1, and this phalanx reads format 2"),
+    ({"format": 2, "files": {"../x.pt": _ENTRY}}, "'../x.pt' points outside the checkpoint"),
+    ({"format": 2, "files": {"/etc/x": _ENTRY}}, "'/etc/x' points outside the checkpoint"),
+    ({"format": 2, "files": {}}, 'no "entries" mapping'),
+    ({"format": 2, "files": {}, "entries": {"model": "everywhere"}}, "unknown placement"),
+    (
+        {"format": 2, "files": {}, "entries": {"model": "replicated"}},
+        "entry 'model' (replicated) has no model.pt among its files",
+    ),
+    (
+        {"format": 2, "files": {"model.pt": _ENTRY}, "entries": {"opt": "sharded"}},
+        "entry 'opt' (sharded) has no opt/.metadata among its files",
+    ),
 ]
 
 

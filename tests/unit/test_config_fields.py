@@ -151,7 +151,7 @@ def test_literal_choices_on_the_command_line() -> None:
     bad = [
         (["--lr_scheduler_type", "step"], "invalid choice: 'step' (choose from constant, linear"),
         (["--zero_stage", "4"], "invalid choice: '4' (choose from 0, 1, 2, 3)"),
-        (["--zero_stage", "1"], "not implemented in the Trainer yet"),
+        (["--zero3_units", "Block"], "only means something with zero_stage=3"),
         (["--report_to", "console", "wandb"], "invalid choice: 'wandb'"),
         (["--report_to", "none", "csv"], "'none' stands for no value — pass it alone"),
     ]

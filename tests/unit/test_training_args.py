@@ -64,9 +64,7 @@ BAD_VALUES: list[tuple[str, Any, str]] = [
     ("save_steps", -1, "save_steps=-1"),
     ("save_total_limit", 0, "would delete every checkpoint"),
     ("report_to", ["console", "wandb"], "report_to names ['wandb']"),
-    ("zero_stage", 1, "not implemented in the Trainer yet"),
-    ("zero_stage", 2, "not implemented in the Trainer yet"),
-    ("zero_stage", 3, "zero_stage=3 is not implemented in the Trainer yet"),
+    ("zero3_units", ["Block"], "only means something with zero_stage=3"),
     ("zero_stage", 4, "zero_stage=4 is unknown — use one of [0, 1, 2, 3]"),
     ("ddp_backend", "", "ddp_backend is empty"),
     ("ddp_timeout", 0.0, "ddp_timeout=0.0"),
@@ -195,6 +193,11 @@ def test_from_cli_mistakes_are_configuration_errors(argv: list[str], message: st
         TrainingArguments.from_cli(argv)
 
 
+def test_fp16_with_zero_is_refused() -> None:
+    with pytest.raises(ConfigurationError, match="fp16 does not work with zero_stage=1 — "):
+        TrainingArguments(fp16=True, zero_stage=1)
+
+
 def test_from_cli_known_hands_back_the_scripts_own_flags() -> None:
     args, rest = TrainingArguments.from_cli_known(["--seed", "3", "--text", "a.txt", "--fp16"])
     assert (args.seed, args.fp16, rest) == (3, True, ["--text", "a.txt"])
@@ -206,6 +209,17 @@ def test_help_shows_each_fields_docstring(capsys: pytest.CaptureFixture[str]) ->
     assert done.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "only the last one all-reduces" in text and "--no-bf16" in text
+
+
+def test_help_shows_the_scripts_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    """A script's `defaults=` are what its flags default to, so --help must show them."""
+    with pytest.raises(SystemExit):
+        TrainingArguments.from_cli(["--help"], defaults={"learning_rate": 1e-3, "seed": 0})
+    text = " ".join(capsys.readouterr().out.split())
+    assert "reached after warmup_steps. (default: 0.001)" in text
+    assert "the sampler's shuffle. (default: 0)" in text
+    assert "(default: 5e-05)" not in text
+    assert "only the last one all-reduces (the rest run no_sync). (default: 1)" in text
 
 
 # ------------------------------------------------------------------ files

@@ -1,7 +1,8 @@
-"""Data loading for data-parallel training: which samples each rank reads."""
+"""Data loading for data-parallel training: which samples each rank reads, and how far it got."""
 
 from __future__ import annotations
 
+from phalanx.data.loader import DataLoader
 from phalanx.data.sampler import DistributedSampler
 
-__all__ = ["DistributedSampler"]
+__all__ = ["DataLoader", "DistributedSampler"]

@@ -8,13 +8,16 @@ moving from torch to phalanx sees the very same samples in the same order.
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from collections.abc import Iterator, Sized
+from types import FrameType
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset, Sampler
+from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from phalanx.errors import ConfigurationError
 
@@ -41,12 +44,14 @@ class DistributedSampler(Sampler[int]):
     Resuming mid-epoch: `state_dict(consumed=None)` records the epoch and the
     position in this rank's shard, i.e. how many of this epoch's indices the
     training loop has used, counted from the start of the epoch (samples used
-    before an earlier resume included). Without `consumed` the position is the
-    number of indices this sampler's iterator has handed out, which is exact
-    when batches are fetched on demand (iterating the sampler yourself, or a
-    DataLoader with `num_workers=0`). A DataLoader with workers prefetches
-    indices ahead of training, so pass
-    `consumed=batches_done_this_epoch * batch_size` there. After
+    before an earlier resume included). Without `consumed` it is counted where
+    the loop receives its data: by `phalanx.data.DataLoader` (torch's
+    DataLoader, counting the batches it hands to the loop), whatever
+    `num_workers` and `prefetch_factor` are; or, when the sampler is iterated
+    on demand (by hand, or by a DataLoader with `num_workers=0`), by the
+    indices handed out. A torch DataLoader with worker processes draws indices
+    ahead of the loop, so there `state_dict()` refuses to guess: use
+    `phalanx.data.DataLoader`, or pass `consumed=` yourself. After
     `load_state_dict(state)` the next iteration yields the rest of that epoch;
     the iteration after it (or `set_epoch` to another epoch) starts from the
     beginning as usual. Every rank consumes the same count, so the state saved
@@ -88,6 +93,14 @@ class DistributedSampler(Sampler[int]):
             )
         # Where this epoch's iteration stands: indices handed out so far.
         self._position = 0
+        # Where the current pass began (the resume position, or 0).
+        self._pass_start = 0
+        # The loop's own count of what it received in this pass (phalanx.data.DataLoader),
+        # and the one attached for the next pass.
+        self._consumer: ConsumedBatches | None = None
+        self._next_consumer: ConsumedBatches | None = None
+        # Whether a torch DataLoader with worker processes draws this pass (ahead of the loop).
+        self._drawn_ahead = False
         # Where the next iteration starts; non-zero only right after load_state_dict.
         self._resume_at = 0
         # Epoch of the last iteration begun, to catch a forgotten set_epoch.
@@ -116,20 +129,32 @@ class DistributedSampler(Sampler[int]):
         """
         if epoch != self.epoch:
             self._resume_at = 0
-            self._position = 0
+            self._start_pass(0)
         self.epoch = epoch
 
     def __iter__(self) -> Iterator[int]:
+        # A generator: nothing happens until the first index is drawn, so an iterator
+        # made and dropped (torch's DataLoader makes two of a sampler it draws from
+        # directly) neither warns nor moves the position.
         self._warn_if_epoch_repeats()
         start, self._resume_at = self._resume_at, 0
-        self._position = start
-        return self._count_out(self._shard(start))
-
-    def _count_out(self, indices: list[int]) -> Iterator[int]:
-        """Yield indices while tracking how many were handed out, for `state_dict()`."""
-        for index in indices:
-            self._position += 1
+        consumer, self._next_consumer = self._next_consumer, None
+        self._start_pass(start)
+        self._consumer = consumer
+        self._drawn_ahead = consumer is None and _drawn_by_loader_with_workers()
+        for index in self._shard(start):
+            self._position += 1  # handed out: what state_dict() reports without a consumer
             yield index
+
+    def _start_pass(self, start: int) -> None:
+        self._position = self._pass_start = start
+        self._consumer = None
+        self._drawn_ahead = False
+
+    def attach_consumer(self, consumer: ConsumedBatches) -> None:
+        """Let `consumer` tell `state_dict()` what the loop receives in the next pass
+        (phalanx.data.DataLoader calls this before it draws an index)."""
+        self._next_consumer = consumer
 
     def _shard(self, start: int) -> list[int]:
         """This rank's indices of the current epoch, from position `start` on.
@@ -166,7 +191,7 @@ class DistributedSampler(Sampler[int]):
 
     def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
         """Where training stands in the epoch; see the class docstring for `consumed`."""
-        position = self._position if consumed is None else consumed
+        position = self._consumed_position() if consumed is None else consumed
         if not 0 <= position <= self.num_samples:
             raise ConfigurationError(
                 f"consumed={position} is outside this epoch's shard of {self.num_samples} "
@@ -181,6 +206,19 @@ class DistributedSampler(Sampler[int]):
             "shuffle": self.shuffle,
             "drop_last": self.drop_last,
         }
+
+    def _consumed_position(self) -> int:
+        """How far the loop got, counted where it received the data (class docstring)."""
+        if self._consumer is not None:
+            return self._consumer.position(self._pass_start, self._position)
+        if self._drawn_ahead:
+            raise ConfigurationError(
+                f"state_dict() cannot tell how many samples the loop used: a DataLoader with "
+                f"worker processes has drawn {self._position - self._pass_start} indices ahead "
+                "of it — build the loader with phalanx.data.DataLoader (same arguments), which "
+                "counts what the loop received, or pass state_dict(consumed=samples_used)"
+            )
+        return self._position
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue at the exact next sample of the saved epoch on the next iteration."""
@@ -199,7 +237,7 @@ class DistributedSampler(Sampler[int]):
             )
         self.epoch = int(state["epoch"])
         self._resume_at = position
-        self._position = position
+        self._start_pass(position)
         self._last_iterated_epoch = None
 
     def _check_same_setup(self, state: dict[str, Any]) -> None:
@@ -220,6 +258,53 @@ class DistributedSampler(Sampler[int]):
                     f"sampler state was saved with {key}={state[key]!r} but this sampler has "
                     f"{key}={getattr(self, key)!r} — construct it with the saved value to resume"
                 )
+
+
+class ConsumedBatches:
+    """The batches of one pass that the training loop has received, counted as it receives them.
+
+    A DataLoader hands the loop batches in the order it drew their indices
+    (`in_order=True`, torch's default), each `batch_size` indices but the last;
+    so after k batches the loop has used `min(k * batch_size, drawn)` of the
+    indices drawn this pass, however far the workers have read ahead.
+    """
+
+    def __init__(self, batch_size: int | None, uncountable: str | None = None) -> None:
+        self.batches = 0
+        self.batch_size = batch_size
+        self.uncountable = uncountable
+        """Why batches cannot be turned into samples here, if they cannot."""
+
+    def position(self, start: int, drawn: int) -> int:
+        if self.uncountable is not None or self.batch_size is None:
+            raise ConfigurationError(
+                f"state_dict() cannot count the samples the loop used: {self.uncountable} — "
+                "pass state_dict(consumed=samples_used)"
+            )
+        return min(start + self.batches * self.batch_size, drawn)
+
+
+# A torch DataLoader iterator draws our indices a few calls up the stack (through its
+# batch sampler); this many frames is ample, and a miss only skips the guard.
+_FRAMES_TO_SEARCH = 12
+
+
+def _drawn_by_loader_with_workers() -> bool:
+    """Whether a torch DataLoader iterator with worker processes is drawing our indices.
+
+    Its workers fetch `prefetch_factor` batches each ahead of the loop, so the
+    indices handed out overstate what the loop used. The iterator class is
+    torch's, found on the stack: a guard against a silent skip on resume.
+    """
+    frame: FrameType | None = sys._getframe(2)
+    for _ in range(_FRAMES_TO_SEARCH):
+        if frame is None:
+            return False
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, _BaseDataLoaderIter):
+            return int(getattr(owner, "_num_workers", 0)) > 0
+        frame = frame.f_back
+    return False
 
 
 def _dataset_length(dataset: object) -> int:

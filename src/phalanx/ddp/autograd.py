@@ -1,18 +1,63 @@
-"""The one private torch call the reducer needs: run a callback when backward ends."""
+"""The reducer's one private torch call: run a callback when the outermost backward ends.
+
+torch 2.13 has no public way to run code when a backward pass ends. torch's own
+DDP reducer and FSDP2 use the engine's `queue_callback`, and so do we: it is as
+stable as they are. It queues on the graph task running *now*. Inside a
+reentrant backward (`checkpoint(..., use_reentrant=True)` starts one from its
+node's backward) that is the nested task, which ends before the outer backward
+has produced the gradients of the layers outside the checkpoint. So the
+callback is queued from the backward that computes the gradient of the
+wrapped module's *outputs*: whatever nests inside it, that is the outermost
+backward through this forward. torch's DDP reaches the same task through its
+`_DDPSink` node on the outputs; a hook on the output tensors does it without
+wrapping (or cloning) them.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
+import torch
 from torch.autograd import Variable
 
+from phalanx.nested import iter_tensors
 
-def at_end_of_backward(callback: Callable[[], None]) -> None:
-    """Run `callback` once the autograd engine finishes the backward pass now running.
 
-    Must be called from inside a backward (a gradient hook). torch 2.13 has no
-    public form of this; torch's own DDP reducer and FSDP2 use the same engine
-    call, so it is as stable as they are. The callback runs on the thread that
-    called backward(), after every gradient of that pass was accumulated.
-    """
-    Variable._execution_engine.queue_callback(callback)
+class EndOfBackward:
+    """Calls `callback` once, when the backward through a watched forward ends."""
+
+    __slots__ = ("_callback", "_queued")
+
+    def __init__(self, callback: Callable[[], None]) -> None:
+        self._callback = callback
+        self._queued = False
+
+    def watch(self, outputs: Any) -> None:
+        """After a forward: queue the callback from the backward that reaches `outputs`.
+
+        Leaves are skipped: a hook on a leaf (a parameter returned as it is)
+        would stay on it for good, and its backward queues through `queue` anyway.
+        """
+        for tensor in iter_tensors(outputs):
+            if tensor.requires_grad and tensor.grad_fn is not None:
+                tensor.register_hook(self._on_output_grad)
+
+    def _on_output_grad(self, grad: torch.Tensor) -> None:
+        self.queue()
+
+    def queue(self) -> None:
+        """Queue the callback on the backward running now, unless it is queued already.
+
+        The outputs' hooks call this first. The reducer calls it too when a
+        gradient arrives, for a backward that does not pass through the outputs
+        (a parameter used outside forward); there the task running now is the
+        only one there is.
+        """
+        if not self._queued:
+            self._queued = True
+            Variable._execution_engine.queue_callback(self._run)
+
+    def _run(self) -> None:
+        self._queued = False
+        self._callback()

@@ -25,19 +25,23 @@ MIB = 1024 * 1024
 FIRST_BUCKET_BYTES = 1 * MIB
 
 
+def default_caps(cap_bytes: int) -> list[int]:
+    """Bucket caps for `bucket_cap_mb`: a small first bucket, then `cap_bytes` each."""
+    return [min(FIRST_BUCKET_BYTES, cap_bytes), cap_bytes]
+
+
 def assign_buckets(
-    params: Sequence[torch.Tensor],
-    order: Sequence[int],
-    cap_bytes: int,
-    first_cap_bytes: int = FIRST_BUCKET_BYTES,
+    params: Sequence[torch.Tensor], order: Sequence[int], caps: Sequence[int]
 ) -> list[list[int]]:
     """Group parameter indices into buckets, walking `order` (expected gradient arrival).
 
     Parameters of different (device, dtype) never share a bucket, since one flat
     buffer holds one dtype on one device. Each (device, dtype) stream fills its
-    open bucket up to its cap (the first one up to `first_cap_bytes`). The
-    buckets are returned sorted by the position of their first parameter in
-    `order`, which is the order they are launched in on every rank.
+    open bucket up to its cap: its k-th bucket closes at `caps[k]`, and every
+    bucket after the last cap at that last cap (torch's rule for its limit
+    lists, `bucket_cap_mb_list`). The buckets are returned sorted by the
+    position of their first parameter in `order`, which is the order they are
+    launched in on every rank.
     """
     open_buckets: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     open_sizes: dict[tuple[torch.device, torch.dtype], int] = {}
@@ -49,12 +53,12 @@ def assign_buckets(
         bucket = open_buckets.setdefault(key, [])
         bucket.append(index)
         open_sizes[key] = open_sizes.get(key, 0) + p.numel() * p.element_size()
-        cap = first_cap_bytes if closed_per_key.get(key, 0) == 0 else cap_bytes
-        if open_sizes[key] >= cap:
+        closed = closed_per_key.get(key, 0)
+        if open_sizes[key] >= caps[min(closed, len(caps) - 1)]:
             done.append(bucket)
             del open_buckets[key]
             open_sizes[key] = 0
-            closed_per_key[key] = closed_per_key.get(key, 0) + 1
+            closed_per_key[key] = closed + 1
     done.extend(b for b in open_buckets.values() if b)
     position = {index: pos for pos, index in enumerate(order)}
     done.sort(key=lambda b: position[b[0]])
@@ -71,6 +75,8 @@ class Bucket:
 
     __slots__ = (
         "buffer",
+        "copy_on_ready",
+        "deferred",
         "flags",
         "grads",
         "grads_in_views",
@@ -96,6 +102,7 @@ class Bucket:
         flag_slots: int,
         grads_in_views: bool,
         keeps_gradients: bool = True,
+        deferred: bool = False,
     ) -> None:
         self.index = index
         """Launch position: every rank launches bucket k before bucket k + 1."""
@@ -122,6 +129,11 @@ class Bucket:
         self.is_last = is_last
         self.grads_in_views = grads_in_views
         """gradient_as_bucket_view: `.grad` is the slot itself, accumulated in place."""
+        self.deferred = deferred and keeps_gradients
+        """batched_grad_copy: slots are filled all at once when the bucket launches (one
+        `_foreach_copy_` and one division per bucket instead of one copy per gradient)."""
+        self.copy_on_ready = keeps_gradients and not self.deferred
+        """Whether `mark_ready` fills the slot (the hook path reads one attribute)."""
         self.scale: torch.Tensor | None = None
         """Multiply gradients by this on their way into the slots (None: copy them as they are)."""
         self.pending = len(self.params)
@@ -134,7 +146,7 @@ class Bucket:
     @property
     def scaled(self) -> bool:
         """Whether the slots already hold `scale` x the gradients (False: raw sums)."""
-        return self.scale is not None and not self.grads_in_views
+        return self.scale is not None and not self.grads_in_views and not self.deferred
 
     def reset(self) -> None:
         self.pending = len(self.params)
@@ -143,7 +155,7 @@ class Bucket:
     # ------------------------------------------------------------- one iteration
     def mark_ready(self, slot: int, param: torch.Tensor) -> bool:
         """Put `param`'s gradient (None: zeros) in its slot; True once every slot is filled."""
-        if self.keeps_gradients:
+        if self.copy_on_ready:
             grad = param.grad
             view = self.views[slot]
             if grad is None:
@@ -174,7 +186,24 @@ class Bucket:
             param.grad = view
 
     def launch(self, reduction: BucketReduction) -> None:
+        if self.deferred:
+            self.fill_slots()
         self.work = reduction.launch(self)
+
+    def fill_slots(self) -> None:
+        """batched_grad_copy: every slot from its `.grad` at once (None: zeros), unscaled."""
+        copied: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        for p, view in zip(self.params, self.views):
+            if p.grad is None:
+                view.zero_()
+            elif p.grad is not view:
+                copied.append((p, view, p.grad))
+        if not copied:
+            return
+        torch._foreach_copy_([view for _, view, _ in copied], [grad for _, _, grad in copied])
+        if self.grads_in_views:
+            for p, view, _ in copied:
+                p.grad = view
 
     def wait(self, reduction: BucketReduction) -> None:
         """Block until this bucket's collective is done and `grads` holds the result."""

@@ -1,14 +1,15 @@
 """`DistributedDataParallel`: the module wrapper users see; the reducer does the work.
 
-Drop-in for `torch.nn.parallel.DistributedDataParallel`: same constructor
-arguments and defaults, `no_sync()`, `register_comm_hook()`, `.module`, and
-`state_dict()` keys prefixed with `module.`.
+Drop-in for `torch.nn.parallel.DistributedDataParallel`: torch 2.13's
+constructor arguments and defaults (each honoured or refused with a reason,
+phalanx.ddp.arguments), `no_sync()`, `register_comm_hook()`, `.module`,
+`state_dict()` keys prefixed with `module.`, `copy.deepcopy` and pickling, and
+the private methods real code calls (phalanx.ddp.torch_surface).
 """
 
 from __future__ import annotations
 
 import logging
-import warnings
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -18,15 +19,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from phalanx.ddp.buckets import MIB
-from phalanx.ddp.comm_hooks import CommHook
+from phalanx.ddp import arguments
+from phalanx.ddp.arguments import DEFAULT_BUCKET_CAP_MB
+from phalanx.ddp.comm_hooks import CommHook, allreduce_hook, fp16_compress_hook
 from phalanx.ddp.reducer import Reducer
 from phalanx.ddp.reductions import AllReduce, CommHookReduction
-from phalanx.ddp.sync import broadcast_coalesced, verify_same_parameters
+from phalanx.ddp.sync import broadcast_coalesced, verify_same_state
+from phalanx.ddp.torch_surface import TorchSurface
 from phalanx.errors import ConfigurationError, ReducerError
 from phalanx.nested import map_tensors
+from phalanx.runtime.exit import register_exit_hook
 
-DEFAULT_BUCKET_CAP_MB = 25.0
+__all__ = ["DEFAULT_BUCKET_CAP_MB", "DistributedDataParallel", "reducer_of"]
+
 logger = logging.getLogger("phalanx")
 # Which reducer's hooks sit on a parameter. Hooks are process-wide state attached to
 # the tensor itself, so this side table is too; weak both ways, it keeps nothing alive
@@ -35,7 +40,7 @@ logger = logging.getLogger("phalanx")
 _REDUCER_OF: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[Reducer]]] = {}
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(TorchSurface, nn.Module):
     """Replicate `module` on every rank and average its gradients during backward.
 
     Our own reducer (phalanx.ddp.reducer), not a wrapper of torch's: gradients
@@ -51,7 +56,7 @@ class DistributedDataParallel(nn.Module):
         device_ids: Sequence[int | torch.device] | None = None,
         output_device: int | torch.device | None = None,
         dim: int = 0,
-        broadcast_buffers: bool = True,
+        broadcast_buffers: bool | None = True,
         init_sync: bool = True,
         process_group: dist.ProcessGroup | None = None,
         bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB,
@@ -59,6 +64,13 @@ class DistributedDataParallel(nn.Module):
         check_reduction: bool = False,
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
+        delay_all_reduce_named_params: Sequence[tuple[str, nn.Parameter]] | None = None,
+        param_to_hook_all_reduce: nn.Parameter | None = None,
+        mixed_precision: Any = None,
+        device_mesh: Any = None,
+        skip_all_reduce_unused_params: bool = False,
+        bucket_cap_mb_list: Sequence[float] | None = None,
+        batched_grad_copy: bool = False,
         forward_sync_buffers: bool | None = None,
     ) -> None:
         super().__init__()
@@ -68,54 +80,88 @@ class DistributedDataParallel(nn.Module):
                 "torch.distributed.init_process_group) before wrapping the model in "
                 "DistributedDataParallel"
             )
-        _warn_ignored_arguments(dim, check_reduction)
-        self.module = module
-        self.process_group = process_group if process_group is not None else _world_group()
-        self.device_ids = self._check_devices(module, device_ids)
-        self.broadcast_buffers = broadcast_buffers
-        self.forward_sync_buffers = (
-            broadcast_buffers if forward_sync_buffers is None else forward_sync_buffers
+        arguments.refuse_unsupported(
+            mixed_precision, delay_all_reduce_named_params, param_to_hook_all_reduce
         )
+        arguments.check_skip_unused(
+            skip_all_reduce_unused_params, find_unused_parameters, static_graph
+        )
+        arguments.warn_deprecated(check_reduction)
+        self._bucket_caps = arguments.bucket_caps(bucket_cap_mb, bucket_cap_mb_list)
+        self.module = module
+        self.process_group = arguments.resolve_group(process_group, device_mesh)
+        if device_mesh is not None:
+            self.device_mesh = device_mesh
+        self.device_ids = self._check_devices(module, device_ids)
+        self.output_device = output_device
+        self.dim = dim
+        # torch 2.13: buffers are synced at wrap unless broadcast_buffers=False alone says
+        # not to; `forward_sync_buffers` (its new name) only governs the forward sync.
+        broadcast = True if broadcast_buffers is None else broadcast_buffers
+        self.forward_sync_buffers = (
+            broadcast if forward_sync_buffers is None else forward_sync_buffers
+        )
+        init_sync_buffers = broadcast if forward_sync_buffers is None else True
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
-        cap_mb = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
-        if cap_mb <= 0:
-            raise ConfigurationError(
-                f"bucket_cap_mb must be > 0, got {bucket_cap_mb} — the default is 25"
-            )
-        self.bucket_bytes_cap = max(1, int(cap_mb * MIB))
+        self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
+        self.batched_grad_copy = batched_grad_copy
+        self.mixed_precision = None
+        self.bucket_bytes_cap = max(self._bucket_caps)
         self.require_backward_grad_sync = True
+        # torch's rule, kept for parity: buffers are broadcast before a forward that
+        # follows a synced training forward (and before the very first one).
+        self.require_forward_param_sync = True
+        self._ddp_sink_clone = True
         self.world_size = dist.get_world_size(self.process_group)
+        self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
 
-        all_params = list(module.named_parameters())
-        trainable = [(name, p) for name, p in all_params if p.requires_grad]
-        if not trainable:
+        params = self._managed_parameters()
+        if not any(p.requires_grad for _, p in params):
             raise ConfigurationError(
                 "the module has no parameter that requires a gradient — DistributedDataParallel "
                 "has nothing to synchronise; unfreeze parameters or use the module directly"
             )
-        self._buffers_to_sync = [b for b in module.buffers()]
+        named_buffers = [
+            (name, b) for name, b in module.named_buffers() if name not in self.parameters_to_ignore
+        ]
+        self._buffers_to_sync = [b for _, b in named_buffers]
         if init_sync:
-            verify_same_parameters(all_params, self.process_group)
-            state: list[torch.Tensor] = [p for _, p in all_params]
-            if broadcast_buffers:
+            synced = init_sync_buffers or self.forward_sync_buffers
+            verify_same_state(params, named_buffers if synced else [], self.process_group)
+            state: list[torch.Tensor] = [p for _, p in params]
+            if init_sync_buffers:
                 state += self._buffers_to_sync
             broadcast_coalesced(state, self.process_group)
+        # A script converted from torch never calls phalanx.init(), which installs this.
+        register_exit_hook()
+        self._attach_reducer()
+
+    def _managed_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The module's parameters DDP synchronises: all but the ignored ones."""
+        return [
+            (name, p)
+            for name, p in self.module.named_parameters()
+            if name not in self.parameters_to_ignore
+        ]
+
+    def _attach_reducer(self) -> None:
+        """Hook a new reducer on the trainable managed parameters (detaching any earlier one)."""
+        trainable = [(name, p) for name, p in self._managed_parameters() if p.requires_grad]
         _detach_earlier_reducers(trainable)
         self.reducer = Reducer(
             trainable,
             self.process_group,
-            self.bucket_bytes_cap,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-            find_unused_parameters=find_unused_parameters,
-            static_graph=static_graph,
+            self._bucket_caps,
+            gradient_as_bucket_view=self.gradient_as_bucket_view,
+            find_unused_parameters=self.find_unused_parameters,
+            static_graph=self.static_graph,
+            skip_unused_buckets=self.skip_all_reduce_unused_params,
+            batched_copy=self.batched_grad_copy,
         )
         for _, p in trainable:
             _REDUCER_OF[id(p)] = (weakref.ref(p), weakref.ref(self.reducer))
-        # torch's rule, kept for parity: buffers are broadcast before a forward that
-        # follows a synced training forward (and before the very first one).
-        self._sync_buffers_next_forward = True
 
     @staticmethod
     def _check_devices(
@@ -138,6 +184,33 @@ class DistributedDataParallel(nn.Module):
             )
         return [device]
 
+    # ------------------------------------------------------------ copy and pickle
+    def __getstate__(self) -> dict[str, Any]:
+        """As torch: the process group and the reducer stay behind (the copy builds its own)."""
+        if self.process_group != dist.group.WORLD:
+            raise ConfigurationError(
+                "a DistributedDataParallel on a process group of its own cannot be copied or "
+                "pickled (a group cannot travel) — copy or save model.module, and wrap it again"
+            )
+        state = dict(self.__dict__)
+        del state["process_group"], state["reducer"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """`copy.deepcopy` / unpickling: rejoin the default group with a new reducer.
+
+        As in torch, nothing is broadcast (the copy starts from the values it
+        carries) and a comm hook is not carried over: register it again.
+        """
+        if not dist.is_available() or not dist.is_initialized():
+            raise ConfigurationError(
+                "unpickling a DistributedDataParallel needs the default process group — call "
+                "phalanx.init() first, or save and load model.module instead"
+            )
+        super().__setstate__(state)
+        self.process_group = arguments.world_group()
+        self._attach_reducer()
+
     # ------------------------------------------------------------------ forward
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         self._before_forward()
@@ -156,19 +229,32 @@ class DistributedDataParallel(nn.Module):
     def _before_forward(self) -> None:
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             self.reducer.rebuild_if_due()
-        if self._sync_buffers_next_forward and self.forward_sync_buffers:
-            self._broadcast_buffers()
+        if self.will_sync_module_buffers() and self.world_size > 1:
+            broadcast_coalesced(self._buffers_to_sync, self.process_group)
 
     @torch.compiler.disable
     def _after_forward(self, output: Any) -> None:
         grad_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         if torch.is_grad_enabled():
             self.reducer.prepare_for_backward(output, sync=self.require_backward_grad_sync)
-        self._sync_buffers_next_forward = grad_sync
+        self.require_forward_param_sync = grad_sync
 
-    def _broadcast_buffers(self) -> None:
-        if self.world_size > 1 and self._buffers_to_sync:
-            broadcast_coalesced(self._buffers_to_sync, self.process_group)
+    def will_sync_module_buffers(self) -> bool:
+        """Whether the next forward broadcasts rank 0's buffers (torch's rule and name)."""
+        return (
+            self.require_forward_param_sync
+            and self.forward_sync_buffers
+            and len(self._buffers_to_sync) > 0
+        )
+
+    @property
+    def broadcast_buffers(self) -> bool:
+        """torch 2.13's older name for `forward_sync_buffers`; setting it sets that."""
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.forward_sync_buffers = value
 
     # --------------------------------------------------------------- public API
     @contextmanager
@@ -194,6 +280,38 @@ class DistributedDataParallel(nn.Module):
                 "after wrapping the model, before the first backward"
             )
         self.reducer.set_reduction(CommHookReduction(hook, state))
+
+    def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
+        """torch's C++ hooks by type: ALLREDUCE and FP16_COMPRESS, as our Python hooks."""
+        builtin = {
+            dist.BuiltinCommHookType.ALLREDUCE: allreduce_hook,
+            dist.BuiltinCommHookType.FP16_COMPRESS: fp16_compress_hook,
+        }
+        if comm_hook_type not in builtin:
+            raise ConfigurationError(
+                f"unknown built-in comm hook {comm_hook_type!r} — pass "
+                "dist.BuiltinCommHookType.ALLREDUCE or FP16_COMPRESS"
+            )
+        self.register_comm_hook(self.process_group, builtin[comm_hook_type])
+
+    def _set_static_graph(self) -> None:
+        """As static_graph=True, for a wrapper already built (torch's name; call it before
+        the first forward)."""
+        if self.static_graph:
+            return
+        self.reducer.set_static_graph()
+        self.static_graph = True
+
+    def _remove_autograd_hooks(self) -> None:
+        """Unhook the reducer: the module's gradients stay local from now on."""
+        self.reducer.remove_hooks()
+        for _, p in self._managed_parameters():
+            if reducer_of(p) is self.reducer:
+                del _REDUCER_OF[id(p)]
+
+    def _check_reducer_finalized(self) -> None:
+        """Raise if the last synced backward did not finish reducing (torch's check)."""
+        self.reducer.check_finalized()
 
 
 def reducer_of(param: torch.Tensor) -> Reducer | None:
@@ -222,32 +340,3 @@ def _detach_earlier_reducers(trainable: Sequence[tuple[str, nn.Parameter]]) -> N
     for reducer in earlier.values():
         logger.info("re-wrapping: detaching the earlier DistributedDataParallel from the model")
         reducer.remove_hooks()
-
-
-def _world_group() -> dist.ProcessGroup:
-    group = dist.group.WORLD
-    assert group is not None  # the constructor checked dist.is_initialized()
-    return group
-
-
-def _warn_ignored_arguments(dim: int, check_reduction: bool) -> None:
-    """torch's arguments that mean nothing for one device per process, accepted for scripts.
-
-    `output_device` is accepted silently: torch, too, leaves a single-device
-    module's outputs where the module put them. `check_reduction` is deprecated
-    and ignored by torch; `dim` only matters to torch's `scatter()`, which we
-    do not have. A non-default value of either may be a user's expectation we
-    do not meet, so it is named once.
-    """
-    ignored = []
-    if dim != 0:
-        ignored.append(f"dim={dim}")
-    if check_reduction:
-        ignored.append("check_reduction=True")
-    if ignored:
-        warnings.warn(
-            f"DistributedDataParallel ignores {', '.join(ignored)}: with one device per process "
-            "there is nothing to scatter or check — drop the argument",
-            UserWarning,
-            stacklevel=3,
-        )

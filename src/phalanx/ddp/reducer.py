@@ -6,10 +6,14 @@ Life of one synced iteration (docs/architecture.md draws it):
   backward -> each parameter's hook marks it ready in its `Bucket`; a full
               bucket is launched through the `BucketReduction`, strictly in
               bucket order so every rank issues the same collectives;
-  end      -> `_finalize` (run by the autograd engine when backward ends)
+  end      -> `_finalize` (run by the autograd engine when the outermost
+              backward through this forward ends, phalanx.ddp.autograd)
               waits for every bucket, exchanges the `StepSignals` (failure
               flags, used map) and writes the reduced gradients to `.grad`.
-The hook runs once per parameter per step in Python, so it is kept minimal.
+With static_graph, the first synced backward only counts gradients per
+parameter (phase RECORDING, phalanx.ddp.static_graph) and sends every bucket
+at its end. The hook runs once per parameter per step in Python, so it is
+kept minimal.
 """
 
 from __future__ import annotations
@@ -24,13 +28,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phalanx.ddp.autograd import at_end_of_backward
-from phalanx.ddp.buckets import FIRST_BUCKET_BYTES, Bucket, assign_buckets
+from phalanx.ddp import reducer_errors
+from phalanx.ddp.autograd import EndOfBackward
+from phalanx.ddp.buckets import Bucket, assign_buckets
 from phalanx.ddp.reductions import AllReduce, BucketReduction
 from phalanx.ddp.signals import StepSignals
+from phalanx.ddp.static_graph import GradientCounts
+from phalanx.ddp.sync import rank0_order
 from phalanx.ddp.unused import UnusedParameters
 from phalanx.diagnostics import progress
-from phalanx.errors import ReducerError
 
 
 class Phase(Enum):
@@ -46,6 +52,9 @@ class Phase(Enum):
     """A synced forward ran: its backward will reduce."""
     REDUCING = "reducing"
     """A synced backward is running: buckets fill and launch in order."""
+    RECORDING = "recording"
+    """static_graph's first synced backward: gradients are only counted; every bucket
+    goes at its end (torch's DDP does the same)."""
     REDUCED = "reduced"
     """Reduced: another gradient before the next forward is an error."""
 
@@ -60,6 +69,7 @@ class ReducerStats:
 
     sync_rounds: int = 0  # backward passes whose gradients were reduced
     buckets_launched: int = 0  # bucket collectives launched
+    buckets_skipped: int = 0  # not sent, unused on every rank (skip_all_reduce_unused_params)
     collectives: int = 0  # every collective launched for gradients (buckets + step signals)
     comm_wait_s: float = 0.0  # time spent waiting on communication at the end of backward
     rebuilds: int = 0  # bucket rebuilds (at most one)
@@ -72,27 +82,38 @@ class Reducer:
         self,
         named_params: Sequence[tuple[str, torch.nn.Parameter]],
         group: dist.ProcessGroup,
-        bucket_cap_bytes: int,
+        bucket_caps: Sequence[int],
+        *,
         gradient_as_bucket_view: bool = False,
         find_unused_parameters: bool = False,
         static_graph: bool = False,
+        skip_unused_buckets: bool = False,
+        batched_copy: bool = False,
     ) -> None:
         self.names = [name for name, _ in named_params]
         self.params = [p for _, p in named_params]
         self.group = group
         self.world_size = dist.get_world_size(group)
-        self.bucket_cap_bytes = bucket_cap_bytes
-        # A cap below the usual small first bucket is a cap on every bucket.
-        self._first_cap = min(FIRST_BUCKET_BYTES, bucket_cap_bytes)
+        self.bucket_caps = list(bucket_caps)
+        """Bucket k of a (device, dtype) closes at bucket_caps[k] bytes (the last cap repeats)."""
         self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.skip_unused_buckets = skip_unused_buckets
+        """skip_all_reduce_unused_params: a bucket unused on every rank is not sent."""
+        self.batched_copy = batched_copy
         self.stats = ReducerStats()
         self.reduction: BucketReduction = AllReduce(group)
         self.unused = UnusedParameters(self.params, find_unused_parameters, static_graph)
+        self.counts = GradientCounts(self.names, static_graph)
         self.signals = StepSignals(group, self.params[0].device)
         self.phase = Phase.IDLE
+        self._end = EndOfBackward(self._end_of_backward)
         self._used = self.unused.used  # the same bytearray, reset in place
-        self._ready = bytearray(len(self.params))
+        # Per parameter, gradients still to come before it is ready (0: ready). 1 each,
+        # except under static_graph for a parameter used by several reentrant checkpoints.
+        self._fires_left = bytearray(self.counts.expected)
         self._next_launch = 0
+        self._skipped: frozenset[int] = frozenset()  # bucket indices not sent this iteration
+        self._skip_planned_for: list[Bucket] | None = None
         self._backwards_seen = 0
         self._recording_arrival = False
         self._arrival: list[int] = []  # first backward's gradient order, for the rebuild
@@ -106,7 +127,7 @@ class Reducer:
     # ----------------------------------------------------------------- buckets
     def _build(self, order: list[int]) -> None:
         """(Re)allocate the buckets for arrival `order`, keeping any gradients already there."""
-        assignment = assign_buckets(self.params, order, self.bucket_cap_bytes, self._first_cap)
+        assignment = assign_buckets(self.params, order, self.bucket_caps)
         last = len(assignment) - 1
         self.buckets = [
             Bucket(
@@ -117,6 +138,7 @@ class Reducer:
                 flag_slots=self.world_size if k == last else 0,
                 grads_in_views=self.gradient_as_bucket_view,
                 keeps_gradients=self.reduction.keeps_gradients,
+                deferred=self.batched_copy,
             )
             for k, indices in enumerate(assignment)
         ]
@@ -125,6 +147,7 @@ class Reducer:
         for bucket in self.buckets:
             for slot, i in enumerate(bucket.param_indices):
                 self._bucket_of[i], self._slot_of[i] = bucket, slot
+        self._skipped = frozenset()
         self.set_reduction(self.reduction)
         if self.gradient_as_bucket_view and self.reduction.keeps_gradients:
             for bucket in self.buckets:
@@ -157,21 +180,29 @@ class Reducer:
             return
         self._rebuilt = True
         self._recording_arrival = False
-        n = len(self.params)
-        order = torch.full((n,), -1, dtype=torch.int64)
-        arrival = self._arrival[:n]
-        if arrival:
-            order[: len(arrival)] = torch.tensor(arrival, dtype=torch.int64)
-        order = order.to(self.signals.device)
-        dist.broadcast(order, src=dist.get_global_rank(self.group, 0), group=self.group)
-        seen = [i for i in order.tolist() if i >= 0]
+        # A parameter counted several times (static_graph's first backward) is ready at
+        # its last gradient: keep that arrival.
+        arrival = list(dict.fromkeys(reversed(self._arrival)))[::-1]
+        seen = rank0_order(arrival, len(self.params), self.group, self.signals.device)
         seen_set = set(seen)
-        new_order = seen + [i for i in reversed(range(n)) if i not in seen_set]
+        new_order = seen + [i for i in reversed(range(len(self.params))) if i not in seen_set]
         self._arrival = []
         self.stats.rebuilds += 1
-        new = assign_buckets(self.params, new_order, self.bucket_cap_bytes, self._first_cap)
+        new = assign_buckets(self.params, new_order, self.bucket_caps)
         if new != [b.param_indices for b in self.buckets]:
             self._build(new_order)
+
+    def set_static_graph(self) -> None:
+        """`_set_static_graph()`: from the next synced backward on, as static_graph=True."""
+        if self._backwards_seen or self.phase is not Phase.IDLE:
+            raise reducer_errors.static_graph_too_late()
+        self.counts.start_recording()
+        self.unused.make_static()
+
+    def check_finalized(self) -> None:
+        """`_check_reducer_finalized()`: the last synced backward finished its reduction."""
+        if self.phase in (Phase.REDUCING, Phase.RECORDING):
+            raise reducer_errors.not_finalized()
 
     # ------------------------------------------------------------- iteration
     def prepare_for_backward(self, outputs: Any, sync: bool) -> None:
@@ -181,48 +212,63 @@ class Reducer:
             return
         self.phase = Phase.ARMED
         self._next_launch = 0
-        self._ready = bytearray(len(self.params))
+        self._fires_left = bytearray(self.counts.expected)
         for bucket in self.buckets:
             bucket.reset()
         self.unused.search(outputs)
+        if not self.counts.recording:
+            self._plan_skipped_buckets()
+        self._end.watch(outputs)
 
     def _on_grad_ready(self, i: int, param: torch.Tensor) -> None:
         """The hot path: one call per parameter per backward."""
         if self.phase is not _REDUCING and not self._enter_reduction(i, param):
             return
         self._used[i] = 1
+        if self._fires_left[i] != 1:
+            self._count_down_or_refuse(i)
+            return
+        self._fires_left[i] = 0
         if self._recording_arrival:
             self._arrival.append(i)
-        if self._ready[i]:
-            self._raise_ready_twice(i)
-        self._ready[i] = 1
         bucket = self._bucket_of[i]
         if bucket.mark_ready(self._slot_of[i], param) and bucket.index == self._next_launch:
             self._launch_ready_buckets()
 
+    def _count_down_or_refuse(self, i: int) -> None:
+        """A gradient before a parameter's last expected one (static_graph), or one too many."""
+        left = self._fires_left[i]
+        if left == 0:
+            self._raise_ready_twice(i)
+        self._fires_left[i] = left - 1
+
     def _enter_reduction(self, i: int, param: torch.Tensor) -> bool:
-        """A gradient outside REDUCING: start a backward, accumulate, ignore, or refuse.
+        """A gradient outside REDUCING: start a backward, count, accumulate, ignore, or refuse.
 
         True when the gradient should go on through the reducing path.
         """
         phase = self.phase
         if phase is Phase.ARMED:
             self._begin_backward()
-            self.phase = Phase.REDUCING
-            at_end_of_backward(self._finalize)
-            self._mark_unused_ready()
-            return True
-        if phase is Phase.LOCAL_ARMED:
+            self._end.queue()  # no-op when an output's hook queued it (the usual case)
+            if not self.counts.recording:
+                self.phase = Phase.REDUCING
+                self._mark_unused_ready()
+                return True
+            self.phase = phase = Phase.RECORDING
+        elif phase is Phase.LOCAL_ARMED:
             self._begin_backward()
             self.phase = phase = Phase.LOCAL
-        if phase is Phase.LOCAL:
+        elif phase is Phase.REDUCED:
+            self._raise_ready_twice(i)
+        if phase is Phase.RECORDING or phase is Phase.LOCAL:
             self._used[i] = 1
             if self._recording_arrival:
                 self._arrival.append(i)
-            if self.gradient_as_bucket_view:
+            if phase is Phase.RECORDING:
+                self.counts.count(i)
+            elif self.gradient_as_bucket_view:
                 self._bucket_of[i].accumulate_in_view(self._slot_of[i], param)
-        elif phase is Phase.REDUCED:
-            self._raise_ready_twice(i)
         return False
 
     def _begin_backward(self) -> None:
@@ -232,28 +278,80 @@ class Reducer:
     def _mark_unused_ready(self) -> None:
         """A parameter the graph does not reach still fills its slot, or its bucket never goes."""
         for i in self.unused.now:
-            if self._ready[i]:
+            if self._fires_left[i] == 0:
                 self._raise_ready_twice(i)
-            self._ready[i] = 1
+            self._fires_left[i] = 0
             param = self.params[i]
             if self.gradient_as_bucket_view and param.grad is not None:
                 self.unused.save_local(i, param.grad)
-            bucket = self._bucket_of[i]
-            if bucket.mark_ready(self._slot_of[i], param) and bucket.index == self._next_launch:
-                self._launch_ready_buckets()
+            self._fill_slot(i, param)
+
+    def _fill_slot(self, i: int, param: torch.Tensor) -> None:
+        bucket = self._bucket_of[i]
+        if bucket.mark_ready(self._slot_of[i], param) and bucket.index == self._next_launch:
+            self._launch_ready_buckets()
+
+    def _plan_skipped_buckets(self) -> None:
+        """skip_all_reduce_unused_params: agree on the buckets that no rank uses this time.
+
+        torch skips the buckets unused on *this* rank and hangs if another rank
+        used them; agreeing first (one small all-reduce after forward) skips
+        only what is unused everywhere, so a rank that differs costs bandwidth,
+        not a deadlock. Under static_graph the set never changes: agreed once
+        per bucket layout.
+        """
+        if not self.skip_unused_buckets or not self.unused.tracked:
+            return
+        if self.unused.static_graph and self._skip_planned_for is self.buckets:
+            return
+        unused = set(self.unused.now)
+        mine = [all(i in unused for i in b.param_indices) for b in self.buckets]
+        everywhere = self.signals.agree(mine)
+        self.stats.collectives += 1
+        self._skipped = frozenset(k for k, skip in enumerate(everywhere) if skip)
+        self._skip_planned_for = self.buckets
 
     def _launch_ready_buckets(self) -> None:
         """Launch every consecutive full bucket from `_next_launch`: same order on all ranks."""
         buckets, k = self.buckets, self._next_launch
         while k < len(buckets) and buckets[k].pending == 0:
-            buckets[k].launch(self.reduction)
-            progress.collective("ddp all_reduce bucket", k, self.stats.sync_rounds + 1)
-            self.stats.buckets_launched += 1
-            self.stats.collectives += 1
+            if k in self._skipped:
+                self.stats.buckets_skipped += 1
+            else:
+                buckets[k].launch(self.reduction)
+                progress.collective("ddp all_reduce bucket", k, self.stats.sync_rounds + 1)
+                self.stats.buckets_launched += 1
+                self.stats.collectives += 1
             k += 1
         self._next_launch = k
 
     # --------------------------------------------------------------- finalize
+    def _end_of_backward(self) -> None:
+        """The autograd engine's callback when the outermost backward ends."""
+        if self.phase is Phase.RECORDING:
+            self._finish_recording()
+        if self.phase is Phase.REDUCING:
+            self._finalize()
+
+    def _finish_recording(self) -> None:
+        """static_graph's first backward ended: fix the counts, then send every bucket."""
+        self.unused.set_static(self.counts.finish())
+        self._fires_left = bytearray(self.counts.expected)
+        self.phase = Phase.REDUCING
+        self._plan_skipped_buckets()
+        self._mark_unused_ready()
+        for i, param in enumerate(self.params):
+            if self._fires_left[i]:
+                self._fires_left[i] = 0
+                self._fill_slot(i, param)
+
+    def _flag_carrier(self) -> torch.Tensor | None:
+        """The last bucket's flag slots, when the flags ride in its collective."""
+        last = len(self.buckets) - 1
+        if self.reduction.carries_flags and last not in self._skipped:
+            return self.buckets[last].flags
+        return None
+
     def _finalize(self) -> None:
         """End of backward: wait for every bucket, learn what the other ranks saw, write back."""
         with torch.profiler.record_function("phalanx.ddp.finalize"):
@@ -264,8 +362,7 @@ class Reducer:
             for bucket in self.buckets:
                 bucket.wait(self.reduction)
             outcome = self.signals.exchange(
-                self.buckets[-1].flags if self.reduction.carries_flags else None,
-                self._used if self.unused.tracked else None,
+                self._flag_carrier(), self._used if self.unused.tracked else None
             )
             self.stats.comm_wait_s += time.perf_counter() - start
             self.stats.collectives += outcome.collectives
@@ -274,7 +371,8 @@ class Reducer:
             unused_everywhere = self.unused.unused_everywhere(outcome.used_counts)
             self.unused.restore_saved(self._slot_view, unused_everywhere)
             for bucket in self.buckets:
-                self.reduction.write_back(bucket, unused_everywhere)
+                if bucket.index not in self._skipped:
+                    self.reduction.write_back(bucket, unused_everywhere)
             self.stats.sync_rounds += 1
             self.unused.end_iteration()
 
@@ -284,41 +382,21 @@ class Reducer:
         The other ranks are waiting in those collectives; sending them keeps every
         rank in step, and the flag tells all of them to stop with an error.
         """
-        for i, ready in enumerate(self._ready):
-            if not ready:
+        for i, left in enumerate(self._fires_left):
+            if left:
                 self._bucket_of[i].mark_missing(self._slot_of[i])
-        self.signals.raise_flag(self.buckets[-1].flags if self.reduction.carries_flags else None)
+        self.signals.raise_flag(self._flag_carrier())
         self._launch_ready_buckets()
 
     # ----------------------------------------------------------------- errors
     def _raise_ready_twice(self, i: int) -> None:
-        raise ReducerError(
-            f"parameter '{self.names[i]}' was marked ready twice in one iteration: its gradient "
-            "arrived after it had already been reduced (a second backward through the same "
-            "forward, a parameter used outside forward(), or reentrant checkpointing) — run "
-            "one forward per backward through the DDP model, or accumulate with no_sync()"
-        )
+        raise reducer_errors.ready_twice(self.names[i], self.unused.static_graph)
 
     def _raise_for_failed_ranks(self, failed: list[int]) -> None:
-        if not all(self._ready):
-            self._raise_missing_gradients(failed)
-        raise ReducerError(
-            f"rank(s) {failed} received no gradient for some parameters in this backward (their "
-            "own error names them) — pass find_unused_parameters=True to "
-            "DistributedDataParallel if some parameters are legitimately unused on some ranks"
-        )
-
-    def _raise_missing_gradients(self, failed: list[int]) -> None:
-        missing = [self.names[i] for i, ready in enumerate(self._ready) if not ready]
-        shown = ", ".join(missing[:20]) + (
-            f" and {len(missing) - 20} more" if len(missing) > 20 else ""
-        )
-        raise ReducerError(
-            f"{len(missing)} parameter(s) received no gradient in this backward (ranks with "
-            f"missing gradients: {failed}): {shown} — pass find_unused_parameters=True to "
-            "DistributedDataParallel if some parameters are legitimately unused, or make sure "
-            "every parameter contributes to the loss"
-        )
+        missing = [self.names[i] for i, left in enumerate(self._fires_left) if left]
+        if missing:
+            raise reducer_errors.missing_gradients(missing, failed)
+        raise reducer_errors.missing_elsewhere(failed)
 
     def remove_hooks(self) -> None:
         for handle in self._handles:

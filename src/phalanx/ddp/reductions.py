@@ -58,15 +58,18 @@ class AllReduce(BucketReduction):
         self.group = group
         # A 0-dim tensor, not a float: torch.mul with a Python scalar costs twice as
         # much per call, and the hook path calls it once per parameter per step.
-        self._inverse_world = torch.tensor(1.0 / dist.get_world_size(group))
+        self._world_size = dist.get_world_size(group)
+        self._inverse_world = torch.tensor(1.0 / self._world_size)
 
     def slot_scale(self) -> torch.Tensor:
         return self._inverse_world
 
     def launch(self, bucket: Bucket) -> Any:
         if not bucket.scaled:
-            # gradient_as_bucket_view accumulated raw sums in place: average them now.
-            bucket.grads.mul_(self._inverse_world)
+            # Raw sums in the slots (gradient_as_bucket_view accumulates in place;
+            # batched_grad_copy copies unscaled): average them now, dividing as
+            # torch's reducer does on these paths, so the result is its bit for bit.
+            bucket.grads.div_(self._world_size)
         return dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
 
     def finish(self, bucket: Bucket, handle: Any) -> None:

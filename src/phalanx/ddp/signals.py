@@ -52,6 +52,12 @@ class StepSignals:
         if carrier is not None:
             carrier[self.rank] = 1
 
+    def agree(self, mine: list[bool]) -> list[bool]:
+        """Which of this rank's `mine` are true on every rank (one small all-reduce)."""
+        votes = torch.tensor(mine, dtype=torch.int32).to(self.device)
+        dist.all_reduce(votes, group=self.group)
+        return [n == self.world_size for n in votes.tolist()]
+
     def exchange(self, carrier: torch.Tensor | None, used: bytearray | None) -> StepOutcome:
         """After every bucket finished: send what did not ride in a bucket, read everything.
 

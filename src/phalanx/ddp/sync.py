@@ -1,8 +1,9 @@
-"""Wrap-time agreement between ranks: same parameters everywhere, then rank 0's values.
+"""Wrap-time agreement between ranks: same parameters and buffers everywhere, then rank 0's values.
 
 Ranks that disagree on the parameter list would pair up the wrong tensors in
-every all-reduce, or deadlock on the first one; catching it at wrap time turns
-that into one error that names the parameter.
+every all-reduce, or deadlock on the first one; ranks that disagree on the
+buffers would break (or wait out) the broadcast of rank 0's. Catching it at
+wrap time turns that into one error that names the parameter or buffer.
 """
 
 from __future__ import annotations
@@ -29,19 +30,33 @@ def _entry(sig: Signature | None, i: int) -> tuple[str, tuple[int, ...], str] | 
     return sig[i] if sig is not None and i < len(sig) else None
 
 
-def _describe(entry: tuple[str, tuple[int, ...], str] | None) -> str:
+def _describe(entry: tuple[str, tuple[int, ...], str] | None, kind: str) -> str:
     if entry is None:
-        return "no such parameter"
+        return f"no such {kind}"
     name, shape, dtype = entry
     return f"{name} {list(shape)} {dtype}"
 
 
-def verify_same_parameters(
-    named: Sequence[tuple[str, torch.Tensor]], group: dist.ProcessGroup
+def verify_same_state(
+    params: Sequence[tuple[str, torch.Tensor]],
+    buffers: Sequence[tuple[str, torch.Tensor]],
+    group: dist.ProcessGroup,
 ) -> None:
-    """Raise the same error on every rank if any rank's parameters differ from rank 0's."""
-    everyone: list[Signature | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, parameter_signature(named), group=group)
+    """Raise the same error on every rank if any rank's parameters or buffers differ from rank
+    0's (names, shapes, dtypes), with one collective for both.
+
+    `buffers` are those DDP broadcasts: a buffer of another shape would make
+    the broadcast fail or silently leave replicas apart, and a buffer on one
+    rank only would wait out the collective timeout.
+    """
+    everyone: list[tuple[Signature, Signature] | None] = [None] * dist.get_world_size(group)
+    mine = (parameter_signature(params), parameter_signature(buffers))
+    dist.all_gather_object(everyone, mine, group=group)
+    _raise_first_difference("parameter", [e[0] if e else None for e in everyone])
+    _raise_first_difference("buffer", [e[1] if e else None for e in everyone])
+
+
+def _raise_first_difference(kind: str, everyone: list[Signature | None]) -> None:
     longest = max(len(sig or []) for sig in everyone)
     reference = everyone[0]
     first_diff = next(
@@ -55,9 +70,9 @@ def verify_same_parameters(
     differing = [r for r, sig in enumerate(everyone) if _entry(sig, i) != ref]
     counts = ", ".join(f"rank {r}: {len(sig or [])}" for r, sig in enumerate(everyone))
     raise ConfigurationError(
-        f"parameters differ across ranks at position {i}: rank 0 has "
-        f"'{_describe(ref)}' but rank(s) {differing} have "
-        f"'{_describe(_entry(everyone[differing[0]], i))}' (parameter counts: {counts}) "
+        f"{kind}s differ across ranks at position {i}: rank 0 has "
+        f"'{_describe(ref, kind)}' but rank(s) {differing} have "
+        f"'{_describe(_entry(everyone[differing[0]], i), kind)}' ({kind} counts: {counts}) "
         "— build the same model on every rank before wrapping it in DistributedDataParallel"
     )
 
@@ -91,3 +106,16 @@ def _broadcast_chunk(chunk: list[torch.Tensor], group: dist.ProcessGroup, src: i
             return
         values = torch.split(flat, [t.numel() for t in chunk])
         torch._foreach_copy_(chunk, [v.view_as(t) for v, t in zip(values, chunk)])
+
+
+def rank0_order(
+    arrival: list[int], n: int, group: dist.ProcessGroup, device: torch.device
+) -> list[int]:
+    """Rank 0's `arrival` (distinct indices below `n`), on every rank: the bucket rebuild
+    must lay out identical buckets everywhere."""
+    order = torch.full((n,), -1, dtype=torch.int64)
+    if arrival:
+        order[: len(arrival)] = torch.tensor(arrival, dtype=torch.int64)
+    order = order.to(device)
+    dist.broadcast(order, src=dist.get_global_rank(group, 0), group=group)
+    return [i for i in order.tolist() if i >= 0]

@@ -3,6 +3,10 @@
 With `find_unused_parameters=True` (or `static_graph=True`) the reducer must
 know, before backward, which parameters will get no gradient this iteration:
 their buckets would otherwise never fill and every rank would wait forever.
+`find_unused_parameters` walks the graph from the outputs after every forward.
+`static_graph` does not walk it at all (a walk cannot see into a reentrant
+checkpoint, whose forward kept no graph): its first backward counts which
+parameters got gradients (phalanx.ddp.static_graph), and that set stays.
 They are marked ready at the start of backward (zeros, or the gradient they
 accumulated under no_sync), and after the reduction the used map tells which
 of them no rank used at all: those keep their local `.grad` (or None), as in
@@ -47,25 +51,29 @@ class UnusedParameters:
         self.tracked = find_unused or static_graph
         """Whether unused parameters are searched for (and the used map exchanged) at all."""
         self.static_graph = static_graph
+        """Unused parameters are learnt once, from static_graph's first backward."""
         self._index_of = {id(p): i for i, p in enumerate(params)}
         self.now: list[int] = []
         """This iteration's unused parameters (indices), sorted."""
         self.used = bytearray(len(params))
         """1 where the parameter got a gradient since the last reduction (written by the hook)."""
-        self._static: list[int] | None = None  # static_graph: the one search's result
         self._saved: dict[int, torch.Tensor] = {}
 
     def search(self, outputs: Any) -> None:
         """After a synced forward: which parameters the outputs' graph does not reach."""
-        if not self.tracked:
-            return
-        if self._static is not None:
-            self.now = self._static
-            return
+        if not self.tracked or self.static_graph:
+            return  # static_graph: `now` is what `set_static` was given (nothing before that)
         reached = reachable_leaves(outputs)
         self.now = sorted(i for p, i in self._index_of.items() if p not in reached)
-        if self.static_graph:
-            self._static = self.now
+
+    def make_static(self) -> None:
+        """`_set_static_graph()` after construction: stop searching, learn from the counts."""
+        self.static_graph = self.tracked = True
+        self.now = []
+
+    def set_static(self, unused: list[int]) -> None:
+        """static_graph: the parameters its first backward gave no gradient, for good."""
+        self.now = sorted(unused)
 
     def save_local(self, i: int, grad: torch.Tensor) -> None:
         """Keep a copy of a gradient that lives in its bucket slot (gradient_as_bucket_view):

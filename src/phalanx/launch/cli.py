@@ -17,6 +17,7 @@ from pathlib import Path
 from phalanx.errors import ConfigurationError, PhalanxError, UsageError
 from phalanx.launch.agent import Agent
 from phalanx.launch.config import LaunchConfig, parse_nnodes, parse_nproc, parse_signals
+from phalanx.launch.consolidate_cmd import consolidate_main
 from phalanx.launch.flags import build_parser
 from phalanx.launch.output import OutputSink
 from phalanx.launch.rdzvflags import store_site
@@ -34,7 +35,8 @@ USAGE_EXIT = 2
 TOP_USAGE = """usage: phalanx <command> [args]
 
 commands:
-  launch    start one worker process per device: phalanx launch --nproc-per-node 4 train.py
+  launch       start one worker process per device: phalanx launch --nproc-per-node 4 train.py
+  consolidate  any checkpoint as one plain file: phalanx consolidate runs/a/checkpoint-200 out.pt
 
 run 'phalanx launch --help' for its flags"""
 
@@ -158,7 +160,7 @@ def _usage_error(message: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The `phalanx` command: dispatches to its subcommands (only `launch` for now)."""
+    """The `phalanx` command: dispatches to its subcommands."""
     args = sys.argv[1:] if argv is None else argv
     if not args or args[0] in ("-h", "--help"):
         print(TOP_USAGE, file=sys.stdout if args else sys.stderr)
@@ -168,9 +170,11 @@ def main(argv: list[str] | None = None) -> int:
             return launch_main(args[1:])
         except KeyboardInterrupt:  # Ctrl-C before any worker started: nothing to stop
             return 128 + signal.SIGINT
+    if args[0] == "consolidate":
+        return consolidate_main(args[1:])
     print(
-        f"phalanx: error: unknown command {args[0]!r} — the command is 'launch', "
-        "e.g. phalanx launch --nproc-per-node 2 train.py",
+        f"phalanx: error: unknown command {args[0]!r} — the commands are 'launch' and "
+        "'consolidate', e.g. phalanx launch --nproc-per-node 2 train.py",
         file=sys.stderr,
     )
     return USAGE_EXIT

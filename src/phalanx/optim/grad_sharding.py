@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from phalanx.ddp.buckets import Bucket
 from phalanx.ddp.reductions import BucketReduction
-from phalanx.optim.sharding import Piece, ShardedFlat
+from phalanx.optim.sharding import Piece, ShardedFlat, reduce_scatter_flat
 
 
 class ReduceScatter(BucketReduction):
@@ -41,7 +41,7 @@ class ReduceScatter(BucketReduction):
 
     def _layout(self, bucket: Bucket) -> ShardedFlat:
         if bucket.reduction_state is None:
-            bucket.reduction_state = ShardedFlat(bucket.params, self.world_size, self.rank)
+            bucket.reduction_state = ShardedFlat.of(bucket.params, self.world_size, self.rank)
         layout: ShardedFlat = bucket.reduction_state
         return layout
 
@@ -53,7 +53,7 @@ class ReduceScatter(BucketReduction):
         for p in bucket.params:
             p.grad = None  # the full gradient is not needed again: free it now
         received = torch.empty(layout.block, dtype=send.dtype, device=send.device)
-        work = dist.reduce_scatter_tensor(received, send, group=self.group, async_op=True)
+        work = reduce_scatter_flat(received, send, self.group, async_op=True)
         return work, received, send  # `send` must live until the collective is done
 
     def finish(self, bucket: Bucket, handle: Any) -> None:

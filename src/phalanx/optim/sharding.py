@@ -18,8 +18,9 @@ parameters and moves data between it and the parameters.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,12 +57,19 @@ class ShardedFlat:
     padded to `chunk`. `offsets[i]` is where parameter i's piece starts in a block.
     """
 
-    def __init__(self, tensors: Sequence[torch.Tensor], world_size: int, rank: int) -> None:
-        self.dtype = tensors[0].dtype
-        self.device = tensors[0].device
+    def __init__(
+        self,
+        numels: Sequence[int],
+        world_size: int,
+        rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.dtype = dtype
+        self.device = device
         self.world_size = world_size
         self.rank = rank
-        self.numels = [t.numel() for t in tensors]
+        self.numels = list(numels)
         self.pieces = [piece_of(n, world_size, rank) for n in self.numels]
         self.chunks = [p.chunk for p in self.pieces]
         self.offsets: list[int] = []
@@ -71,6 +79,12 @@ class ShardedFlat:
             offset += chunk
         self.block = offset
         """Elements per rank on the wire."""
+
+    @classmethod
+    def of(cls, tensors: Sequence[torch.Tensor], world_size: int, rank: int) -> ShardedFlat:
+        """The layout of `tensors` (their sizes, dtype and device) across `world_size` ranks."""
+        first = tensors[0]
+        return cls([t.numel() for t in tensors], world_size, rank, first.dtype, first.device)
 
     def padded_rows(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         """Parameter i's flattened values as (N, chunk), zero-padded at the end."""
@@ -130,9 +144,64 @@ class ShardedFlat:
             target.copy_(flat.view(target.shape))
 
 
+class Pending:
+    """A collective in flight, and what must happen to its result once it is done."""
+
+    def __init__(self, work: Any, then: Callable[[], object] | None = None) -> None:
+        self._work = work
+        self._then = then
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        if self._then is not None:
+            then, self._then = self._then, None
+            then()
+
+
+def _gloo(group: dist.ProcessGroup | None) -> bool:
+    return str(dist.get_backend(group)) == "gloo"
+
+
 def all_gather_flat(
     output: torch.Tensor, block: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool
-) -> dist.Work | None:
-    """Every rank's `block` into `output`, rank after rank (torch's newer name where it exists)."""
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return gather(output, block, group=group, async_op=async_op)
+) -> Pending:
+    """Every rank's `block` into `output`, rank after rank.
+
+    On gloo, as a sum of zero-padded blocks: its allreduce moves data about twice
+    as fast as its allgather (measured here, 2 ranks, 188 MB out: 0.39 s against
+    0.73 s), and x + 0 is exact. NCCL's all-gather is the real thing.
+    """
+    if _gloo(group):
+        rank, n = dist.get_rank(group), block.numel()
+        output.zero_()
+        output[rank * n : (rank + 1) * n].copy_(block)
+        pending = Pending(dist.all_reduce(output, group=group, async_op=True))
+    else:
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        pending = Pending(gather(output, block, group=group, async_op=True))
+    if not async_op:
+        pending.wait()
+    return pending
+
+
+def reduce_scatter_flat(
+    output: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool
+) -> Pending:
+    """Sum `send` (N blocks) across ranks; block r lands in rank r's `output`.
+
+    On gloo, as an allreduce of `send` in place and a copy of this rank's block:
+    faster there than its reduce-scatter (measured: 34 ms against 51 ms for a
+    25 MB bucket at world 2, 73 against 111 at world 4).
+    """
+    if _gloo(group):
+        rank, n = dist.get_rank(group), output.numel()
+        work = dist.all_reduce(send, group=group, async_op=True)
+        pending = Pending(work, lambda: output.copy_(send[rank * n : (rank + 1) * n]))
+    else:
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        pending = Pending(scatter(output, send, group=group, async_op=True))
+    if not async_op:
+        pending.wait()
+    return pending

@@ -82,6 +82,8 @@ class ZeroRedundancyOptimizer(Optimizer):
         self.parameters_as_bucket_view = parameters_as_bucket_view
         """Accepted for torch's signature; the all-gather always goes through flat buffers."""
         self.shard_gradients = shard_gradients
+        self._reducer_scatters = False
+        """Stage 2 is live: the reducer delivers each piece's gradient (else step slices .grad)."""
         self._params: list[torch.nn.Parameter] = []
         self._pieces: list[Piece] = []
         self._shards: list[torch.Tensor] = []
@@ -161,7 +163,7 @@ class ZeroRedundancyOptimizer(Optimizer):
                 self._gathers.append(self._gather_plan(members))
 
     def _gather_plan(self, members: list[int]) -> tuple[ShardedFlat, list[int]]:
-        layout = ShardedFlat([self._params[i] for i in members], self.world_size, self.rank)
+        layout = ShardedFlat.of([self._params[i] for i in members], self.world_size, self.rank)
         return layout, members
 
     # -------------------------------------------------------------------- step
@@ -170,11 +172,14 @@ class ZeroRedundancyOptimizer(Optimizer):
         self._check_wrapped()
         self._consolidated = None
         self._push_hyperparameters()
-        if not self.shard_gradients:
+        if not self._reducer_scatters:
             self._slice_gradients()
-        loss = self.optim.step(closure) if closure is not None else self.optim.step()
-        self._gather_parameters()
-        return loss
+        if closure is not None or not isinstance(self.optim, ELEMENTWISE):
+            loss = self.optim.step(closure) if closure is not None else self.optim.step()
+            self._gather_parameters(step_each=False)
+            return loss
+        self._gather_parameters(step_each=True)
+        return None
 
     def _slice_gradients(self) -> None:
         """Stage 1: this rank's piece of each averaged `.grad`, as a view (no copy)."""
@@ -190,10 +195,26 @@ class ZeroRedundancyOptimizer(Optimizer):
             )
 
     @torch.no_grad()
-    def _gather_parameters(self) -> None:
-        """All-gather every updated piece; the next gather is in flight while one is copied out."""
+    def _gather_parameters(self, step_each: bool) -> None:
+        """All-gather every updated piece; the next gather is in flight while one is copied out.
+
+        `step_each`: step the pieces of one gather at a time, right before its all-gather,
+        so each all-gather runs while the optimizer computes the next pieces. Only for the
+        elementwise torch optimizers, whose step on a subset of parameters (the others
+        without `.grad`) is exactly their share of a whole step.
+        """
+        grads = [s.grad for s in self._shards]
+        if step_each:
+            for shard in self._shards:
+                shard.grad = None
         in_flight: list[tuple[Any, torch.Tensor, ShardedFlat, list[int]]] = []
         for layout, members in self._gathers:
+            if step_each:
+                for i in members:
+                    self._shards[i].grad = grads[i]
+                self.optim.step()
+                for i in members:
+                    self._shards[i].grad = None
             block = layout.own_block_input([self._shards[i] for i in members])
             out = torch.empty(
                 layout.world_size * layout.block, dtype=block.dtype, device=block.device
@@ -204,6 +225,8 @@ class ZeroRedundancyOptimizer(Optimizer):
                 self._copy_out(*in_flight.pop(0))
         for entry in in_flight:
             self._copy_out(*entry)
+        for shard, grad in zip(self._shards, grads):
+            shard.grad = grad
 
     def _copy_out(
         self, work: Any, out: torch.Tensor, layout: ShardedFlat, members: list[int]
@@ -228,14 +251,30 @@ class ZeroRedundancyOptimizer(Optimizer):
         Equal to `torch.nn.utils.clip_grad_norm_` over the full averaged gradients,
         which under stage 2 no rank holds: each rank sums its pieces' partial norms.
         """
-        if not self.shard_gradients:
+        if not self._reducer_scatters:
             self._slice_gradients()
         return zero_state.clip_pieces(self._shards, max_norm, norm_type, self.process_group)
 
     # ------------------------------------------------------------- state dicts
+    def pieces(self) -> zero_state.PieceOptimizer:
+        """The local optimizer seen as pieces of whole tensors (for state conversions)."""
+        device = self._params[0].device if self._params else torch.device("cpu")
+        return zero_state.PieceOptimizer(
+            optim=self.optim,
+            shapes=[p.shape for p in self._params],
+            pieces=self._pieces,
+            group=self.process_group,
+            groups=self.param_groups,
+            device=device,
+        )
+
+    def _adopt_groups(self, saved: list[dict[str, Any]]) -> None:
+        for mine, group in zip(self.param_groups, saved):
+            mine.update({k: v for k, v in group.items() if k != "params"})
+
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Collective: assemble the whole optimizer state, in the plain format, on rank `to`."""
-        full = zero_state.consolidate(self, to)
+        full = zero_state.consolidate(self.pieces(), to)
         self._consolidated = full if self.rank == to else None
 
     def state_dict(self) -> dict[str, Any]:
@@ -250,15 +289,15 @@ class ZeroRedundancyOptimizer(Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the plain optimizer's format (whole tensors) and keep this rank's pieces."""
-        zero_state.load_plain(self, state_dict)
+        self._adopt_groups(zero_state.load_plain(self.pieces(), state_dict))
 
     def save_sharded(self, directory: Path) -> None:
         """Collective: every rank writes its pieces to `directory` (torch DCP format)."""
-        zero_checkpoint.save_sharded(self, directory)
+        zero_checkpoint.save_sharded(self.pieces(), directory)
 
     def load_sharded(self, directory: Path) -> None:
         """Collective: read this rank's pieces from a `save_sharded` directory, any world size."""
-        zero_checkpoint.load_sharded(self, directory)
+        self._adopt_groups(zero_checkpoint.load_sharded(self.pieces(), directory))
 
     # ------------------------------------------------------------------ checks
     def _check_wrapped(self) -> None:
@@ -279,7 +318,8 @@ class ZeroRedundancyOptimizer(Optimizer):
         reducers = {id(r): r for p in self._params if p.requires_grad and (r := reducer_of(p))}
         self._check_wrapped()
         if self.world_size == 1 and not reducers:
-            return
+            return  # one rank, no wrapper: the one piece is the whole .grad, sliced at step
+
         if len(reducers) != 1:
             raise ConfigurationError(
                 f"shard_gradients=True needs the optimizer's parameters wrapped by exactly one "
@@ -309,6 +349,7 @@ class ZeroRedundancyOptimizer(Optimizer):
             id(p): (s, piece) for p, s, piece in zip(self._params, self._shards, self._pieces)
         }
         reducer.set_reduction(ReduceScatter(reducer.group, shards))
+        self._reducer_scatters = True
 
 
 def _group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:

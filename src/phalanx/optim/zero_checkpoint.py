@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -26,15 +26,11 @@ from torch.distributed.tensor import DTensor, Shard
 
 from phalanx.errors import CheckpointError
 from phalanx.optim.sharding import Piece
-from phalanx.optim.zero_state import SCALAR_KEYS, is_piecewise, plain_groups
-
-if TYPE_CHECKING:
-    from phalanx.optim.zero import ZeroRedundancyOptimizer
+from phalanx.optim.zero_state import SCALAR_KEYS, PieceOptimizer, is_piecewise
 
 
-def _mesh(zero: ZeroRedundancyOptimizer) -> DeviceMesh:
-    device_type = zero._params[0].device.type if zero._params else "cpu"
-    return DeviceMesh.from_group(zero.process_group, device_type)
+def _mesh(view: PieceOptimizer) -> DeviceMesh:
+    return DeviceMesh.from_group(view.group, view.device.type)
 
 
 def _as_dtensor(local: torch.Tensor, piece: Piece, mesh: DeviceMesh) -> DTensor:
@@ -43,27 +39,32 @@ def _as_dtensor(local: torch.Tensor, piece: Piece, mesh: DeviceMesh) -> DTensor:
     )
 
 
-def save_sharded(zero: ZeroRedundancyOptimizer, directory: Path) -> None:
+def save_sharded(view: PieceOptimizer, directory: Path) -> None:
     """Collective: write this rank's pieces (and, once, the scalars and groups) to `directory`."""
-    mesh = _mesh(zero)
+    mesh = _mesh(view)
     state: dict[str, dict[str, Any]] = {}
-    for i, entry in zero.optim.state_dict()["state"].items():
-        piece = zero._pieces[i]
+    for i, entry in view.optim.state_dict()["state"].items():
+        piece = view.pieces[i]
         state[str(i)] = {
             key: _as_dtensor(value, piece, mesh) if is_piecewise(key, value, piece) else value
             for key, value in entry.items()
         }
-    groups = {str(g): group for g, group in enumerate(plain_groups(zero))}
+    groups = {str(g): group for g, group in enumerate(view.plain_groups())}
+    # The whole shapes, so a consolidation without the model can restore them.
+    shapes = {str(i): list(shape) for i, shape in enumerate(view.shapes)}
     dcp.save(
-        {"state": state, "param_groups": groups},
+        {"state": state, "param_groups": groups, "shapes": shapes},
         checkpoint_id=str(directory),
-        process_group=zero.process_group,
+        process_group=view.group,
     )
 
 
-def load_sharded(zero: ZeroRedundancyOptimizer, directory: Path) -> None:
-    """Collective: read the pieces this rank owns now (any saved world size) and load them."""
-    mesh = _mesh(zero)
+def load_sharded(view: PieceOptimizer, directory: Path) -> list[dict[str, Any]]:
+    """Collective: read the pieces this rank owns now (any saved world size) and load them.
+
+    Returns the saved param_groups (hyperparameters), which the caller applies to its own.
+    """
+    mesh = _mesh(view)
     try:
         metadata = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
     except Exception as exc:  # a missing or torn .metadata file: the checkpoint is unusable
@@ -76,14 +77,14 @@ def load_sharded(zero: ZeroRedundancyOptimizer, directory: Path) -> None:
         dtype = meta.properties.dtype
         section, index, key = [*fqn.split(".", 2), "", ""][:3]
         if section == "state" and key not in SCALAR_KEYS and len(meta.size) == 1:
-            piece = zero._pieces[int(index)]
+            piece = view.pieces[int(index)]
             if meta.size[0] == piece.numel:
-                local = torch.empty(piece.length, dtype=dtype, device=zero._params[0].device)
+                local = torch.empty(piece.length, dtype=dtype, device=view.device)
                 return _as_dtensor(local, piece, mesh)
         return torch.empty(meta.size, dtype=dtype)
 
     destination = nest(metadata, allocate)
-    dcp.load(destination, checkpoint_id=str(directory), process_group=zero.process_group)
+    dcp.load(destination, checkpoint_id=str(directory), process_group=view.group)
     state = {
         int(i): {k: v.to_local() if isinstance(v, DTensor) else v for k, v in entry.items()}
         for i, entry in destination.get("state", {}).items()
@@ -91,15 +92,9 @@ def load_sharded(zero: ZeroRedundancyOptimizer, directory: Path) -> None:
     groups = [destination["param_groups"][str(g)] for g in range(len(destination["param_groups"]))]
     for group in groups:
         group["params"] = list(group["params"])
-    whole = {"state": state, "param_groups": groups}
-    _load_pieces(zero, whole)
-
-
-def _load_pieces(zero: ZeroRedundancyOptimizer, state_dict: dict[str, Any]) -> None:
-    """The local optimizer takes the pieces as they are (they are already this rank's)."""
-    zero.optim.load_state_dict(state_dict)
-    for mine, saved in zip(zero.param_groups, state_dict["param_groups"]):
-        mine.update({k: v for k, v in saved.items() if k != "params"})
+    # The pieces are already this rank's: the optimizer takes them as they are.
+    view.optim.load_state_dict({"state": state, "param_groups": groups})
+    return groups
 
 
 def nest(

@@ -9,16 +9,22 @@ Runs on one process under plain `python`, and data-parallel under
 
 from __future__ import annotations
 
-from phalanx.errors import CheckpointError
+from phalanx.errors import CheckpointError, OutputError
 from phalanx.train.args import TrainingArguments
+from phalanx.train.checkpointer import CheckpointFallbackWarning
 from phalanx.train.evaluation import EvalPrediction
-from phalanx.train.resume import CheckpointFallbackWarning
+from phalanx.train.stateful import ShardedStateful, Stateful
 from phalanx.train.trainer import Trainer, TrainOutput
+from phalanx.train.trainer_state import ResumeWarning
 
 __all__ = [
     "CheckpointError",
     "CheckpointFallbackWarning",
     "EvalPrediction",
+    "OutputError",
+    "ResumeWarning",
+    "ShardedStateful",
+    "Stateful",
     "TrainOutput",
     "Trainer",
     "TrainingArguments",

@@ -45,6 +45,9 @@ class TrainingArguments(Config):
     # ----------------------------------------------------------- where and what
     output_dir: str = "trainer_output"
     """Directory for checkpoints (checkpoint-<step>/) and metric logs; created when needed."""
+    overwrite_output_dir: bool = False
+    """Let a fresh run (no resume_from_checkpoint) delete the checkpoints already in
+    output_dir; without it, finding any is an error that names the newest."""
     seed: int = 42
     """Seeds Python, NumPy and torch on every rank, and the sampler's shuffle."""
 
@@ -87,8 +90,14 @@ class TrainingArguments(Config):
     """Recompute activations in backward to save memory; calls the model's
     gradient_checkpointing_enable(), so the model must have one."""
     zero_stage: ZeroStage = 0
-    """ZeRO sharding: 1 shards optimizer state, 2 also gradients, 3 also parameters;
-    only 0 (no sharding) is implemented in the Trainer so far."""
+    """ZeRO sharding over the ranks: 1 shards the optimizer state, 2 also the gradients,
+    3 also the parameters (each unit of zero3_units gathered only while it computes);
+    checkpoints are then sharded (torch.distributed.checkpoint) and reshard to another
+    world size."""
+    zero3_units: list[str] | None = None
+    """Under zero_stage=3, the class names of the modules that become units (e.g. "Block",
+    "GPT2Block", "LlamaDecoderLayer"); None takes the model's repeated blocks (the heaviest
+    list of modules of one class). The root is always a unit too."""
 
     # ----------------------------------------------------------- logging, evaluation, saving
     logging_steps: int = 10
@@ -293,13 +302,9 @@ def _check_ddp(args: TrainingArguments) -> None:
         f"ddp_bucket_cap_mb={cap} must be > 0 MiB — the default is 25",
     )
     _require(
-        args.zero_stage not in (1, 2),
-        f"zero_stage={args.zero_stage} is not implemented in the Trainer yet — use zero_stage=0, "
-        "or phalanx.ZeroRedundancyOptimizer in your own loop",
-    )
-    _require(
-        args.zero_stage != 3,
-        "zero_stage=3 is not implemented in the Trainer yet — use zero_stage=0",
+        args.zero3_units is None or args.zero_stage == 3,
+        f"zero3_units={args.zero3_units} only means something with zero_stage=3 — set "
+        "zero_stage=3, or drop zero3_units",
     )
 
 
@@ -308,6 +313,11 @@ def _check_combinations(args: TrainingArguments) -> None:
     _require(
         not (args.bf16 and args.fp16),
         "bf16 and fp16 are both set — choose one precision (bf16 needs no loss scaling)",
+    )
+    _require(
+        not (args.fp16 and args.zero_stage > 0),
+        f"fp16 does not work with zero_stage={args.zero_stage} — the GradScaler unscales and "
+        "checks whole gradients, which ZeRO cuts between ranks; use bf16=True (no loss scaling)",
     )
     if not args.gradient_checkpointing:
         return

@@ -63,7 +63,10 @@ def _own_field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def build_parser(cls: type[TrainingArguments]) -> argparse.ArgumentParser:
+def build_parser(
+    cls: type[TrainingArguments], defaults: Mapping[str, Any] | None = None
+) -> argparse.ArgumentParser:
+    """Flags for every field; `--help` shows `defaults` (the script's) where given."""
     parser = _Parser(
         description=f"Training arguments (phalanx.{cls.__name__}).",
         allow_abbrev=False,
@@ -71,8 +74,10 @@ def build_parser(cls: type[TrainingArguments]) -> argparse.ArgumentParser:
     )
     docs = field_docs(cls)
     kinds = field_types(cls)
+    shown = dict(defaults or {})
     for f in fields(cls):
         default = f.default if f.default_factory is MISSING else f.default_factory()
+        default = shown.get(f.name, default)
         kinds[f.name].add_flag(parser, f"{docs.get(f.name, '')} (default: {default!r})")
     return parser
 
@@ -89,7 +94,7 @@ def parse_cli(
     `--report_to none` (or the flag with no names) logs nowhere.
     """
     base = _check_keys(cls, dict(defaults or {}), "defaults")
-    parser = build_parser(cls)
+    parser = build_parser(cls, base)
     if allow_unknown:
         namespace, rest = parser.parse_known_args(argv)
     else:

@@ -8,6 +8,7 @@ killed run wrote past its last checkpoint, so each step appears once.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
@@ -16,7 +17,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Literal, NoReturn, Protocol, get_args
 
-from phalanx.errors import ConfigurationError
+from phalanx.errors import ConfigurationError, OutputError
+from phalanx.train.checkpoint import describe_os_error
 
 Reporter = Literal["console", "jsonl", "csv", "tensorboard"]
 """The one list of sinks: TrainingArguments.report_to takes its item type from it, and
@@ -114,7 +116,44 @@ class TensorBoardSink:
 def make_sinks(
     report_to: list[Reporter], output_dir: Path, write: Callable[[str], None] = print
 ) -> list[MetricsSink]:
-    return [make_sink(name, output_dir, write) for name in report_to]
+    try:
+        return [make_sink(name, output_dir, write) for name in report_to]
+    except OSError as exc:
+        raise _write_failed(exc, output_dir) from exc
+
+
+def open_sinks(
+    report_to: list[Reporter], output_dir: Path, write: Callable[[str], None], keep_until: int
+) -> list[MetricsSink]:
+    """Trim the metric files to steps <= keep_until (see forget_after), then make the sinks."""
+    try:
+        forget_after(output_dir, keep_until)
+    except OSError as exc:
+        raise _write_failed(exc, output_dir) from exc
+    return make_sinks(report_to, output_dir, write)
+
+
+def log_metrics(sinks: list[MetricsSink], step: int, metrics: Mapping[str, float]) -> None:
+    """Give `metrics` to every sink; a failed write is an OutputError naming the file and why."""
+    for sink in sinks:
+        try:
+            sink.log(step, metrics)
+        except OSError as exc:
+            raise _write_failed(exc, getattr(sink, "path", None)) from exc
+
+
+def close_sinks(sinks: list[MetricsSink]) -> None:
+    """Close every sink; one that already failed (a full disk) may fail again, quietly."""
+    for sink in sinks:
+        with contextlib.suppress(OSError):
+            sink.close()
+
+
+def _write_failed(exc: OSError, path: Path | None) -> OutputError:
+    return OutputError(
+        f"could not write {describe_os_error(exc, path)} — free space, or fix the "
+        "permissions of output_dir; the checkpoints written so far are intact"
+    )
 
 
 def make_sink(name: Reporter, output_dir: Path, write: Callable[[str], None]) -> MetricsSink:

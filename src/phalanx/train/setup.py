@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import asdict
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.optim import AdamW, Optimizer
+from torch.utils.data import DataLoader, Dataset
 
+from phalanx import zero3
+from phalanx.data.sampler import DistributedSampler
 from phalanx.ddp.module import DistributedDataParallel
 from phalanx.errors import ConfigurationError
+from phalanx.optim.zero import ZeroRedundancyOptimizer
 from phalanx.runtime import World, init, shutdown
 from phalanx.train.args import TrainingArguments
 
@@ -72,24 +78,104 @@ def _enable_gradient_checkpointing(model: nn.Module) -> None:
         enable()
 
 
-def build_optimizer(model: nn.Module, args: TrainingArguments) -> Optimizer:
-    """AdamW; weight decay on matrices only, since decaying biases and norm gains hurts."""
+def build_optimizer(model: nn.Module, args: TrainingArguments, world: World) -> Optimizer:
+    """AdamW; weight decay on matrices only, since decaying biases and norm gains hurts.
+
+    Under ZeRO the same two groups go to a ZeroRedundancyOptimizer over AdamW,
+    built after the model is wrapped (stage 2 hooks the wrapper's reducer). A
+    world of one runs it too, with one shard: its checkpoints then have the
+    sharded layout, so a one-process run and a many-rank run resume each
+    other's. Stage 2 there is stage 1: with no reducer there is nothing to
+    reduce-scatter, and the single shard is the whole gradient.
+    """
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not trainable:
         raise ConfigurationError(
             "the model has no trainable parameter — unfreeze some (requires_grad=True)"
         )
-    decay = [p for p in trainable if p.dim() >= 2]
-    no_decay = [p for p in trainable if p.dim() < 2]
+    # By the parameter's real shape: under stage 3 the model holds 1-D pieces.
+    decay = [p for p in trainable if len(zero3.full_shape_of(p)) >= 2]
+    no_decay = [p for p in trainable if len(zero3.full_shape_of(p)) < 2]
     groups = [
         {"params": decay, "weight_decay": args.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    return AdamW([g for g in groups if g["params"]], lr=args.learning_rate)
+    groups = [g for g in groups if g["params"]]
+    if args.zero_stage in (0, 3):  # stage 3's AdamW steps the model's pieces as they are
+        return AdamW(groups, lr=args.learning_rate)
+    return ZeroRedundancyOptimizer(
+        groups,
+        AdamW,
+        process_group=world.process_group,
+        shard_gradients=args.zero_stage == 2 and world.is_distributed,
+        lr=args.learning_rate,
+    )
+
+
+def check_user_optimizer(optimizer: Optimizer, args: TrainingArguments) -> None:
+    """Refuse the optimizers the Trainer cannot drive: it builds ZeRO itself, after wrapping."""
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        raise ConfigurationError(
+            "the Trainer builds ZeroRedundancyOptimizer itself, after it wraps the model "
+            "(stage 2 must hook that wrapper) — pass zero_stage=1 or 2 instead of "
+            "optimizer=ZeroRedundancyOptimizer(...)"
+        )
+    if args.zero_stage == 3:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if not all(isinstance(p, zero3.ShardParameter) for p in params):
+            raise ConfigurationError(
+                "zero_stage=3 shards the model, so an optimizer built over its whole "
+                "parameters steps tensors the model no longer uses — shard the model first "
+                "(phalanx.zero3.shard_model) and build the optimizer over model.parameters(), "
+                "or drop optimizer= and let the Trainer build AdamW"
+            )
+        return
+    if args.zero_stage in (1, 2):
+        raise ConfigurationError(
+            f"zero_stage={args.zero_stage} shards the AdamW the Trainer builds, so it cannot "
+            f"take your {type(optimizer).__name__} — drop optimizer= (and set learning_rate "
+            "and weight_decay), or keep your optimizer with zero_stage=0"
+        )
+
+
+def train_loader(
+    dataset: Dataset[Any],
+    sampler: DistributedSampler,
+    args: TrainingArguments,
+    collate_fn: Callable[[list[Any]], Any] | None,
+    generator: torch.Generator,
+) -> DataLoader[Any]:
+    """This rank's micro-batches; an epoch with none of them is an error naming the fix."""
+    loader: DataLoader[Any] = DataLoader(
+        dataset,
+        batch_size=args.per_device_train_batch_size,
+        sampler=sampler,
+        num_workers=args.dataloader_num_workers,
+        collate_fn=collate_fn,
+        drop_last=args.dataloader_drop_last,
+        generator=generator,
+    )
+    if len(loader) == 0:
+        raise ConfigurationError(
+            f"the training set ({len(sampler)} samples for this rank) gives no "
+            f"micro-batch of {args.per_device_train_batch_size} — lower "
+            "per_device_train_batch_size or set dataloader_drop_last=False"
+        )
+    return loader
 
 
 def wrap_model(model: nn.Module, args: TrainingArguments, world: World) -> nn.Module:
-    """phalanx DDP with the arguments' DDP options, or the model itself in a world of one."""
+    """phalanx DDP with the arguments' DDP options, or the model itself in a world of one.
+
+    Under zero_stage=3 the model is sharded in place instead (its units, then the
+    root; in a world of one too, so checkpoints have one layout whatever the size)
+    unless it arrives sharded already, and the loop calls it as it is.
+    """
+    if args.zero_stage == 3:
+        if zero3.unit_of(model) is None:
+            policy = zero3.by_class_names(args.zero3_units) if args.zero3_units else None
+            zero3.shard_model(model, policy)
+        return model
     if not world.is_distributed:
         return model  # one rank has nothing to all-reduce: skip the hooks and their cost
     # A model wrapped before (by an earlier Trainer) is unhooked from that wrapper by DDP itself.

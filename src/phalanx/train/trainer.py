@@ -12,8 +12,9 @@ between steps, on every rank together.
 
 from __future__ import annotations
 
-import logging
+import json
 import math
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -23,13 +24,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from phalanx.data.sampler import DistributedSampler
 from phalanx.ddp.module import DistributedDataParallel
 from phalanx.diagnostics import progress
 from phalanx.errors import ConfigurationError
-from phalanx.train import resume
 from phalanx.train.args import TrainingArguments
 from phalanx.train.batches import (
     LossFn,
@@ -39,16 +39,33 @@ from phalanx.train.batches import (
     takes_keyword_batch,
     to_device,
 )
-from phalanx.train.checkpoint import remove_torn
+from phalanx.train.checkpointer import Checkpointer
 from phalanx.train.evaluation import ComputeMetrics, EvalSetup, evaluate_model
-from phalanx.train.metrics import MetricsSink, forget_after, make_sinks
-from phalanx.train.progress import Progress, StepWindow
-from phalanx.train.resume import Stateful, TrainState
-from phalanx.train.rng import restore_rng_state, seed_everything
+from phalanx.train.outputdir import prepare_output_dir, restart_note
+from phalanx.train.progress import StepWindow
+from phalanx.train.report import RunReport, human_size
+from phalanx.train.rng import seed_everything
 from phalanx.train.schedules import make_scheduler
-from phalanx.train.setup import build_optimizer, join_world, prepare_model, release, wrap_model
-
-logger = logging.getLogger("phalanx.train")
+from phalanx.train.setup import (
+    build_optimizer,
+    check_user_optimizer,
+    join_world,
+    prepare_model,
+    release,
+    train_loader,
+    wrap_model,
+)
+from phalanx.train.stateful import Entry
+from phalanx.train.step import autocast_for, optimizer_step
+from phalanx.train.trainer_state import (
+    Counters,
+    ResumeWarning,
+    RngStreams,
+    SamplerPosition,
+    ShardedModel,
+    TrainState,
+    resume_warning,
+)
 
 
 @dataclass(frozen=True)
@@ -57,9 +74,8 @@ class TrainOutput:
 
     global_step: int
     train_loss: float
-    """Loss of the last optimizer step, averaged over its micro-batches and all ranks."""
-    mean_train_loss: float
-    """Mean step loss over the steps this call trained (NaN if it trained none)."""
+    """Mean step loss over the whole run, steps before a resume included (as Hugging
+    Face's); NaN when no step was ever trained."""
     samples_per_second: float
     """Training samples over all ranks per second of this call's loop."""
     runtime_s: float
@@ -87,12 +103,13 @@ class Trainer:
         self.collate_fn = collate_fn
         self.compute_metrics = compute_metrics
         self.state = TrainState()
-        self._sinks: list[MetricsSink] | None = None
-        self._progress: Progress | None = None
         self._keyword: bool | None = None
+        self._run: StepWindow | None = None
+        self._loss_before = 0.0
         self.sampler: DistributedSampler | None = None
         self.world, self._owns_group = join_world(self.args)
         """Rank, world size, device, and the group: one of one rank for a plain process."""
+        self._report = RunReport(self.world, self.args)
         self._closed = False
         try:
             self._setup_model(model, optimizer)
@@ -108,9 +125,14 @@ class Trainer:
         """The unwrapped module: what you save, export, or evaluate yourself."""
         self.wrapped_model: nn.Module = wrap_model(self.model, self.args, self.world)
         """What the loop calls: phalanx DDP with more than one rank, else the model itself."""
+        if optimizer is not None:
+            check_user_optimizer(optimizer, self.args)
         self.optimizer = (
-            optimizer if optimizer is not None else build_optimizer(self.model, self.args)
+            optimizer
+            if optimizer is not None
+            else build_optimizer(self.model, self.args, self.world)
         )
+        """AdamW, or under zero_stage 1/2 a phalanx.ZeroRedundancyOptimizer over AdamW."""
         self.scaler = torch.amp.GradScaler("cuda") if self.args.fp16 else None
 
     def _setup_training(self, dataset: Dataset[Any]) -> None:
@@ -125,22 +147,10 @@ class Trainer:
         # Its own generator: making an iterator must not draw from the global RNG,
         # or a resumed run (which makes one mid-epoch) would shift the dropout masks.
         self._loader_generator = torch.Generator()
-        self.train_loader: DataLoader[Any] = DataLoader(
-            dataset,
-            batch_size=args.per_device_train_batch_size,
-            sampler=self.sampler,
-            num_workers=args.dataloader_num_workers,
-            collate_fn=self.collate_fn,
-            drop_last=args.dataloader_drop_last,
-            generator=self._loader_generator,
+        self.train_loader = train_loader(
+            dataset, self.sampler, args, self.collate_fn, self._loader_generator
         )
         self.micro_batches_per_epoch = len(self.train_loader)
-        if self.micro_batches_per_epoch == 0:
-            raise ConfigurationError(
-                f"the training set ({len(self.sampler)} samples for this rank) gives no "
-                f"micro-batch of {args.per_device_train_batch_size} — lower "
-                "per_device_train_batch_size or set dataloader_drop_last=False"
-            )
         steps_per_epoch = math.ceil(self.micro_batches_per_epoch / args.gradient_accumulation_steps)
         self.max_steps = (
             args.max_steps
@@ -150,16 +160,40 @@ class Trainer:
         self.scheduler = make_scheduler(
             self.optimizer, args.lr_scheduler_type, args.warmup_steps, self.max_steps
         )
+        self._checkpointer = Checkpointer(self.world, Path(args.output_dir), args.save_total_limit)
+        self._make_entries()
 
-    def _stateful(self) -> Stateful:
+    def _make_entries(self) -> None:
+        """The adapters over the loop's own state (see trainer_state.py), for `self.state`."""
         assert self.sampler is not None
-        return Stateful(self.model, self.optimizer, self.scheduler, self.scaler, self.sampler)
+        self._counters = Counters(self.state, self.args, self.world)
+        self._position = SamplerPosition(
+            self.sampler, self.state, self.args, self.micro_batches_per_epoch
+        )
+        self._rng = RngStreams()
+
+    def checkpoint_states(self) -> dict[str, Entry]:
+        """Everything a checkpoint holds, one entry each: new state is one more entry here.
+
+        The placement of each (stateful.py) says who writes it: the ZeRO
+        optimizer is sharded, "rng" per rank, the rest replicated. "trainer"
+        comes first: it loads the counters the others' messages use.
+        """
+        sharded = self.args.zero_stage == 3  # the model holds pieces: both go through DCP
+        states: dict[str, Entry] = {
+            "trainer": self._counters,
+            "model": ShardedModel(self.model) if sharded else self.model,
+            "optimizer": ShardedModel(self.model, self.optimizer) if sharded else self.optimizer,
+            "scheduler": self.scheduler,
+        }
+        if self.scaler is not None:
+            states["scaler"] = self.scaler
+        states["sampler"] = self._position
+        states["rng"] = self._rng
+        return states
 
     def _autocast(self) -> AbstractContextManager[Any]:
-        if not (self.args.bf16 or self.args.fp16):
-            return nullcontext()
-        dtype = torch.bfloat16 if self.args.bf16 else torch.float16
-        return torch.autocast(self.world.device.type, dtype=dtype)
+        return autocast_for(self.args, self.world.device)
 
     # ------------------------------------------------------------------ train
     def train(self, resume_from_checkpoint: bool | str | Path | None = None) -> TrainOutput:
@@ -168,55 +202,55 @@ class Trainer:
         `resume_from_checkpoint=True` picks the newest valid checkpoint in
         output_dir (falling back past corrupt ones with a warning) and starts
         afresh when there is none yet; a path resumes from exactly that one.
+        Without it, an output_dir that holds checkpoints is an error unless
+        `overwrite_output_dir` is set.
         """
         self._check_open()
         if self.train_dataset is None:
             raise ConfigurationError("train() needs a train_dataset — pass one to the Trainer")
+        resume = resume_from_checkpoint if resume_from_checkpoint is not None else False
+        restart = restart_note()
+        if restart is not None:
+            self._report.say(f"{restart}: " + ("resuming…" if resume else "starting afresh"))
+        prepare_output_dir(self.world, self.args, fresh=resume is False)
         seed_everything(self.args.seed)
         self.state = TrainState()
-        resumed_from, rng = self._maybe_resume(resume_from_checkpoint)
-        self._open_outputs(resumed=resumed_from is not None)
-        if rng is not None:
-            restore_rng_state(rng)  # last, so nothing above can shift the dropout masks
+        self._make_entries()
+        resumed_from = None if resume is False else self._resume(resume)
+        if self.state.global_step >= self.max_steps:
+            self._rng.restore()
+            self._report.say(f"already at max_steps ({self.max_steps}) — nothing to do")
+            return TrainOutput(self.state.global_step, self._mean_loss(), 0.0, 0.0, resumed_from)
+        keep_until = self.state.global_step if resumed_from is not None else 0
+        self._report.open(self.max_steps, self.state.global_step, keep_until)
+        self._rng.restore()  # last, so nothing above can shift the dropout masks
         try:
             window = self._loop()
         finally:
-            self._close_outputs()
+            self._report.close()
         return self._output(window, resumed_from)
 
-    def _maybe_resume(
-        self, resume_from: bool | str | Path | None
-    ) -> tuple[str | None, dict[str, Any] | None]:
-        if resume_from is None or resume_from is False:
-            return None, None
-        path = resume.choose(resume_from, Path(self.args.output_dir), self.world)
+    def _resume(self, resume_from: bool | str | Path) -> str | None:
+        path = self._checkpointer.choose(resume_from)
         if path is None:
-            if self.world.is_main:
-                logger.info("no checkpoint in %s yet: starting from step 0", self.args.output_dir)
-            return None, None
-        self.state, rng = resume.restore(path, self._stateful(), self.args, self.world)
-        if self.world.is_main:
-            logger.info("resumed from %s at step %d", path, self.state.global_step)
-        return str(path), rng
-
-    def _open_outputs(self, resumed: bool) -> None:
-        if self.world.is_main:
-            output_dir = Path(self.args.output_dir)
-            remove_torn(output_dir)
-            forget_after(output_dir, self.state.global_step if resumed else 0)
-            self._progress = Progress(self.max_steps, self.state.global_step, self.args)
-            self._sinks = make_sinks(self.args.report_to, output_dir, self._progress.write)
-
-    def _close_outputs(self) -> None:
-        for sink in self._sinks or []:
-            sink.close()
-        if self._progress is not None:
-            self._progress.close()
-        self._sinks, self._progress = None, None
+            self._report.say(f"no checkpoint in {self.args.output_dir} yet: starting at step 0")
+            return None
+        self._checkpointer.load(path, self.checkpoint_states())
+        warning = resume_warning(path.name, self._counters, self._position)
+        if warning is not None and self.world.is_main:
+            warnings.warn(warning, ResumeWarning, stacklevel=3)
+        state = self.state
+        sample = self._position.consumed() * self.world.world_size
+        self._report.say(
+            f"resumed from {path.name} (step {state.global_step}, epoch {state.epoch}, "
+            f"sample {sample} of the epoch)"
+        )
+        return str(path)
 
     def _loop(self) -> StepWindow:
         run = StepWindow(self._comm_wait())
         window = StepWindow(self._comm_wait())
+        self._run, self._loss_before = run, self.state.loss_sum
         while self.state.global_step < self.max_steps:
             finished_epoch = self._train_epoch(run, window)
             if finished_epoch:
@@ -273,8 +307,7 @@ class Trainer:
         progress.step(self.state.global_step + 1)
         for tracker in (run, window):
             tracker.add_step(loss, grad_norm)
-        if self._progress is not None:
-            self._progress.advance()
+        self._report.advance()
         step, args = self.state.global_step, self.args
         if step % args.logging_steps == 0:
             self._log(window)
@@ -284,25 +317,9 @@ class Trainer:
             self.save_checkpoint()
 
     def _optimizer_step(self) -> Tensor | None:
-        """Clip after the all-reduce (the gradients are then the same everywhere), then step."""
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
-        grad_norm = None
-        if self.args.max_grad_norm > 0:
-            params = [p for p in self.model.parameters() if p.grad is not None]
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, self.args.max_grad_norm)
-        stepped = True
-        if self.scaler is not None:
-            scale = self.scaler.get_scale()
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-            stepped = self.scaler.get_scale() >= scale  # a lowered scale means inf/NaN: skipped
-        else:
-            self.optimizer.step()
-        if stepped:
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm
+        return optimizer_step(
+            self.model, self.optimizer, self.scheduler, self.scaler, self.args.max_grad_norm
+        )
 
     # ---------------------------------------------------------------- logging
     def _comm_wait(self) -> float:
@@ -320,17 +337,26 @@ class Trainer:
         window.reset(self._comm_wait())
 
     def _emit(self, metrics: dict[str, float]) -> None:
-        if self._progress is not None and "loss" in metrics:
-            self._progress.show_loss(metrics["loss"])
-        for sink in self._sinks or []:
-            sink.log(self.state.global_step, metrics)
+        self._report.emit(self.state.global_step, metrics)
+
+    def _sync_loss(self) -> dict[str, float]:
+        """Collective: fold this call's step losses into state.loss_sum; the run's summary."""
+        if self._run is None:
+            return {}
+        summary = self._run.reduce(self.world, self._comm_wait())
+        self.state.loss_sum = self._loss_before + summary.get("loss", 0.0) * self._run.steps
+        return summary
+
+    def _mean_loss(self) -> float:
+        steps = self.state.global_step
+        return self.state.loss_sum / steps if steps else math.nan
 
     def _output(self, run: StepWindow, resumed_from: str | None) -> TrainOutput:
-        summary = run.reduce(self.world, self._comm_wait())
+        summary = self._sync_loss()
+        self._run = None
         return TrainOutput(
             global_step=self.state.global_step,
-            train_loss=summary.get("last_loss", math.nan),
-            mean_train_loss=summary.get("loss", math.nan),
+            train_loss=self._mean_loss(),
             samples_per_second=summary.get("samples_per_second", 0.0),
             runtime_s=summary.get("window_s", 0.0),
             resumed_from=resumed_from,
@@ -386,7 +412,10 @@ class Trainer:
         self._check_open()
         if self.sampler is None:
             raise ConfigurationError("save_checkpoint() needs a train_dataset — pass one")
-        path = resume.save(self._stateful(), self.state, self.args, self.world)
-        if self.world.is_main:
-            logger.info("saved %s", path)
-        return path
+        self._sync_loss()
+        notes = {"args.json": json.dumps(self.args.to_dict(), indent=1).encode()}
+        saved = self._checkpointer.save(self.checkpoint_states(), self.state.global_step, notes)
+        self._report.say(
+            f"saved {saved.path.name} ({human_size(saved.bytes)}, {saved.seconds:.2f} s)"
+        )
+        return saved.path

@@ -2,6 +2,7 @@
 
 Usage: trainer_resume.py OUTPUT_DIR RESULT_FILE [--kill-after-step N] [--resume]
                          [--save-steps N] [--max-steps N] [--kill-on-first-attempt-only]
+                         [--zero-stage {0,1,2,3}]
 
 120 samples over 2 ranks in micro-batches of 4 with 2-step accumulation is
 15 micro-batches, so 8 optimizer steps, per epoch (the last step of each epoch
@@ -11,7 +12,8 @@ step N, a real crash mid-run; the launcher then stops the other rank. With
 --kill-on-first-attempt-only it does so only when the launcher has not
 restarted the job yet (PHALANX_RESTART_COUNT 0), so `--max-restarts 1` brings
 the job back, and `--resume` carries it on from the last checkpoint.
-Rank 0 writes the final parameters to RESULT_FILE.
+With --zero-stage 1 or 2 the Trainer shards its AdamW (and the checkpoints); with 3 the model too.
+Rank 0 writes the final parameters to RESULT_FILE and a summary beside it.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import TensorDataset
 
+from phalanx import zero3
 from phalanx.train import Trainer, TrainingArguments
 
 SAMPLES = 120
@@ -56,6 +59,7 @@ def main() -> None:
     parser.add_argument("--save-steps", type=int, default=0)
     parser.add_argument("--max-steps", type=int, default=20)
     parser.add_argument("--kill-on-first-attempt-only", action="store_true")
+    parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0)
     opts = parser.parse_args()
     torch.set_num_threads(1)
     args = TrainingArguments(
@@ -73,6 +77,7 @@ def main() -> None:
         disable_tqdm=True,
         ddp_backend="gloo",
         ddp_timeout=60,
+        zero_stage=opts.zero_stage,
     )
     torch.manual_seed(0)
     model = DropoutMLP()
@@ -88,9 +93,15 @@ def main() -> None:
 
     trainer = Trainer(model=model, args=args, train_dataset=dataset(), loss_fn=loss_fn)
     result = trainer.train(resume_from_checkpoint=True if opts.resume else None)
+    # Stage 3's model holds pieces: gather the whole parameters (every rank takes part).
+    state = zero3.full_state_dict(trainer.model) if opts.zero_stage == 3 else None
     if trainer.world.rank == 0:
-        torch.save(trainer.model.state_dict(), opts.result)
-        summary = {"global_step": result.global_step, "resumed_from": result.resumed_from}
+        torch.save(state if state is not None else trainer.model.state_dict(), opts.result)
+        summary = {
+            "global_step": result.global_step,
+            "resumed_from": result.resumed_from,
+            "train_loss": result.train_loss,
+        }
         Path(opts.result).with_suffix(".json").write_text(json.dumps(summary))
         print(f"done: {summary}", flush=True)
 

@@ -1,0 +1,194 @@
+"""A per-rank timeline of a training job, merged into one Chrome trace (Perfetto, chrome://tracing).
+
+Turned on by `PHALANX_TIMELINE=path` (or the Trainer's `timeline=`). Each
+rank records spans in memory: forward, backward, each bucket's flight from
+launch to completion (with its bytes), the end-of-backward wait, the
+optimizer step, checkpoint saves, barriers. A bucket's completion time comes
+from its collective's own completion callback, on the communication thread,
+not from the moment someone waited for it. At exit each rank writes its spans
+next to `path`, and rank 0 merges every rank's file into `path`: one track
+per rank and one per rank's communication, plus per step the two numbers that
+explain a step's cost:
+
+- *exposed* communication: how long the end of backward waited on buckets;
+- *hidden* communication: the part of the buckets' flights that overlapped
+  backward.
+
+Recording costs a `perf_counter_ns` and a tuple per span; when the timeline
+is off, every hook is a check of one attribute that is None.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ENV = "PHALANX_TIMELINE"
+# Rank 0 waits this long at exit for the other ranks' files before merging what it has.
+_MERGE_WAIT_S = 20.0
+
+
+@dataclass
+class StepRecord:
+    """The numbers of one synced backward, for the per-step summary."""
+
+    step: int
+    backward: tuple[int, int] = (0, 0)
+    """(start, end) of backward, end being the start of the final wait."""
+    exposed_ns: int = 0
+    flights: list[tuple[int, int, int]] = field(default_factory=list)
+    """(launch, completion, bytes) of each bucket."""
+
+    def hidden_ns(self) -> int:
+        start, end = self.backward
+        return sum(max(0, min(done, end) - max(launch, start)) for launch, done, _ in self.flights)
+
+
+class Timeline:
+    """This rank's spans; `write` dumps them, and rank 0's `merge` makes the trace."""
+
+    def __init__(self, path: str | Path, rank: int, world_size: int) -> None:
+        self.path = Path(path)
+        self.rank = rank
+        self.world_size = world_size
+        self.origin_ns = time.time_ns() - time.perf_counter_ns()  # wall clock of perf 0
+        self.spans: list[tuple[str, str, int, int, dict[str, Any]]] = []
+        self.steps: list[StepRecord] = []
+        self._lock = threading.Lock()  # completion callbacks run on the communication thread
+        self._current: StepRecord | None = None
+
+    # --------------------------------------------------------------- recording
+    def add(self, name: str, track: str, start_ns: int, end_ns: int, **args: Any) -> None:
+        with self._lock:
+            self.spans.append((name, track, start_ns, end_ns - start_ns, args))
+
+    @contextmanager
+    def span(self, name: str, track: str = "compute", **args: Any) -> Iterator[None]:
+        start = time.perf_counter_ns()
+        try:
+            yield
+        finally:
+            self.add(name, track, start, time.perf_counter_ns(), **args)
+
+    def backward_started(self) -> None:
+        self._current = StepRecord(len(self.steps), (time.perf_counter_ns(), 0))
+
+    def bucket_launched(self, index: int, nbytes: int, future: Any) -> None:
+        """Record a bucket's flight; `future` (or None) says when its collective completed."""
+        launch = time.perf_counter_ns()
+        record = self._current
+
+        def done(*_: Any) -> None:
+            end = time.perf_counter_ns()
+            self.add(f"bucket {index}", "comm", launch, end, bytes=nbytes)
+            if record is not None:
+                with self._lock:
+                    record.flights.append((launch, end, nbytes))
+
+        if future is None:
+            done()
+        else:
+            future.add_done_callback(done)
+
+    def backward_waited(self, wait_start: int, wait_end: int) -> None:
+        record = self._current
+        if record is None:
+            return
+        record.backward = (record.backward[0], wait_start)
+        record.exposed_ns = wait_end - wait_start
+        self.add("backward", "compute", record.backward[0], wait_start)
+        self.add("wait for buckets", "compute", wait_start, wait_end)
+        self.steps.append(record)
+        self._current = None
+
+    # ------------------------------------------------------------------ output
+    def rank_file(self, rank: int) -> Path:
+        return self.path.with_name(f"{self.path.name}.rank-{rank}.json")
+
+    def write(self) -> None:
+        """This rank's spans and step numbers, next to `path`."""
+        data = {
+            "rank": self.rank,
+            "origin_ns": self.origin_ns,
+            "spans": self.spans,
+            "steps": [
+                {
+                    "step": s.step,
+                    "exposed_ms": s.exposed_ns / 1e6,
+                    "hidden_ms": s.hidden_ns() / 1e6,
+                    "bytes": sum(b for *_, b in s.flights),
+                    "backward_ms": (s.backward[1] - s.backward[0]) / 1e6,
+                }
+                for s in self.steps
+            ],
+        }
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.rank_file(self.rank).with_suffix(".tmp")
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, self.rank_file(self.rank))
+
+
+def merge(path: str | Path, world_size: int, wait_s: float = _MERGE_WAIT_S) -> dict[str, Any]:
+    """Rank 0: every rank's file into one Chrome trace at `path` (waiting for late ranks)."""
+    path = Path(path)
+    files = [path.with_name(f"{path.name}.rank-{r}.json") for r in range(world_size)]
+    deadline = time.monotonic() + wait_s
+    while not all(f.exists() for f in files) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    ranks = [json.loads(f.read_text()) for f in files if f.exists()]
+    base = min(r["origin_ns"] for r in ranks) if ranks else 0
+    events: list[dict[str, Any]] = []
+    for data in ranks:
+        rank, shift = data["rank"], data["origin_ns"] - base
+        for tid, track in enumerate(("compute", "comm")):
+            events.append(_meta(rank, tid, f"rank {rank} {track}"))
+        for name, track, start, dur, args in data["spans"]:
+            events.append(
+                {
+                    "name": name,
+                    "ph": "X",
+                    "pid": rank,
+                    "tid": 1 if track == "comm" else 0,
+                    "ts": (start + shift) / 1000,
+                    "dur": dur / 1000,
+                    "args": args,
+                }
+            )
+    trace = {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "phalanx": {
+            "ranks": [r["rank"] for r in ranks],
+            "steps": {str(r["rank"]): r["steps"] for r in ranks},
+        },
+    }
+    path.write_text(json.dumps(trace))
+    return trace
+
+
+def _meta(rank: int, tid: int, name: str) -> dict[str, Any]:
+    return {"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": name}}
+
+
+def from_env(rank: int, world_size: int) -> Timeline | None:
+    """The timeline `PHALANX_TIMELINE` asks for, written (and merged by rank 0) at exit."""
+    path = os.environ.get(ENV)
+    if not path:
+        return None
+    timeline = Timeline(path, rank, world_size)
+    atexit.register(_finish, timeline)
+    return timeline
+
+
+def _finish(timeline: Timeline) -> None:
+    timeline.write()
+    if timeline.rank == 0:
+        merge(timeline.path, timeline.world_size)

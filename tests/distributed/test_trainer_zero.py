@@ -1,0 +1,198 @@
+"""ZeRO in the Trainer: sharded checkpoints through DCP that reshard between world sizes.
+
+A world-4 run with zero_stage 1, 2 and 3 saves mid-epoch; a world-2 run resumes
+that checkpoint and must hold exactly the state the world-4 run consolidated
+(parameters and optimizer state, compared as whole tensors); it trains on
+and saves, and a world-4 run resumes that and must hold exactly the world-2
+state. The optimizer is the real `phalanx.ZeroRedundancyOptimizer`, whose
+`save_sharded` / `load_sharded` the checkpointer calls as a "sharded" entry.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.utils.data import TensorDataset
+
+import phalanx
+from phalanx import zero3
+from phalanx.errors import CheckpointError, ConfigurationError
+from phalanx.train import Trainer, TrainingArguments
+from phalanx.train.checkpoint import MANIFEST, verify_checkpoint
+from tests.distributed.test_zero_state import _same
+from tests.harness import run_workers
+
+STAGES = (1, 2, 3)
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(6, 24), nn.Tanh(), nn.Dropout(0.2), nn.Linear(24, 3))
+
+    def forward(self, batch: list[Tensor]) -> Tensor:
+        return self.net(batch[0])
+
+
+def _data() -> TensorDataset:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(96, 6, generator=gen)
+    return TensorDataset(x, torch.randint(0, 3, (96,), generator=gen))
+
+
+def _xent(outputs: Tensor, batch: list[Tensor]) -> Tensor:
+    return nn.functional.cross_entropy(outputs, batch[1])
+
+
+def _args(out_dir: Path, **overrides: Any) -> TrainingArguments:
+    base: dict[str, Any] = {
+        "output_dir": str(out_dir),
+        "per_device_train_batch_size": 4,
+        "learning_rate": 1e-2,
+        "weight_decay": 0.1,
+        "max_grad_norm": 0.5,
+        "report_to": [],
+        "disable_tqdm": True,
+        "ddp_backend": "gloo",
+        "ddp_timeout": 60,
+    }
+    return TrainingArguments(**{**base, **overrides})
+
+
+def _train_and_consolidate(out_dir: Path, stage: int, max_steps: int, tag: str) -> dict[str, Any]:
+    """Train (resuming from the newest checkpoint), then write the consolidated state."""
+    args = _args(out_dir, zero_stage=stage, max_steps=max_steps, save_steps=max_steps)
+    trainer = Trainer(model=_Net(), args=args, train_dataset=_data(), loss_fn=_xent)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = trainer.train(resume_from_checkpoint=True)
+    optimizer = trainer.optimizer
+    if stage == 3:  # the model holds pieces, the optimizer is a plain AdamW over them
+        state = {
+            "model": zero3.full_state_dict(trainer.model, to=0),
+            "optimizer": zero3.full_optimizer_state_dict(optimizer, to=0),
+        }
+        local = optimizer
+    else:
+        assert isinstance(optimizer, phalanx.ZeroRedundancyOptimizer)
+        optimizer.consolidate_state_dict(to=0)
+        local = optimizer.optim
+        if trainer.world.is_main:
+            state = {"model": trainer.model.state_dict(), "optimizer": optimizer.state_dict()}
+    if trainer.world.is_main:
+        torch.save(state, out_dir / f"{tag}.pt")
+    return {
+        "step": out.global_step,
+        "epoch": trainer.state.epoch,
+        "batches_done": trainer.state.batches_done,
+        "train_loss": out.train_loss,
+        "warnings": [str(w.message) for w in caught],
+        "local_numel": sum(s.numel() for s in local.state_dict()["state"][0].values()),
+    }
+
+
+def _phase(rank: int, world: int, root: str, runs: list[tuple[str, int]]) -> dict[str, Any]:
+    phalanx.init(backend="gloo")  # one group for all the Trainers of this worker
+    return {
+        f"{stage}/{tag}": _train_and_consolidate(Path(root) / f"stage{stage}", stage, steps, tag)
+        for stage in STAGES
+        for tag, steps in runs
+    }
+
+
+def _saved(root: Path, stage: int, tag: str) -> Any:
+    return torch.load(root / f"stage{stage}" / f"{tag}.pt", weights_only=True)
+
+
+@pytest.mark.timeout(300)
+def test_a_zero_checkpoint_reshards_from_four_ranks_to_two_and_back(tmp_path: Path) -> None:
+    # 96 samples, batches of 4: world 4 has 6 micro-batches per epoch, world 2 has 12.
+    four = run_workers(_phase, 4, str(tmp_path), [("w4", 5)], init_pg=False, timeout=150)
+    two = run_workers(
+        _phase, 2, str(tmp_path), [("w2-load", 5), ("w2", 9)], init_pg=False, timeout=150
+    )
+    back = run_workers(_phase, 4, str(tmp_path), [("w4-load", 9)], init_pg=False, timeout=150)
+    for stage in STAGES:
+        assert _same(_saved(tmp_path, stage, "w2-load"), _saved(tmp_path, stage, "w4"))
+        assert _same(_saved(tmp_path, stage, "w4-load"), _saved(tmp_path, stage, "w2"))
+        # Checkpoint-5 of world 4 stood at sample 80 of epoch 0: world 2 continues there,
+        # with nothing to do (max_steps 5), and reports the loss of those 5 steps.
+        loaded = two[0].value[f"{stage}/w2-load"]
+        assert (loaded["step"], loaded["epoch"], loaded["batches_done"]) == (5, 0, 10)
+        assert loaded["train_loss"] == four[0].value[f"{stage}/w4"]["train_loss"]
+        changed = [w for w in loaded["warnings"] if "world size 4 → 2" in w]
+        assert changed and "epoch 0 continues at sample 80 of 96" in changed[0]
+        # Checkpoint-9 of world 2: epoch 1, 2 micro-batches of 2 ranks = 16 samples;
+        # world 4 takes 16 // (4 ranks x 4) = 1 micro-batch as done.
+        reloaded = back[0].value[f"{stage}/w4-load"]
+        assert (reloaded["step"], reloaded["epoch"], reloaded["batches_done"]) == (9, 1, 1)
+        # The state really is sharded: each of 4 ranks keeps a quarter of a parameter's.
+        whole = two[0].value[f"{stage}/w2"]["local_numel"]
+        assert back[0].value[f"{stage}/w4-load"]["local_numel"] < whole
+    manifest = json.loads((tmp_path / "stage2" / "checkpoint-9" / MANIFEST).read_text())
+    assert manifest["entries"]["optimizer"] == "sharded"
+    written = sorted(n for n in manifest["files"] if n.startswith("optimizer/"))
+    assert written == ["optimizer/.metadata", "optimizer/__0_0.distcp", "optimizer/__1_0.distcp"]
+    assert "optimizer.pt" not in manifest["files"]
+
+
+def test_a_corrupt_shard_fails_verification(tmp_path: Path) -> None:
+    """The manifest covers the DCP files every rank wrote, not only rank 0's."""
+    args = _args(tmp_path, zero_stage=1, max_steps=2, save_steps=2)
+    Trainer(model=_Net(), args=args, train_dataset=_data(), loss_fn=_xent).train()
+    shard = tmp_path / "checkpoint-2" / "optimizer" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"__0_0.distcp does not match its checksum"):
+        verify_checkpoint(tmp_path / "checkpoint-2")
+
+
+def test_zero_in_one_process_trains_as_adamw_does(tmp_path: Path) -> None:
+    """A world of one runs ZeRO too (one shard): same parameters, sharded checkpoint."""
+    params = {}
+    for stage in (0, 1, 2):
+        args = _args(tmp_path / str(stage), zero_stage=stage, max_steps=6, save_steps=6)
+        trainer = Trainer(model=_Net(), args=args, train_dataset=_data(), loss_fn=_xent)
+        trainer.train()
+        params[stage] = [p.detach().clone() for p in trainer.model.parameters()]
+        trainer.close()
+        manifest = json.loads((tmp_path / str(stage) / "checkpoint-6" / MANIFEST).read_text())
+        assert manifest["entries"]["optimizer"] == ("sharded" if stage else "replicated")
+    for stage in (1, 2):
+        for ours, plain in zip(params[stage], params[0], strict=True):
+            assert (ours - plain).abs().max() <= 1e-6
+
+
+def _refusals(rank: int, world: int, out_dir: str) -> list[str]:
+    phalanx.init(backend="gloo")
+    messages = []
+    model = _Net()
+    attempts = [
+        (1, torch.optim.SGD(model.parameters(), lr=0.1)),
+        (0, phalanx.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=0.1)),
+    ]
+    for stage, optimizer in attempts:
+        args = _args(Path(out_dir), zero_stage=stage, max_steps=2)
+        try:
+            Trainer(model=model, args=args, train_dataset=_data(), optimizer=optimizer)
+        except ConfigurationError as exc:
+            messages.append(str(exc))
+    return messages
+
+
+@pytest.mark.timeout(90)
+def test_optimizers_the_trainer_cannot_shard_are_refused_on_every_rank(tmp_path: Path) -> None:
+    outs = run_workers(_refusals, 2, str(tmp_path), init_pg=False)
+    assert outs[0].value == outs[1].value and len(outs[0].value) == 2
+    mine, theirs = outs[0].value
+    assert "zero_stage=1 shards the AdamW the Trainer builds" in mine and "SGD" in mine
+    assert "pass zero_stage=1 or 2 instead of optimizer=ZeroRedundancyOptimizer" in theirs
+    assert all("\n" not in m and " — " in m for m in outs[0].value)

@@ -1,0 +1,73 @@
+"""The accuracies the README and the examples' docstrings claim are the ones the examples print,
+with their default settings, and the Trainer example does not overfit by default.
+
+Each example runs once, whole (a few seconds of training on one process).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("sklearn", reason="the digits examples need scikit-learn")
+
+ROOT = Path(__file__).resolve().parents[2]
+RUN_TIMEOUT_S = 180
+
+
+def _run(*command: str | Path) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, *map(str, command)],
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+        env=env,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def _percent(pattern: str, text: str) -> float:
+    match = re.search(pattern, text)
+    assert match, f"no match for {pattern!r}"
+    return float(match.group(1))
+
+
+def _printed_accuracy(printed: str) -> float:
+    return round(100 * _percent(r"test accuracy: ([0-9.]+)", printed), 1)
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 30)
+def test_digits_prints_the_accuracy_the_readme_claims(tmp_path: Path) -> None:
+    printed = _run(ROOT / "examples" / "digits.py", "--out", tmp_path / "digits.pt")
+    readme = (ROOT / "README.md").read_text()
+    claimed = _percent(r"examples/digits\.py .*?([0-9.]+)% test accuracy", readme)
+    docstring = _percent(r"Reaches ([0-9.]+)% test", (ROOT / "examples" / "digits.py").read_text())
+    assert _printed_accuracy(printed) == claimed == docstring
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 30)
+def test_digits_trainer_does_not_overfit_and_prints_the_accuracy_it_claims(
+    tmp_path: Path,
+) -> None:
+    printed = _run(
+        ROOT / "examples" / "digits_trainer.py",
+        *("--output_dir", tmp_path, "--save_steps", "0", "--eval_steps", "100"),
+        *("--report_to", "jsonl", "--disable_tqdm"),
+    )
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
+    eval_losses = [r["eval_loss"] for r in records if "eval_loss" in r]
+    assert len(eval_losses) >= 8
+    # Overfitting shows as a test loss that climbs back up while the training loss falls.
+    assert eval_losses[-1] <= 1.02 * min(eval_losses), eval_losses
+    source = (ROOT / "examples" / "digits_trainer.py").read_text()
+    claimed = _percent(r"reaches ([0-9.]+)% test accuracy\non one process", source)
+    assert _printed_accuracy(printed) == claimed
