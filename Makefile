@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 # The CPU build of torch; GPU users install their own torch before `pip install phalanx`.
 TORCH  ?= torch==2.13.0
 
-.PHONY: venv test test-slow gpu-check lint demo bench clean
+.PHONY: venv test test-slow test-faults gpu-check lint demo bench clean
 
 venv: $(VENV)/.installed
 
@@ -25,6 +25,10 @@ test: lint
 
 test-slow: venv
 	$(VENV)/bin/pytest -q -m slow
+
+# Every fault-injection test, the short versions (also in `make test`) and the slow soaks.
+test-faults: venv
+	$(VENV)/bin/pytest -q -m faults tests/faults
 
 # The checks only a CUDA machine can run (tests/gpu/, skipped without one). On a machine
 # whose python already has a CUDA torch: PYTHONPATH=src python -m pytest -q tests/gpu

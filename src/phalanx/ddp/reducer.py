@@ -36,6 +36,7 @@ from phalanx.ddp.signals import StepSignals
 from phalanx.ddp.static_graph import GradientCounts
 from phalanx.ddp.sync import rank0_order
 from phalanx.ddp.unused import UnusedParameters
+from phalanx.diagnostics import progress
 
 
 class Phase(Enum):
@@ -318,6 +319,7 @@ class Reducer:
                 self.stats.buckets_skipped += 1
             else:
                 buckets[k].launch(self.reduction)
+                progress.collective("ddp all_reduce bucket", k, self.stats.sync_rounds + 1)
                 self.stats.buckets_launched += 1
                 self.stats.collectives += 1
             k += 1
