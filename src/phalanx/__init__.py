@@ -15,6 +15,8 @@ if TYPE_CHECKING:
     from phalanx.data.sampler import DistributedSampler
     from phalanx.ddp import comm_hooks
     from phalanx.ddp.module import DistributedDataParallel
+    from phalanx.optim.diloco import DiLoCo
+    from phalanx.optim.local_sgd import LocalSGD
     from phalanx.optim.zero import ZeroRedundancyOptimizer
     from phalanx.runtime import World, init, launched_by_launcher, shutdown
     from phalanx.train import Trainer, TrainingArguments
@@ -33,14 +35,18 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "DistributedSampler": ("phalanx.data.sampler", "DistributedSampler"),
     "comm_hooks": ("phalanx.ddp.comm_hooks", None),
     "ZeroRedundancyOptimizer": ("phalanx.optim.zero", "ZeroRedundancyOptimizer"),
+    "LocalSGD": ("phalanx.optim.local_sgd", "LocalSGD"),
+    "DiLoCo": ("phalanx.optim.diloco", "DiLoCo"),
     "fully_shard": ("phalanx.zero3", "fully_shard"),
     "MixedPrecisionPolicy": ("phalanx.zero3", "MixedPrecisionPolicy"),
 }
 
 __all__ = [
     "ConfigurationError",
+    "DiLoCo",
     "DistributedDataParallel",
     "DistributedSampler",
+    "LocalSGD",
     "MixedPrecisionPolicy",
     "PhalanxError",
     "ReducerError",
