@@ -71,6 +71,13 @@ class HookState:
         self.process_group = process_group
         self.stats = CommStats()
 
+    def state_dict(self) -> dict[str, Any]:
+        """The counters, so they carry on across a resume (PowerSGD adds its memory)."""
+        return {"stats": self.stats.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.stats.load_state_dict(state["stats"])
+
 
 def process_group_of(state: Any) -> dist.ProcessGroup:
     """The group a hook averages over: the state's, or the default group for None."""

@@ -125,6 +125,9 @@ class _BucketMemory:
         self.plan = _make_plan(grads, state)
         like: dict[str, Any] = {"device": buffer.device, "dtype": buffer.dtype}
         self.error = torch.zeros(buffer.numel(), **like) if state.use_error_feedback else None
+        # The gradient plus error before compression, kept to compute the next error. Kept
+        # between steps: a fresh bucket-sized tensor every step costs more than the copy.
+        self.before = torch.empty_like(self.error) if self.error is not None else None
         self.p = torch.empty(self.plan.p_numel, **like)  # scratch: recomputed every step
         self.q = torch.empty(self.plan.q_numel, **like)
         self._slot = {j: (b, i) for b in self.plan.batches for i, j in enumerate(b.members)}
@@ -321,9 +324,9 @@ class _Round:
 
     def start(self) -> Future[torch.Tensor]:
         state, memory, plan = self.state, self.memory, self.memory.plan
-        if memory.error is not None:
+        if memory.error is not None and memory.before is not None:
             self.buffer.add_(memory.error)
-            self.before = self.buffer.clone()
+            self.before = memory.before.copy_(self.buffer)
         state.total_numel_before_compression += plan.numel_before
         state.total_numel_after_compression += plan.numel_after
         _report_compression(state, self.bucket)

@@ -23,7 +23,7 @@ from torch import nn
 from torch.optim import SGD, Optimizer
 
 from phalanx.errors import ConfigurationError
-from phalanx.optim.local_sgd import PeriodicSync, average_coalesced
+from phalanx.optim.local_sgd import PeriodicSync, average_coalesced, foreign_tensor
 
 # The paper's outer optimizer (Douillard et al., 2023, section 3).
 OUTER_LR = 0.7
@@ -86,12 +86,10 @@ def _check_outer(outer: Optimizer, inner: Optimizer, module: nn.Module) -> None:
             "DiLoCo got the same optimizer as inner and outer — build a separate outer "
             "optimizer on the same parameters, or pass outer_optimizer=None for the paper's"
         )
-    ours = {id(p) for p in module.parameters() if p.requires_grad}
-    for group in outer.param_groups:
-        for p in group["params"]:
-            if id(p) not in ours:
-                raise ConfigurationError(
-                    f"DiLoCo's outer optimizer holds a {list(p.shape)} tensor that is not a "
-                    "trainable parameter of the module — build it on "
-                    "[p for p in module.parameters() if p.requires_grad]"
-                )
+    stray = foreign_tensor(outer, [p for p in module.parameters() if p.requires_grad])
+    if stray is not None:
+        raise ConfigurationError(
+            f"DiLoCo's outer optimizer holds a {list(stray.shape)} tensor that is not a "
+            "trainable parameter of the module — build it on "
+            "[p for p in module.parameters() if p.requires_grad]"
+        )

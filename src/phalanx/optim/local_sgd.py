@@ -68,15 +68,20 @@ def _refuse_wrapped(module: nn.Module, who: str) -> None:
         )
 
 
+def foreign_tensor(optimizer: Optimizer, allowed: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """A tensor the optimizer holds that is not in `allowed`, if there is one."""
+    ours = {id(p) for p in allowed}
+    held = (p for group in optimizer.param_groups for p in group["params"])
+    return next((p for p in held if id(p) not in ours), None)
+
+
 def _check_optimizer(optimizer: Optimizer, module: nn.Module, who: str) -> None:
-    ours = {id(p) for p in module.parameters()}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) not in ours:
-                raise ConfigurationError(
-                    f"{who}'s optimizer trains a {list(p.shape)} tensor that is not a parameter "
-                    "of the module — build the optimizer on module.parameters()"
-                )
+    stray = foreign_tensor(optimizer, list(module.parameters()))
+    if stray is not None:
+        raise ConfigurationError(
+            f"{who}'s optimizer trains a {list(stray.shape)} tensor that is not a parameter "
+            "of the module — build the optimizer on module.parameters()"
+        )
 
 
 class PeriodicSync(ABC):
