@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -40,6 +39,7 @@ from phalanx.ddp.comm_stats import (
     count_gradients,
     process_group_of,
 )
+from phalanx.ddp.powersgd_memory import Batch, BucketMemory, Piece, make_plan
 from phalanx.errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -48,133 +48,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 Future = torch.futures.Future
-
-
-@dataclass
-class _Batch:
-    """Gradients of one shape compressed together: one (b, n, m) product per step."""
-
-    members: list[int]  # indices into the bucket's gradients
-    n: int
-    m: int
-    rank: int
-    p_offset: int
-    q_offset: int
-
-    def q_numel(self) -> int:
-        return len(self.members) * self.m * self.rank
-
-
-@dataclass
-class _Plan:
-    """How one bucket's gradients travel: which go plain, which are compressed in what order."""
-
-    plain: list[int]
-    batches: list[_Batch]
-    p_numel: int
-    q_numel: int
-    numel_before: int  # torch's compression_stats() counts, in elements
-    numel_after: int
-
-
-def _make_plan(grads: list[torch.Tensor], state: PowerSGDState) -> _Plan:
-    """torch's split: a matrix is compressed when (n + m) r * min_compression_rate < n m;
-    vectors and small matrices go plain. Compressed ones are grouped by shape, in first-seen
-    order (torch's order, which decides which random numbers each Q starts from)."""
-    plain: list[int] = []
-    by_shape: dict[tuple[int, int], list[int]] = {}
-    before = after = 0
-    for j, grad in enumerate(grads):
-        n = grad.shape[0] if grad.dim() else 1
-        m = grad.numel() // max(n, 1)
-        rank = min(n, m, state.matrix_approximation_rank)
-        before += n * m
-        if (n + m) * rank * state.min_compression_rate < n * m:
-            by_shape.setdefault((n, m), []).append(j)
-            after += (n + m) * rank
-        else:
-            plain.append(j)
-            after += n * m
-    batches: list[_Batch] = []
-    p_at = q_at = 0
-    for (n, m), members in by_shape.items():
-        rank = min(n, m, state.matrix_approximation_rank)
-        groups = [members] if state.batch_tensors_with_same_shape else [[j] for j in members]
-        for group in groups:
-            batches.append(_Batch(group, n, m, rank, p_at, q_at))
-            p_at += len(group) * n * rank
-            q_at += len(group) * m * rank
-    return _Plan(plain, batches, p_at, q_at, before, after)
-
-
-@dataclass
-class _Piece:
-    """One parameter's share of the state: views into its bucket's memory, or loaded tensors."""
-
-    error: torch.Tensor | None
-    q: torch.Tensor | None  # (m, r)
-
-
-class _BucketMemory:
-    """Error feedback and P/Q storage of one bucket, laid out for its current parameters."""
-
-    def __init__(self, bucket: GradBucket, keys: list[str], state: PowerSGDState) -> None:
-        buffer, grads = bucket.buffer(), bucket.gradients()
-        self.params = list(bucket.parameters())
-        self.keys = keys
-        self.plan = _make_plan(grads, state)
-        like: dict[str, Any] = {"device": buffer.device, "dtype": buffer.dtype}
-        self.error = torch.zeros(buffer.numel(), **like) if state.use_error_feedback else None
-        # The gradient plus error before compression, kept to compute the next error. Kept
-        # between steps: a fresh bucket-sized tensor every step costs more than the copy.
-        self.before = torch.empty_like(self.error) if self.error is not None else None
-        self.p = torch.empty(self.plan.p_numel, **like)  # scratch: recomputed every step
-        self.q = torch.empty(self.plan.q_numel, **like)
-        self._slot = {j: (b, i) for b in self.plan.batches for i, j in enumerate(b.members)}
-        self._offsets = [0]
-        for grad in grads:
-            self._offsets.append(self._offsets[-1] + grad.numel())
-        # torch draws one seed per new bucket, Qs or not: so do we, or later buckets' Qs
-        # would start from other numbers. A bucket refilled after a rebuild draws none.
-        known = all(key in state.pieces for key in keys)
-        self.needs_random_q = not (self._adopt(state.pieces) and known)
-        for j, key in enumerate(keys):
-            state.pieces[key] = _Piece(self._error_of(j), self._q_of(j))
-
-    def holds(self, params: list[torch.Tensor]) -> bool:
-        """True if laid out for exactly these parameters (identity: DDP's rebuild makes new
-        buckets of the same parameters in another order)."""
-        return len(params) == len(self.params) and all(a is b for a, b in zip(params, self.params))
-
-    def _q_of(self, j: int) -> torch.Tensor | None:
-        if j not in self._slot:
-            return None
-        batch, i = self._slot[j]
-        start = batch.q_offset + i * batch.m * batch.rank
-        return self.q[start : start + batch.m * batch.rank].view(batch.m, batch.rank)
-
-    def _error_of(self, j: int) -> torch.Tensor | None:
-        return None if self.error is None else self.error[self._offsets[j] : self._offsets[j + 1]]
-
-    def _adopt(self, pieces: dict[str, _Piece]) -> bool:
-        """Fill from earlier pieces of these parameters; True if every Q was there."""
-        every_q = True
-        for j, key in enumerate(self.keys):
-            piece = pieces.get(key, _Piece(None, None))
-            error, q = self._error_of(j), self._q_of(j)
-            # A piece of another size is not this parameter's (positional keys, torch's DDP).
-            if (
-                error is not None
-                and piece.error is not None
-                and piece.error.numel() == error.numel()
-            ):
-                error.copy_(piece.error.reshape(-1))
-            if q is not None:
-                if piece.q is not None and piece.q.shape == q.shape:
-                    q.copy_(piece.q)
-                else:
-                    every_q = False
-        return every_q
 
 
 class PowerSGDState(HookState):
@@ -223,8 +96,8 @@ class PowerSGDState(HookState):
         self.total_numel_after_compression = 0
         self.compression_stats_logging_frequency = max(1, compression_stats_logging_frequency)
         self.next_stats_report = 0
-        self.buckets: dict[int, _BucketMemory] = {}
-        self.pieces: dict[str, _Piece] = {}
+        self.buckets: dict[int, BucketMemory] = {}
+        self.pieces: dict[str, Piece] = {}
         """Per parameter (by name): views into `buckets`, or loaded tensors not yet placed."""
 
     def maybe_increase_iter(self, bucket: GradBucket) -> None:
@@ -240,11 +113,18 @@ class PowerSGDState(HookState):
         rate = self.total_numel_before_compression / after if after else 0.0
         return rate, self.total_numel_before_compression, after
 
-    def memory_for(self, bucket: GradBucket) -> _BucketMemory:
+    def memory_for(self, bucket: GradBucket) -> BucketMemory:
         """This bucket's memory; rebuilt from the per-parameter pieces if its parameters changed."""
         memory = self.buckets.get(bucket.index())
         if memory is None or not memory.holds(bucket.parameters()):
-            memory = _BucketMemory(bucket, _parameter_keys(bucket), self)
+            plan = make_plan(
+                bucket.gradients(),
+                self.matrix_approximation_rank,
+                self.min_compression_rate,
+                self.batch_tensors_with_same_shape,
+            )
+            keys = _parameter_keys(bucket)
+            memory = BucketMemory(bucket, keys, plan, self.pieces, self.use_error_feedback)
             self.buckets[bucket.index()] = memory
         return memory
 
@@ -289,7 +169,7 @@ class PowerSGDState(HookState):
         self.stats.load_state_dict(state["stats"])
         self.buckets.clear()
         pieces = state["pieces"]
-        self.pieces = {key: _Piece(p.get("error"), p.get("q")) for key, p in pieces.items()}
+        self.pieces = {key: Piece(p.get("error"), p.get("q")) for key, p in pieces.items()}
 
 
 def powersgd_hook(state: PowerSGDState, bucket: GradBucket) -> Future[torch.Tensor]:
@@ -402,7 +282,7 @@ class _Round:
         return self.buffer
 
 
-def _batch_view(flat: torch.Tensor, batch: _Batch, offset: int, rows: int) -> torch.Tensor:
+def _batch_view(flat: torch.Tensor, batch: Batch, offset: int, rows: int) -> torch.Tensor:
     size = len(batch.members) * rows * batch.rank
     return flat[offset : offset + size].view(len(batch.members), rows, batch.rank)
 
