@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 # The CPU build of torch; GPU users install their own torch before `pip install phalanx`.
 TORCH  ?= torch==2.13.0
 
-.PHONY: venv test test-slow test-faults gpu-check lint demo bench clean
+.PHONY: venv test test-slow test-faults gpu-check lint demo bench bench-comm clean
 
 venv: $(VENV)/.installed
 
@@ -45,6 +45,11 @@ demo: venv
 bench: venv
 	$(PY) -m pip install -q -e ".[bench]"
 	$(PY) benchmarks/suite.py
+
+# Exact fp32 vs bf16, PowerSGD, local SGD and DiLoCo (~20 min); matplotlib only for its plot.
+bench-comm: venv
+	$(PY) -m pip install -q -e ".[bench]"
+	$(PY) benchmarks/comm_methods.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info
