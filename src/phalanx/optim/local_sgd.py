@@ -33,7 +33,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from phalanx.ddp.comm_stats import CommStats, tensor_bytes
-from phalanx.ddp.sync import broadcast_coalesced, verify_same_parameters
+from phalanx.ddp.sync import broadcast_coalesced, verify_same_state
 from phalanx.errors import ConfigurationError
 
 
@@ -111,7 +111,7 @@ class PeriodicSync(ABC):
         # Floating buffers (BatchNorm's running stats) drift like parameters: averaged too.
         self.buffers = [b for b in module.buffers() if b.is_floating_point()]
         # As DDP's wrap: same parameters everywhere, then rank 0's values, so replicas start equal.
-        verify_same_parameters(named, group)
+        verify_same_state(named, list(module.named_buffers()), group)
         broadcast_coalesced([*self.params, *module.buffers()], group)
         self.stats = CommStats()
         """Bytes sent (at syncs) against the gradient bytes DDP would have sent (every step)."""
