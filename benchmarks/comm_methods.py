@@ -36,7 +36,7 @@ from typing import Any
 import comm_tasks
 import torch
 import torch.distributed as dist
-from ddp_step import bootstrap_ci
+from step_report import bootstrap_ci
 from spawn import run_ranks
 
 import phalanx
