@@ -17,6 +17,7 @@ __all__ = [
     "PhalanxError",
     "ReducerError",
     "RendezvousError",
+    "UnevenInputsError",
     "UsageError",
 ]
 
@@ -35,6 +36,11 @@ class UsageError(ConfigurationError):
 
 class ReducerError(PhalanxError):
     """The gradient reducer saw a state that would give wrong gradients or a hang."""
+
+
+class UnevenInputsError(ReducerError):
+    """Under `Join(throw_on_early_termination=True)`, a rank ran out of batches: raised on
+    every rank at the same iteration (torch raises a RuntimeError there)."""
 
 
 class NotSupportedError(PhalanxError, NotImplementedError):

@@ -3,6 +3,12 @@
 Same contract as torch's `register_comm_hook`: a hook takes `(state, bucket)`
 and returns a `torch.futures.Future` whose value is the reduced flat tensor
 (already averaged). The reducer copies that value back into the bucket.
+
+A hook may tell the reducer's counters what it really sends with
+`bucket.record_sent(nbytes, world_size)` (once per collective, before its
+future completes); phalanx's own hooks do. A hook that does not (torch's) is
+counted as an all-reduce of the whole bucket, and `reducer.stats.hook_bytes`
+says "bucket".
 """
 
 from __future__ import annotations
@@ -12,6 +18,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from phalanx.ddp.stats import Collective, Traffic
 
 CommHook = Callable[[Any, "GradBucket"], torch.futures.Future[torch.Tensor]]
 
@@ -32,6 +40,8 @@ class GradBucket:
         self._parameters = parameters
         self._gradients = gradients
         self._is_last = is_last
+        self.sent: Traffic | None = None
+        """What the hook reported it sent for this bucket (None: it reported nothing)."""
 
     def index(self) -> int:
         return self._index
@@ -54,6 +64,20 @@ class GradBucket:
         """True for the last bucket of the iteration (launched last)."""
         return self._is_last
 
+    def record_sent(
+        self, nbytes: int, world_size: int, collective: Collective = Collective.ALL_REDUCE
+    ) -> None:
+        """Count one collective this hook issues for the bucket (phalanx only, not torch)."""
+        more = Traffic.of(collective, world_size, gradient_bytes=nbytes)
+        if self.sent is not None:
+            more = Traffic(
+                self.sent.collectives + 1,
+                self.sent.gradient_bytes + nbytes,
+                0,
+                self.sent.wire_bytes + more.wire_bytes,
+            )
+        self.sent = more
+
 
 def _group(state: Any) -> dist.ProcessGroup | None:
     """torch's convention: the hook state is a process group, or None for the default one."""
@@ -63,7 +87,9 @@ def _group(state: Any) -> dist.ProcessGroup | None:
 def allreduce_hook(state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average in full precision: the reducer's own default path, as a hook."""
     group = _group(state)
-    tensor = bucket.buffer().div_(dist.get_world_size(group))
+    world_size = dist.get_world_size(group)
+    tensor = bucket.buffer().div_(world_size)
+    bucket.record_sent(tensor.numel() * tensor.element_size(), world_size)
     work = dist.all_reduce(tensor, group=group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])
 
@@ -72,7 +98,9 @@ def _compress_hook(dtype: torch.dtype) -> CommHook:
     def hook(state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         group = _group(state)
         buffer = bucket.buffer()
-        compressed = buffer.to(dtype).div_(dist.get_world_size(group))
+        world_size = dist.get_world_size(group)
+        compressed = buffer.to(dtype).div_(world_size)
+        bucket.record_sent(compressed.numel() * compressed.element_size(), world_size)
         work = dist.all_reduce(compressed, group=group, async_op=True)
 
         def decompress(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:

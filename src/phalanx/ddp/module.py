@@ -228,9 +228,9 @@ class DistributedDataParallel(TorchSurface, nn.Module):
     @torch.compiler.disable
     def _before_forward(self) -> None:
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
-            self.reducer.rebuild_if_due()
+            self.reducer.before_sync_forward()
         if self.will_sync_module_buffers() and self.world_size > 1:
-            broadcast_coalesced(self._buffers_to_sync, self.process_group)
+            self.reducer.stats.add(broadcast_coalesced(self._buffers_to_sync, self.process_group))
 
     @torch.compiler.disable
     def _after_forward(self, output: Any) -> None:

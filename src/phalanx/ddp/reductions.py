@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from phalanx.ddp.buckets import Bucket
 from phalanx.ddp.comm_hooks import CommHook, GradBucket
+from phalanx.ddp.stats import Collective, Traffic
 
 
 class BucketReduction(ABC):
@@ -48,6 +49,17 @@ class BucketReduction(ABC):
         except for the parameters in `skip` (reducer indices: unused on every rank)."""
         bucket.write_back(skip)
 
+    def traffic(self, bucket: Bucket, handle: Any, world_size: int) -> Traffic:
+        """What this launch handed to collectives, asked once `finish` returned (counters).
+
+        Default: one all-reduce of the bucket's gradients.
+        """
+        return Traffic.of(Collective.ALL_REDUCE, world_size, gradient_bytes=bucket.grad_bytes)
+
+    def future(self, handle: Any) -> torch.futures.Future[Any] | None:
+        """A future completed with the collective, for the timeline (None: unknown)."""
+        return None
+
 
 class AllReduce(BucketReduction):
     """The default: average the whole buffer with one async all-reduce (torch DDP's path)."""
@@ -64,6 +76,12 @@ class AllReduce(BucketReduction):
     def slot_scale(self) -> torch.Tensor:
         return self._inverse_world
 
+    def set_divisor(self, divisor: int) -> None:
+        """Average over `divisor` ranks from now on (Join: the ranks still training)."""
+        if divisor != self._world_size:
+            self._world_size = divisor
+            self._inverse_world.fill_(1.0 / divisor)  # in place: the buckets hold this tensor
+
     def launch(self, bucket: Bucket) -> Any:
         if not bucket.scaled:
             # Raw sums in the slots (gradient_as_bucket_view accumulates in place;
@@ -74,6 +92,26 @@ class AllReduce(BucketReduction):
 
     def finish(self, bucket: Bucket, handle: Any) -> None:
         handle.wait()
+
+    def traffic(self, bucket: Bucket, handle: Any, world_size: int) -> Traffic:
+        flags = bucket.flags.numel() * bucket.flags.element_size()
+        return Traffic.of(
+            Collective.ALL_REDUCE, world_size, gradient_bytes=bucket.grad_bytes, other_bytes=flags
+        )
+
+    def future(self, handle: Any) -> torch.futures.Future[Any]:
+        future: torch.futures.Future[Any] = handle.get_future()
+        return future
+
+
+class _HookLaunch:
+    """A bucket handed to the hook: the Future of its result, and what the hook saw."""
+
+    __slots__ = ("future", "grad_bucket")
+
+    def __init__(self, future: torch.futures.Future[Any], grad_bucket: GradBucket) -> None:
+        self.future = future
+        self.grad_bucket = grad_bucket
 
 
 class CommHookReduction(BucketReduction):
@@ -107,7 +145,7 @@ class CommHookReduction(BucketReduction):
             future = torch.futures.Future()
             previous.add_done_callback(lambda _: self._start_after(grad_bucket, future))
         self._previous = future
-        return future
+        return _HookLaunch(future, grad_bucket)
 
     def _start_after(self, grad_bucket: GradBucket, result: torch.futures.Future[Any]) -> None:
         """Run the hook now that the previous bucket is done; forward its outcome to `result`."""
@@ -126,9 +164,21 @@ class CommHookReduction(BucketReduction):
         inner.add_done_callback(forward)
 
     def finish(self, bucket: Bucket, handle: Any) -> None:
-        handle.wait()
-        result = handle.value()
+        future = handle.future
+        future.wait()
+        result = future.value()
         if isinstance(result, list):
             result = result[0]
         if result is not bucket.grads:
             bucket.grads.copy_(result)
+
+    def traffic(self, bucket: Bucket, handle: Any, world_size: int) -> Traffic:
+        """What the hook reported it sent (`GradBucket.record_sent`), else the bucket's bytes."""
+        sent, source = handle.grad_bucket.sent, "hook"
+        if sent is None:
+            sent, source = super().traffic(bucket, handle, world_size), "bucket"
+        return Traffic(sent.collectives, sent.gradient_bytes, 0, sent.wire_bytes, source)
+
+    def future(self, handle: Any) -> torch.futures.Future[Any]:
+        future: torch.futures.Future[Any] = handle.future
+        return future
