@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 # The CPU build of torch; GPU users install their own torch before `pip install phalanx`.
 TORCH  ?= torch==2.13.0
 
-.PHONY: venv test test-slow gpu-check lint demo bench clean
+.PHONY: venv test test-slow test-faults gpu-check lint demo bench bench-comm clean
 
 venv: $(VENV)/.installed
 
@@ -26,6 +26,10 @@ test: lint
 test-slow: venv
 	$(VENV)/bin/pytest -q -m slow
 
+# Every fault-injection test, the short versions (also in `make test`) and the slow soaks.
+test-faults: venv
+	$(VENV)/bin/pytest -q -m faults tests/faults
+
 # The checks only a CUDA machine can run (tests/gpu/, skipped without one). On a machine
 # whose python already has a CUDA torch: PYTHONPATH=src python -m pytest -q tests/gpu
 gpu-check: venv
@@ -36,8 +40,16 @@ demo: venv
 	$(VENV)/bin/phalanx launch --nproc-per-node 2 examples/digits.py
 	$(VENV)/bin/phalanx launch --nproc-per-node 2 examples/digits_trainer.py --no-resume --overwrite_output_dir
 
+# The suite (benchmarks/suite.py, ~20 min): DDP step vs torch at worlds 2 and 4, the bucket
+# sweep, the launcher's start-up; plots need matplotlib, the `bench` extra.
 bench: venv
-	$(PY) benchmarks/ddp_step.py
+	$(PY) -m pip install -q -e ".[bench]"
+	$(PY) benchmarks/suite.py
+
+# Exact fp32 vs bf16, PowerSGD, local SGD and DiLoCo (~20 min); matplotlib only for its plot.
+bench-comm: venv
+	$(PY) -m pip install -q -e ".[bench]"
+	$(PY) benchmarks/comm_methods.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

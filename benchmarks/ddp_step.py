@@ -24,32 +24,25 @@ that skips work cannot post a fast time.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import multiprocessing as mp
 import os
 import platform
-import queue
-import random
-import statistics
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import models
+import spawn
 import torch
 import torch.distributed as dist
+from step_report import BASE_VARIANTS, format_table, round_sizes, summarise
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from phalanx.ports import free_port
-
-VARIANTS = ("compute", "torch_ddp", "phalanx")
-WORLD_SIZE = 2
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "ddp_step.json"
 
 
@@ -76,18 +69,20 @@ class BenchConfig:
     check must fail (how the benchmark's own guard is tested)."""
     tolerance: float
     """Largest |phalanx - torch| parameter difference accepted at the end."""
+    world_size: int = 2
+    """gloo ranks on this machine."""
+    bucket_sweep: tuple[str, ...] = ()
+    """Extra phalanx variants, one per bucket_cap_mb (a number of MiB, or "auto")."""
+
+    @property
+    def variants(self) -> tuple[str, ...]:
+        return BASE_VARIANTS + tuple(f"phalanx@{cap}" for cap in self.bucket_sweep)
 
 
-def round_sizes(steps: int, rounds: int) -> list[int]:
-    """Split `steps` into `rounds` nearly equal rounds (the first ones take the remainder)."""
-    base, extra = divmod(steps, rounds)
-    return [base + (1 if r < extra else 0) for r in range(rounds)]
-
-
-def round_order(round_index: int) -> list[str]:
+def round_order(round_index: int, variants: tuple[str, ...] = BASE_VARIANTS) -> list[str]:
     """Rotate the start each round so no variant always runs right after the same one."""
-    shift = round_index % len(VARIANTS)
-    return list(VARIANTS[shift:] + VARIANTS[:shift])
+    shift = round_index % len(variants)
+    return list(variants[shift:] + variants[:shift])
 
 
 # ---------------------------------------------------------------- rank side
@@ -139,24 +134,31 @@ class Variant:
 
 
 def build_variants(
-    spec: models.ModelSpec, batches: list[Any], seed: int, phalanx: Wrapper
+    spec: models.ModelSpec, batches: list[Any], cfg: BenchConfig, phalanx: Wrapper
 ) -> dict[str, Variant]:
-    wrappers = {"compute": no_communication, "torch_ddp": TorchDDP, "phalanx": phalanx}
+    wrappers: dict[str, Wrapper] = {
+        "compute": no_communication,
+        "torch_ddp": TorchDDP,
+        "phalanx": phalanx,
+    }
+    for cap in cfg.bucket_sweep:
+        size: float | str = cap if cap == "auto" else float(cap)
+        wrappers[f"phalanx@{cap}"] = functools.partial(phalanx, bucket_cap_mb=size)
     variants = {}
-    for name in VARIANTS:
-        torch.manual_seed(seed)  # identical initial weights in every variant
+    for name in cfg.variants:
+        torch.manual_seed(cfg.seed)  # identical initial weights in every variant
         variants[name] = Variant(wrappers[name](spec.build()), spec, batches)
     return variants
 
 
 def run_rounds(variants: dict[str, Variant], cfg: BenchConfig) -> None:
     """Warm up every variant, then run the timed rounds, recording each step's seconds."""
-    for name in VARIANTS:
+    for name in cfg.variants:
         dist.barrier()
         for _ in range(cfg.warmup):
             variants[name].step()
     for r, size in enumerate(round_sizes(cfg.steps, cfg.rounds)):
-        for name in round_order(r):
+        for name in round_order(r, cfg.variants):
             dist.barrier()  # both ranks start the round together
             for _ in range(size):
                 variants[name].timed_step()
@@ -176,7 +178,7 @@ def run_model(name: str, cfg: BenchConfig, rank: int, phalanx: Wrapper) -> dict[
     # A small pool of batches, drawn before timing: data generation is not what we measure.
     g = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
     batches = [spec.make_batch(g) for _ in range(8)]
-    variants = build_variants(spec, batches, cfg.seed, phalanx)
+    variants = build_variants(spec, batches, cfg, phalanx)
     run_rounds(variants, cfg)
     plain = variants["compute"].model
     return {
@@ -185,183 +187,34 @@ def run_model(name: str, cfg: BenchConfig, rank: int, phalanx: Wrapper) -> dict[
         "buffers": sum(1 for _ in plain.buffers()),
         "times": {n: v.times for n, v in variants.items()},
         "cpu_times": {n: v.cpu_times for n, v in variants.items()},
-        "max_abs_diff": max_param_diff(variants["phalanx"].model, variants["torch_ddp"].model),
+        "max_abs_diff": max(
+            max_param_diff(variants[name].model, variants["torch_ddp"].model)
+            for name in cfg.variants
+            if name.startswith("phalanx")
+        ),
     }
 
 
-def worker(rank: int, port: int, cfg: BenchConfig, results: Any) -> None:
-    """One rank: join the group, run every model, post each model's raw times to the parent."""
-    try:
-        torch.set_num_threads(cfg.threads)
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=WORLD_SIZE,
-            timeout=timedelta(seconds=120),
-        )
-        phalanx, impl = phalanx_ddp_class(cfg.phalanx_impl)
-        env = {"torch": torch.__version__, "threads": torch.get_num_threads(), "impl": impl}
-        results.put(("env", rank, env))
-        for name in cfg.models:
-            results.put(("model", rank, (name, run_model(name, cfg, rank, phalanx))))
-        dist.destroy_process_group()
-        results.put(("done", rank, None))
-    except BaseException:
-        results.put(("error", rank, traceback.format_exc()))
-    # Flush the queue's feeder thread, then skip interpreter teardown (gloo threads can
-    # make it slow); without the join, os._exit can drop the last message.
-    results.close()
-    results.join_thread()
-    os._exit(0)
+def run_rank(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any]:
+    """One rank (in a group spawn.run_ranks made): every model, its raw times by variant."""
+    phalanx, impl = phalanx_ddp_class(cfg.phalanx_impl)
+    env = {"torch": torch.__version__, "threads": torch.get_num_threads(), "impl": impl}
+    per_model = {}
+    for name in cfg.models:
+        per_model[name] = run_model(name, cfg, rank, phalanx)
+        if rank == 0:
+            print(f"  {name}: done", flush=True)
+    return {"env": env, "models": per_model}
 
 
 # ---------------------------------------------------------------- parent side
 
 
 def launch(cfg: BenchConfig, timeout: float) -> tuple[dict[str, Any], dict[str, list[Any]]]:
-    """Spawn both ranks, collect their messages, and kill them if the deadline passes."""
-    # The ranks inherit this environment and import torch only after it is set.
-    os.environ["OMP_NUM_THREADS"] = str(cfg.threads)
-    os.environ["MKL_NUM_THREADS"] = str(cfg.threads)
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, port, cfg, results)) for r in range(WORLD_SIZE)]
-    for p in procs:
-        p.start()
-    try:
-        return collect(results, procs, timeout, cfg)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join()
-
-
-def collect(
-    results: Any, procs: list[Any], timeout: float, cfg: BenchConfig
-) -> tuple[dict[str, Any], dict[str, list[Any]]]:
-    env: dict[str, Any] = {}
-    per_model: dict[str, list[Any]] = {name: [None] * WORLD_SIZE for name in cfg.models}
-    done: set[int] = set()
-    deadline = time.monotonic() + timeout
-    while len(done) < WORLD_SIZE:
-        if time.monotonic() > deadline:
-            raise SystemExit(f"benchmark ran past --timeout {timeout:.0f}s — a rank hung?")
-        try:
-            kind, rank, payload = results.get(timeout=1.0)
-        except queue.Empty:
-            if any(not p.is_alive() for p in procs):
-                raise SystemExit("a rank died without reporting — see its output above") from None
-            continue
-        if kind == "error":
-            raise SystemExit(f"rank {rank} failed:\n{payload}")
-        if kind == "env":
-            env = payload
-        elif kind == "model":
-            name, data = payload
-            per_model[name][rank] = data
-            if rank == 0:
-                print(f"  {name}: done", flush=True)
-        else:
-            done.add(rank)
-    return env, per_model
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def slowest_rank_ms(ranks: list[dict[str, Any]], key: str, variant: str) -> list[float]:
-    """Per step, the larger of the ranks' values, in milliseconds."""
-    return [1000.0 * max(ts) for ts in zip(*(r[key][variant] for r in ranks))]
-
-
-def round_ratios(num: list[float], den: list[float], sizes: list[int]) -> list[float]:
-    """Per round, (round median of `num`) / (round median of `den`).
-
-    Two variants' steps in one round ran seconds apart, so slow drifts in machine load
-    cancel in their ratio; on a busy machine the median of these is steadier than the
-    ratio of the overall medians.
-    """
-    ratios, start = [], 0
-    for size in sizes:
-        end = start + size
-        ratios.append(statistics.median(num[start:end]) / statistics.median(den[start:end]))
-        start = end
-    return ratios
-
-
-def bootstrap_ci(values: list[float], level: float = 0.9, resamples: int = 1000) -> list[float]:
-    """Percentile bootstrap interval of the median: how far another run could plausibly land."""
-    rng = random.Random(0)  # a fixed seed: the same data always gives the same interval
-    medians = sorted(
-        statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples)
-    )
-    tail = (1.0 - level) / 2
-    return [percentile(medians, tail), percentile(medians, 1.0 - tail)]
-
-
-def summarise(ranks: list[dict[str, Any]], cfg: BenchConfig) -> dict[str, Any]:
-    """Per-variant medians of the per-step max over ranks, and the ratios the issue asks for."""
-    stats: dict[str, dict[str, float]] = {}
-    walls = {v: slowest_rank_ms(ranks, "times", v) for v in VARIANTS}
-    sizes = round_sizes(cfg.steps, cfg.rounds)
-    for variant in VARIANTS:
-        ms = walls[variant]
-        stats[variant] = {
-            "median_ms": statistics.median(ms),
-            "p25_ms": percentile(ms, 0.25),
-            "p75_ms": percentile(ms, 0.75),
-            "cpu_median_ms": statistics.median(slowest_rank_ms(ranks, "cpu_times", variant)),
-            "steps": len(ms),
-        }
-    med = {v: s["median_ms"] for v, s in stats.items()}
-    paired = round_ratios(walls["phalanx"], walls["torch_ddp"], sizes)
-    diff = ranks[0]["max_abs_diff"]
-    return {
-        "params": ranks[0]["params"],
-        "tensors": ranks[0]["tensors"],
-        "buffers": ranks[0]["buffers"],
-        "step_ms": stats,
-        "phalanx_over_torch": med["phalanx"] / med["torch_ddp"],
-        "phalanx_over_compute": med["phalanx"] / med["compute"],
-        "torch_over_compute": med["torch_ddp"] / med["compute"],
-        "phalanx_over_torch_paired": statistics.median(paired),
-        "phalanx_over_torch_paired_ci90": bootstrap_ci(paired),
-        "phalanx_over_torch_cpu": stats["phalanx"]["cpu_median_ms"]
-        / stats["torch_ddp"]["cpu_median_ms"],
-        "max_abs_param_diff": diff,
-        "params_match": diff <= cfg.tolerance,
-    }
-
-
-def format_table(summaries: dict[str, dict[str, Any]]) -> str:
-    header = (
-        f"{'model':<6}{'params':>11}{'tensors':>9}{'compute ms':>12}{'torch DDP ms':>14}"
-        f"{'phalanx ms':>12}{'ph÷torch':>10}{'ph÷comp':>9}{'torch÷comp':>12}  params match"
-    )
-    lines = [header, "-" * len(header)]
-    for name, s in summaries.items():
-        med = {v: s["step_ms"][v]["median_ms"] for v in VARIANTS}
-        check = "yes" if s["params_match"] else "NO"
-        lines.append(
-            f"{name:<6}{s['params']:>11,}{s['tensors']:>9}{med['compute']:>12.2f}"
-            f"{med['torch_ddp']:>14.2f}{med['phalanx']:>12.2f}{s['phalanx_over_torch']:>10.3f}"
-            f"{s['phalanx_over_compute']:>9.3f}{s['torch_over_compute']:>12.3f}"
-            f"  {check} (max|Δ| {s['max_abs_param_diff']:.1e})"
-        )
-    lines.append("ph÷torch paired by round: median [90% CI, this run]; CPU ms/step, all threads:")
-    for name, s in summaries.items():
-        lo, hi = s["phalanx_over_torch_paired_ci90"]
-        cpu = " ".join(f"{v} {s['step_ms'][v]['cpu_median_ms']:.2f}" for v in VARIANTS)
-        lines.append(
-            f"  {name:<6}{s['phalanx_over_torch_paired']:.3f} [{lo:.3f}, {hi:.3f}]  "
-            f"cpu: {cpu} (ph÷torch {s['phalanx_over_torch_cpu']:.3f})"
-        )
-    return "\n".join(lines)
+    """Run every rank; the environment they saw, and per model each rank's results."""
+    ranks = spawn.run_ranks(run_rank, cfg.world_size, cfg, threads=cfg.threads, timeout=timeout)
+    per_model = {name: [r["models"][name] for r in ranks] for name in cfg.models}
+    return ranks[0]["env"], per_model
 
 
 def parse_args(argv: list[str] | None) -> tuple[BenchConfig, Path, float]:
@@ -377,15 +230,21 @@ def parse_args(argv: list[str] | None) -> tuple[BenchConfig, Path, float]:
     p.add_argument("--tolerance", type=float, default=1e-4, help="max |phalanx - torch| param")
     p.add_argument("--timeout", type=float, default=1800.0, help="kill the ranks after this")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where to write the JSON")
+    p.add_argument("--world-size", type=int, default=2, help="gloo ranks on this machine")
+    p.add_argument(
+        "--bucket-sweep",
+        default="",
+        help='extra phalanx variants by bucket_cap_mb, e.g. "1,5,100,auto"',
+    )
     a = p.parse_args(argv)
-    models = tuple(m.strip() for m in a.models.split(",") if m.strip())
-    unknown = sorted(set(models) - {"mlp", "gpt", "cnn"})
-    if unknown or not models:
-        p.error(f"--models: unknown {unknown or 'empty list'} — choose from mlp, gpt, cnn")
+    names = tuple(m.strip() for m in a.models.split(",") if m.strip())
+    unknown = sorted(set(names) - set(models.SPECS))
+    if unknown or not names:
+        p.error(f"--models: unknown {unknown or 'empty list'} — choose from {list(models.SPECS)}")
     if a.steps < 1 or a.rounds < 1 or a.warmup < 0 or a.threads < 1:
         p.error("--steps, --rounds and --threads must be >= 1 and --warmup >= 0")
     cfg = BenchConfig(
-        models=models,
+        models=names,
         steps=a.steps,
         warmup=a.warmup,
         rounds=min(a.rounds, a.steps),
@@ -394,6 +253,8 @@ def parse_args(argv: list[str] | None) -> tuple[BenchConfig, Path, float]:
         tiny=a.tiny,
         phalanx_impl=a.phalanx_impl,
         tolerance=a.tolerance,
+        world_size=a.world_size,
+        bucket_sweep=tuple(c.strip() for c in a.bucket_sweep.split(",") if c.strip()),
     )
     return cfg, a.out, a.timeout
 
@@ -401,7 +262,7 @@ def parse_args(argv: list[str] | None) -> tuple[BenchConfig, Path, float]:
 def main(argv: list[str] | None = None) -> int:
     cfg, out, timeout = parse_args(argv)
     print(
-        f"DDP step benchmark: {WORLD_SIZE} gloo ranks x {cfg.threads} thread(s), "
+        f"DDP step benchmark: {cfg.world_size} gloo ranks x {cfg.threads} thread(s), "
         f"{cfg.warmup} warm-up + {cfg.steps} timed steps per variant in {cfg.rounds} rounds",
         flush=True,
     )
@@ -413,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(summaries))
     config = {
         **asdict(cfg),
-        "world_size": WORLD_SIZE,
+        "world_size": cfg.world_size,
         "backend": "gloo",
         "phalanx_impl_used": env.get("impl"),
         "torch_version": env.get("torch"),

@@ -1,4 +1,4 @@
-"""The three models the DDP step benchmark runs, each chosen to stress one part of a reducer.
+"""The models the DDP step benchmarks run, each chosen to stress one part of a reducer.
 
 - `mlp`: ~8M parameters in a handful of big tensors: the cost is bandwidth (33 MB of
   gradients per step) and how well the all-reduce overlaps the backward pass.
@@ -7,6 +7,8 @@
   which torch does in C++ and we do in Python.
 - `cnn`: a small ResNet-style net with BatchNorm: DDP broadcasts its running stats from
   rank 0 before every forward (`broadcast_buffers=True`), so buffers cost time too.
+- `mlp50`: the MLP at 50M parameters: 200 MB of gradients, where bucket size and
+  overlap decide most of the step.
 
 `--tiny` shrinks each one to a few hundred parameters so a smoke test finishes in seconds.
 """
@@ -172,4 +174,22 @@ def cnn_spec(tiny: bool) -> ModelSpec:
     )
 
 
-SPECS: dict[str, Callable[[bool], ModelSpec]] = {"mlp": mlp_spec, "gpt": gpt_spec, "cnn": cnn_spec}
+def mlp50_spec(tiny: bool) -> ModelSpec:
+    # 2048-4096-4096-4096-2048-10 is 50.4M parameters in 10 tensors: 200 MB of gradients.
+    dims = [16, 64, 10] if tiny else [2048, 4096, 4096, 4096, 2048, 10]
+    batch = 4 if tiny else 16
+
+    def make_batch(g: torch.Generator) -> Batch:
+        return torch.randn(batch, dims[0], generator=g), torch.randint(0, 10, (batch,), generator=g)
+
+    return ModelSpec(
+        name="mlp50", build=lambda: MLP(dims), make_batch=make_batch, loss=F.cross_entropy
+    )
+
+
+SPECS: dict[str, Callable[[bool], ModelSpec]] = {
+    "mlp": mlp_spec,
+    "gpt": gpt_spec,
+    "cnn": cnn_spec,
+    "mlp50": mlp50_spec,
+}

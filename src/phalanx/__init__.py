@@ -16,6 +16,8 @@ if TYPE_CHECKING:
     from phalanx.ddp import comm_hooks
     from phalanx.ddp.module import DistributedDataParallel
     from phalanx.diagnostics.replicas import check_replicas
+    from phalanx.optim.diloco import DiLoCo
+    from phalanx.optim.local_sgd import LocalSGD
     from phalanx.optim.zero import ZeroRedundancyOptimizer
     from phalanx.runtime import World, init, launched_by_launcher, shutdown
     from phalanx.train import Trainer, TrainingArguments
@@ -34,6 +36,8 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "DistributedSampler": ("phalanx.data.sampler", "DistributedSampler"),
     "comm_hooks": ("phalanx.ddp.comm_hooks", None),
     "ZeroRedundancyOptimizer": ("phalanx.optim.zero", "ZeroRedundancyOptimizer"),
+    "LocalSGD": ("phalanx.optim.local_sgd", "LocalSGD"),
+    "DiLoCo": ("phalanx.optim.diloco", "DiLoCo"),
     "fully_shard": ("phalanx.zero3", "fully_shard"),
     "check_replicas": ("phalanx.diagnostics.replicas", "check_replicas"),
     "MixedPrecisionPolicy": ("phalanx.zero3", "MixedPrecisionPolicy"),
@@ -41,8 +45,10 @@ _LAZY: dict[str, tuple[str, str | None]] = {
 
 __all__ = [
     "ConfigurationError",
+    "DiLoCo",
     "DistributedDataParallel",
     "DistributedSampler",
+    "LocalSGD",
     "MixedPrecisionPolicy",
     "NotSupportedError",
     "PhalanxError",

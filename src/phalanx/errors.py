@@ -15,6 +15,7 @@ __all__ = [
     "NotSupportedError",
     "OutputError",
     "PhalanxError",
+    "PortTakenError",
     "ReducerError",
     "RendezvousError",
     "UnevenInputsError",
@@ -32,6 +33,10 @@ class ConfigurationError(PhalanxError, ValueError):
 
 class UsageError(ConfigurationError):
     """`phalanx launch`'s command line is malformed: argparse's complaint, said in one line."""
+
+
+class PortTakenError(ConfigurationError):
+    """The store's port is already taken on this host (another job, or another launcher)."""
 
 
 class ReducerError(PhalanxError):

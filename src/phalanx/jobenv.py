@@ -201,6 +201,11 @@ def _from_env_launcher(environ: Mapping[str, str]) -> LaunchInfo:
                 "launch do) or neither"
             )
     rank, world = _req_int(environ, "RANK"), _req_int(environ, "WORLD_SIZE")
+    if world < 1:
+        # Checked first: LOCAL_WORLD_SIZE defaults to it and would take the blame.
+        raise ConfigurationError(
+            f"WORLD_SIZE={world} must be at least 1 — export the number of processes in the job"
+        )
     local_world = _opt_int(environ, "LOCAL_WORLD_SIZE")
     local_world = world if local_world is None else local_world
     if local_world < 1:

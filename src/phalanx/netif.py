@@ -29,7 +29,9 @@ __all__ = [
     "choose_gloo_ifname",
     "interface_for_address",
     "ipv4_address",
+    "is_local_address",
     "is_loopback",
+    "local_addr_ifname",
     "route_interface",
     "source_address",
 ]
@@ -71,6 +73,23 @@ def is_loopback(host: str) -> bool:
     """
     addrs = _resolve(host)
     return bool(addrs) and all(a.is_loopback for a in addrs)
+
+
+def is_local_address(host: str) -> bool:
+    """True when `host` resolves to an address of this machine: one we can bind.
+
+    Binding asks the kernel itself, so aliases, IPv6 and the whole of
+    127.0.0.0/8 count, and an address routed here by NAT does not.
+    """
+    for addr in _resolve(host):
+        family = socket.AF_INET if addr.version == 4 else socket.AF_INET6
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((str(addr), 0))
+                return True
+            except OSError:
+                continue
+    return False
 
 
 def source_address(host: str) -> str | None:
@@ -209,4 +228,21 @@ def choose_gloo_ifname(
         "hosts; leaving GLOO_SOCKET_IFNAME unset — if peers fail to connect, export "
         "GLOO_SOCKET_IFNAME=<interface>",
         warning=True,
+    )
+
+
+def local_addr_ifname(local_addr: str, environ: Mapping[str, str]) -> GlooIfname:
+    """The GLOO_SOCKET_IFNAME policy under `phalanx launch --local-addr`: the interface
+    that holds that address (the user's own GLOO/NCCL_SOCKET_IFNAME still wins)."""
+    chosen = [f"{var}={environ[var]}" for var in USER_IFNAME_VARS if environ.get(var)]
+    if chosen:
+        return GlooIfname(None, f"using the interface set in the environment ({', '.join(chosen)})")
+    addrs = _resolve(local_addr)
+    name = interface_for_address(str(addrs[0])) if addrs else None
+    if name is None or name == "lo":
+        return GlooIfname(None, None)
+    return GlooIfname(
+        name,
+        f"GLOO_SOCKET_IFNAME={name} (the interface of --local-addr {local_addr}); "
+        "export GLOO_SOCKET_IFNAME to choose another",
     )

@@ -235,7 +235,7 @@ def test_master_alone_fails_naming_the_missing_ranks() -> None:
     (out,) = run_workers(_init_expecting_failure, 1, 0, port, init_pg=False, timeout=30)
     message = out.value
     assert f"127.0.0.1:{port}" in message
-    assert "rank 0 waited" in message and "other 1 ranks" in message
+    assert "rank 0 waited" in message and "for the other 1 rank; rank 1 never came" in message
 
 
 def _barrier_with_rank_1_failing(rank: int, world_size: int) -> list[tuple[str, str]]:

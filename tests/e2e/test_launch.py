@@ -7,80 +7,30 @@ a few interpreter start-ups and the whole file stays fast.
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import socket
 import subprocess
 import sys
-import time
-from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
 
 from phalanx.launch import devices
+from tests.launchkit import (
+    LAUNCH,
+    REPO,
+    SCRIPTS,
+    TIMEOUT_S,
+    clean_env,
+    is_running,
+    launch,
+    pids_of,
+    read_envs,
+    wait_for,
+)
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPTS = REPO / "tests" / "e2e" / "scripts"
-LAUNCH = [sys.executable, "-m", "phalanx", "launch"]
-TIMEOUT_S = 30
-
-
-def _env(**changes: str | None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.endswith("_SOCKET_IFNAME")}
-    env.pop("OMP_NUM_THREADS", None)
-    for key, value in changes.items():
-        if value is None:
-            env.pop(key, None)
-        else:
-            env[key] = value
-    return env
-
-
-def launch(
-    flags: str,
-    *args: object,
-    env: dict[str, str] | None = None,
-    cwd: Path = REPO,
-    merge: bool = False,
-    prefix: Sequence[str] = LAUNCH,
-) -> subprocess.CompletedProcess[str]:
-    """`phalanx launch FLAGS ARGS...` to completion; a hang fails the test after TIMEOUT_S."""
-    argv = [*prefix, *flags.split(), *map(str, args)]
-    return subprocess.run(
-        argv, cwd=cwd, env=env or _env(), text=True, timeout=TIMEOUT_S, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT if merge else subprocess.PIPE,
-    )  # fmt: skip
-
-
-def read_envs(out: Path, ranks: Sequence[int], restart: int = 0) -> list[dict[str, object]]:
-    return [json.loads((out / f"env_{r}_{restart}.json").read_text()) for r in ranks]
-
-
-def is_running(pid: int) -> bool:
-    """Alive and not a zombie (orphans whose reaper never reaps stay zombies forever)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rfind(")") + 2] not in "ZX"
-
-
-def wait_for(paths: Sequence[Path], timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not all(p.exists() for p in paths):
-        assert time.monotonic() < deadline, f"never appeared: {[str(p) for p in paths]}"
-        time.sleep(0.05)
-
-
-@pytest.fixture
-def listening_port() -> Iterator[int]:
-    """A port something listens on, standing in for a master on another node."""
-    with socket.socket() as server:
-        server.bind(("127.0.0.1", 0))
-        server.listen()
-        yield int(server.getsockname()[1])
+_env = clean_env
 
 
 # --- environment -------------------------------------------------------------------------
@@ -99,7 +49,7 @@ def test_every_rank_gets_torchrun_environment(tmp_path: Path) -> None:
         assert (env["GROUP_RANK"], env["GROUP_WORLD_SIZE"]) == ("0", "1")
         assert env["MASTER_ADDR"] == "127.0.0.1"
         assert env["PHALANX_RESTART_COUNT"] == env["TORCHELASTIC_RESTART_COUNT"] == "0"
-        assert env["TORCHELASTIC_USE_AGENT_STORE"] == "False"
+        assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"  # the launcher hosts the store
         assert env["OMP_NUM_THREADS"] == threads
         assert env["PYTHONUNBUFFERED"] == "1"
         assert env["GLOO_SOCKET_IFNAME"] is None  # one node: loopback is right
@@ -125,9 +75,9 @@ def test_user_settings_are_kept(tmp_path: Path) -> None:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("user_ifname", [None, "eth7"])
 def test_second_node_ranks_and_interface(
-    tmp_path: Path, listening_port: int, user_ifname: str | None
+    tmp_path: Path, master_store: int, user_ifname: str | None
 ) -> None:
-    flags = f"--nnodes 2 --node-rank 1 --master-addr 127.0.0.1 --master-port {listening_port}"
+    flags = f"--nnodes 2 --node-rank 1 --master-addr 127.0.0.1 --master-port {master_store}"
     result = launch(f"{flags} --nproc-per-node 2 --rdzv-timeout 20", SCRIPTS / "env_dump.py",
                     tmp_path, env=_env(GLOO_SOCKET_IFNAME=user_ifname))  # fmt: skip
     assert result.returncode == 0, result.stderr
@@ -135,7 +85,7 @@ def test_second_node_ranks_and_interface(
         assert env["RANK"] == str(2 + local_rank)
         assert env["LOCAL_RANK"] == str(local_rank)
         assert (env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"], env["GROUP_RANK"]) == ("4", "2", "1")
-        assert env["MASTER_PORT"] == str(listening_port)
+        assert env["MASTER_PORT"] == str(master_store)
         # A master on loopback has no interface to pin; a user's choice passes untouched.
         assert env["GLOO_SOCKET_IFNAME"] == user_ifname
 
@@ -148,9 +98,8 @@ def test_unreachable_master_fails_with_a_clear_message(tmp_path: Path) -> None:
         flags = f"--nnodes 2 --node-rank 1 --master-addr 127.0.0.1 --master-port {port}"
         result = launch(f"{flags} --rdzv-timeout 1", SCRIPTS / "env_dump.py", tmp_path)
     assert result.returncode == 1
-    assert f"cannot reach the master at 127.0.0.1:{port} after 1s — check --master-addr" in (
-        result.stderr
-    )
+    assert f"cannot reach the master at 127.0.0.1:{port} after 1s (" in result.stderr
+    assert "— check --master-addr" in result.stderr
     assert list(tmp_path.iterdir()) == []  # no worker was started
 
 
@@ -201,10 +150,6 @@ def test_log_dir_gets_one_file_per_rank(tmp_path: Path) -> None:
 # --- failures ----------------------------------------------------------------------------
 
 
-def _pids(out: Path, ranks: Sequence[int]) -> list[int]:
-    return [int(pid) for r in ranks for pid in (out / f"pids_{r}").read_text().split()]
-
-
 @pytest.mark.timeout(60)
 def test_failed_worker_stops_everyone(tmp_path: Path) -> None:
     # Ranks 0 and 2 sleep 60 s with a grandchild each; rank 1 fails once they are asleep.
@@ -214,7 +159,7 @@ def test_failed_worker_stops_everyone(tmp_path: Path) -> None:
     assert "rank 1 (local rank 1 on node 0" in summary and "exit code 3" in summary
     assert "Traceback (most recent call last)" in summary
     assert "ValueError: boom from rank 1" in summary
-    sleepers = _pids(tmp_path, [0, 2])
+    sleepers = pids_of(tmp_path, [0, 2])
     assert len(sleepers) == 4
     assert [p for p in sleepers if is_running(p)] == []
 
@@ -225,7 +170,7 @@ def test_worker_killed_by_signal(tmp_path: Path) -> None:
     assert result.returncode == 128 + signal.SIGKILL
     assert "rank 0 (local rank 0 on node 0" in result.stderr
     assert "killed by SIGKILL" in result.stderr
-    assert [p for p in _pids(tmp_path, [1]) if is_running(p)] == []
+    assert [p for p in pids_of(tmp_path, [1]) if is_running(p)] == []
 
 
 @pytest.mark.timeout(60)
@@ -257,8 +202,8 @@ def test_restarts(tmp_path: Path, max_restarts: int, code: int) -> None:
     attempts = range(max_restarts + 1)
     seen = [json.loads((tmp_path / f"attempt_0_{n}.json").read_text()) for n in attempts]
     assert [s["TORCHELASTIC_RESTART_COUNT"] for s in seen] == [str(n) for n in attempts]
-    ports = [s["MASTER_PORT"] for s in seen]
-    assert len(set(ports)) == len(ports)  # a fresh port per restart
+    # One port for the whole run: the launcher holds it, and serves each attempt a fresh store.
+    assert len({s["MASTER_PORT"] for s in seen}) == 1
     assert not (tmp_path / f"attempt_0_{max_restarts + 1}.json").exists()
 
 
@@ -321,7 +266,7 @@ def test_gpu_count_reads_driver_and_visible_devices(tmp_path: Path) -> None:
         ("--nnodes 2 --node-rank 2 --master-addr h SCRIPT OUT", "--node-rank 2 is outside 0..1"),
         ("--nproc-per-node 0 SCRIPT OUT", "--nproc-per-node must be at least 1"),
         ("--standalone --nnodes 2 SCRIPT OUT", "--standalone is for one node"),
-        ("--rdzv-backend c10d SCRIPT OUT", "phalanx does not do"),
+        ("--rdzv-backend etcd SCRIPT OUT", "needs an external service"),
         ("no_such_script.py OUT", "script 'no_such_script.py' not found"),
         ("", "the following arguments are required: script"),
     ],
@@ -354,3 +299,15 @@ def test_launcher_imports_no_torch(tmp_path: Path) -> None:
                             capture_output=True, timeout=TIMEOUT_S)  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "env_0_0.json").exists()
+
+
+@pytest.mark.timeout(60)
+def test_two_nodes_given_the_same_node_rank_are_told(tmp_path: Path, master_store: int) -> None:
+    flags = f"--nnodes 3 --node-rank 1 --master-addr 127.0.0.1 --master-port {master_store}"
+    (tmp_path / "a").mkdir()
+    first = launch(flags, SCRIPTS / "env_dump.py", tmp_path / "a")
+    assert first.returncode == 0, first.stderr
+    second = launch(flags, SCRIPTS / "env_dump.py", tmp_path / "b")
+    assert second.returncode == 2
+    assert "--node-rank 1 is already taken by another node's launcher" in second.stderr
+    assert not (tmp_path / "b").exists()

@@ -15,11 +15,14 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.launchkit import listening_addresses, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "tests" / "e2e" / "scripts" / "train_mlp.py"
@@ -122,14 +125,15 @@ def _node_argv(host: Host, node_rank: int, out: Path) -> list[str]:
     return [ip, "netns", "exec", host.netns, *_launch_argv(*flags, out=out)]
 
 
+def _popen(argv: list[str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        argv, cwd=REPO, env=_clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
 def _run_nodes(argvs: list[list[str]]) -> list[tuple[int, str, str]]:
     """Run the launchers side by side; a hang fails the test at RUN_TIMEOUT_S."""
-    procs = [
-        subprocess.Popen(
-            a, cwd=REPO, env=_clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        for a in argvs
-    ]
+    procs = [_popen(a) for a in argvs]
     results = []
     try:
         for proc in procs:
@@ -176,3 +180,47 @@ def test_two_hosts_train_like_one(two_hosts: tuple[Host, Host], tmp_path: Path) 
         worst = max(abs(a - b) for a, b in zip(got, values, strict=True))
         # Same ranks, same data, same all-reduce order: bit for bit, not just close.
         assert worst == 0.0, f"{name}: two hosts differ from one host by {worst}"
+
+
+HOLD = REPO / "tests" / "faults" / "scripts" / "hold.py"
+C10D_PORT = 29400
+
+
+def _c10d_argv(host: Host, out: Path, *extra: str) -> list[str]:
+    endpoint = f"{MASTER_IP}:{C10D_PORT}"
+    flags = ["--nnodes", "2", "--nproc-per-node", str(NPROC), "--rdzv-backend", "c10d",
+             "--rdzv-endpoint", endpoint, "--rdzv-timeout", "60", *extra]  # fmt: skip
+    ip = shutil.which("ip") or "ip"
+    argv = [sys.executable, "-m", "phalanx", "launch", *flags, str(HOLD), str(out)]
+    return [ip, "netns", "exec", host.netns, *argv]
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+def test_c10d_rendezvous_across_two_hosts(two_hosts: tuple[Host, Host], tmp_path: Path) -> None:
+    """No --node-rank: the launcher on the endpoint's host is node 0, the other joins as node
+    1. While the job runs, the store listens on the master's veth address alone."""
+    master, peer = two_hosts
+    # The peer starts first and waits for the store; --local-addr names its own address.
+    argvs = [_c10d_argv(peer, tmp_path, "--local-addr", PEER_IP), _c10d_argv(master, tmp_path)]
+    procs = []
+    for argv in argvs:
+        procs.append(_popen(argv))
+        time.sleep(1.0)
+    procs.reverse()  # node order: master, peer
+    try:
+        wait_for([tmp_path / f"ready_{r}" for r in range(2 * NPROC)], timeout_s=RUN_TIMEOUT_S)
+        listening = listening_addresses(C10D_PORT, netns=master.netns)
+    finally:
+        (tmp_path / "go").touch()
+    outputs = [p.communicate(timeout=RUN_TIMEOUT_S) for p in procs]
+    results = [(p.returncode, out, err) for p, (out, err) in zip(procs, outputs)]
+    for node, (code, out, err) in enumerate(results):
+        assert code == 0, f"node {node} exited {code}\nstdout:\n{out}\nstderr:\n{err}"
+    assert listening == {MASTER_IP}
+    assert "this is node 1 of 2" in results[1][2]
+    assert f"the interface of --local-addr {PEER_IP}" in results[1][2]
+    ready = [json.loads((tmp_path / f"ready_{r}").read_text()) for r in range(2 * NPROC)]
+    assert [r["node"] for r in ready] == [0] * NPROC + [1] * NPROC
+    assert [r["ifname"] for r in ready] == [master.ifname] * NPROC + [peer.ifname] * NPROC
+    sums = {float((tmp_path / f"sum_{r}").read_text()) for r in range(2 * NPROC)}
+    assert sums == {float(sum(range(1, 2 * NPROC + 1)))}

@@ -42,8 +42,9 @@ def run_bench(out: Path, *extra: str) -> tuple[subprocess.CompletedProcess[str],
 
 @pytest.mark.timeout(120)
 def test_tiny_run_writes_table_and_json(tmp_path: Path) -> None:
-    proc, result = run_bench(tmp_path / "r.json", "--models", "mlp")
+    proc, result = run_bench(tmp_path / "r.json", "--models", "mlp", "--bucket-sweep", "1")
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "bucket sweep" in proc.stdout
     assert "ph÷torch" in proc.stdout and "mlp" in proc.stdout
     config = result["config"]
     assert config["world_size"] == 2 and config["threads"] == 1
@@ -63,6 +64,7 @@ def test_tiny_run_writes_table_and_json(tmp_path: Path) -> None:
     lo, hi = mlp["phalanx_over_torch_paired_ci90"]
     assert lo <= mlp["phalanx_over_torch_paired"] <= hi
     assert mlp["phalanx_over_torch_cpu"] > 0 and mlp["step_ms"]["phalanx"]["cpu_median_ms"] > 0
+    assert mlp["bucket_sweep_ms"]["1"] == mlp["step_ms"]["phalanx@1"]["median_ms"] > 0
 
 
 @pytest.mark.timeout(120)
@@ -83,7 +85,7 @@ def test_bad_model_name_is_a_usage_error(tmp_path: Path) -> None:
         text=True,
         timeout=60,
     )
-    assert proc.returncode == 2 and "choose from mlp, gpt, cnn" in proc.stderr
+    assert proc.returncode == 2 and "choose from ['mlp', 'gpt', 'cnn', 'mlp50']" in proc.stderr
 
 
 def test_rounds_split_steps_and_rotate_variants(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -99,7 +101,9 @@ def test_rounds_split_steps_and_rotate_variants(monkeypatch: pytest.MonkeyPatch)
 
 def test_paired_ratio_cancels_a_load_drift(monkeypatch: pytest.MonkeyPatch) -> None:
     """The machine slows down 3x half-way: per-round pairing still sees phalanx = 1.1 x torch."""
-    bench = load_bench(monkeypatch)
+    load_bench(monkeypatch)
+    import step_report as bench
+
     torch_ms = [10.0] * 6 + [30.0] * 6
     phalanx_ms = [11.0] * 6 + [33.0] * 6
     ratios = bench.round_ratios(phalanx_ms, torch_ms, bench.round_sizes(12, 4))

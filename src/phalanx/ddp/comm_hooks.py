@@ -4,22 +4,46 @@ Same contract as torch's `register_comm_hook`: a hook takes `(state, bucket)`
 and returns a `torch.futures.Future` whose value is the reduced flat tensor
 (already averaged). The reducer copies that value back into the bucket.
 
-A hook may tell the reducer's counters what it really sends with
-`bucket.record_sent(nbytes, world_size)` (once per collective, before its
-future completes); phalanx's own hooks do. A hook that does not (torch's) is
-counted as an all-reduce of the whole bucket, and `reducer.stats.hook_bytes`
-says "bucket".
+The state is torch's: a process group, or None for the default one. Pass a
+`HookState(process_group)` instead and the hook also counts what it sent in
+`state.stats` (a `CommStats`: `compression_ratio()` is bytes sent ÷ bytes of
+the gradients). PowerSGD (`powersgd_hook`, `PowerSGDState`) lives in powersgd.py
+and is exported here under torch's names too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
-from phalanx.ddp.stats import Collective, Traffic
+from phalanx.ddp.comm_stats import (
+    CommStats,
+    HookState,
+    all_reduce_counted,
+    all_reduce_mean,
+    count_gradients,
+    process_group_of,
+    stats_of,
+)
+from phalanx.ddp.powersgd import PowerSGDState, powerSGD_hook, powersgd_hook
+from phalanx.errors import ConfigurationError
+
+__all__ = [
+    "CommHook",
+    "CommStats",
+    "GradBucket",
+    "HookState",
+    "PowerSGDState",
+    "allreduce_hook",
+    "bf16_compress_hook",
+    "fp16_compress_hook",
+    "hook_by_name",
+    "powerSGD_hook",
+    "powersgd_hook",
+]
 
 CommHook = Callable[[Any, "GradBucket"], torch.futures.Future[torch.Tensor]]
 
@@ -40,8 +64,6 @@ class GradBucket:
         self._parameters = parameters
         self._gradients = gradients
         self._is_last = is_last
-        self.sent: Traffic | None = None
-        """What the hook reported it sent for this bucket (None: it reported nothing)."""
 
     def index(self) -> int:
         return self._index
@@ -64,49 +86,25 @@ class GradBucket:
         """True for the last bucket of the iteration (launched last)."""
         return self._is_last
 
-    def record_sent(
-        self, nbytes: int, world_size: int, collective: Collective = Collective.ALL_REDUCE
-    ) -> None:
-        """Count one collective this hook issues for the bucket (phalanx only, not torch)."""
-        more = Traffic.of(collective, world_size, gradient_bytes=nbytes)
-        if self.sent is not None:
-            more = Traffic(
-                self.sent.collectives + 1,
-                self.sent.gradient_bytes + nbytes,
-                0,
-                self.sent.wire_bytes + more.wire_bytes,
-            )
-        self.sent = more
-
-
-def _group(state: Any) -> dist.ProcessGroup | None:
-    """torch's convention: the hook state is a process group, or None for the default one."""
-    return state if isinstance(state, dist.ProcessGroup) else dist.group.WORLD
-
 
 def allreduce_hook(state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average in full precision: the reducer's own default path, as a hook."""
-    group = _group(state)
-    world_size = dist.get_world_size(group)
-    tensor = bucket.buffer().div_(world_size)
-    bucket.record_sent(tensor.numel() * tensor.element_size(), world_size)
-    work = dist.all_reduce(tensor, group=group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
+    stats = stats_of(state)
+    count_gradients(stats, bucket.buffer(), bucket.is_last())
+    return all_reduce_mean(bucket.buffer(), process_group_of(state), stats)
 
 
 def _compress_hook(dtype: torch.dtype) -> CommHook:
     def hook(state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
-        group = _group(state)
+        group, stats = process_group_of(state), stats_of(state)
         buffer = bucket.buffer()
-        world_size = dist.get_world_size(group)
-        compressed = buffer.to(dtype).div_(world_size)
-        bucket.record_sent(compressed.numel() * compressed.element_size(), world_size)
-        work = dist.all_reduce(compressed, group=group, async_op=True)
+        count_gradients(stats, buffer, bucket.is_last())
+        compressed = buffer.to(dtype).div_(group.size())
 
         def decompress(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
             return buffer.copy_(fut.value()[0])
 
-        return work.get_future().then(decompress)
+        return all_reduce_counted(compressed, group, stats).then(decompress)
 
     hook.__name__ = f"{str(dtype).removeprefix('torch.')}_compress_hook"
     hook.__doc__ = f"Halve the bytes on the wire: send gradients as {dtype}, average, restore."
@@ -115,3 +113,32 @@ def _compress_hook(dtype: torch.dtype) -> CommHook:
 
 fp16_compress_hook = _compress_hook(torch.float16)
 bf16_compress_hook = _compress_hook(torch.bfloat16)
+
+HookName = Literal["allreduce", "fp16", "bf16", "powersgd"]
+
+
+def hook_by_name(
+    name: HookName, process_group: dist.ProcessGroup | None = None, **powersgd: Any
+) -> tuple[HookState, CommHook]:
+    """`(state, hook)` for `register_comm_hook`, with a state that counts bytes.
+
+    For a Trainer option: `model.register_comm_hook(*hook_by_name(args.ddp_comm_hook,
+    group, matrix_approximation_rank=...))`. Keyword arguments go to `PowerSGDState`.
+    """
+    if name == "powersgd":
+        return PowerSGDState(process_group, **powersgd), powersgd_hook
+    plain: dict[str, CommHook] = {
+        "allreduce": allreduce_hook,
+        "fp16": fp16_compress_hook,
+        "bf16": bf16_compress_hook,
+    }
+    if name not in plain:
+        raise ConfigurationError(
+            f"unknown comm hook {name!r} — choose one of allreduce, fp16, bf16, powersgd"
+        )
+    if powersgd:
+        raise ConfigurationError(
+            f"PowerSGD options {sorted(powersgd)} given for the {name!r} hook — drop them, "
+            "or choose 'powersgd'"
+        )
+    return HookState(process_group), plain[name]

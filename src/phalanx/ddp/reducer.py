@@ -37,6 +37,7 @@ from phalanx.ddp.signals import StepSignals
 from phalanx.ddp.static_graph import GradientCounts
 from phalanx.ddp.stats import ReducerStats
 from phalanx.ddp.unused import BucketSkips, UnusedParameters
+from phalanx.diagnostics import progress
 
 if TYPE_CHECKING:
     from phalanx.diagnostics.timeline import Timeline
@@ -288,6 +289,7 @@ class Reducer:
             else:
                 bucket = buckets[k]
                 bucket.launch(self.reduction)
+                progress.collective("ddp all_reduce bucket", k, self.stats.sync_rounds + 1)
                 self.stats.buckets_launched += 1
                 if self.timeline is not None:
                     future = self.reduction.future(bucket.work)

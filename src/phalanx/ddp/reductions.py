@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from phalanx.ddp.buckets import Bucket
 from phalanx.ddp.comm_hooks import CommHook, GradBucket
-from phalanx.ddp.stats import Collective, Traffic
+from phalanx.ddp.comm_stats import stats_of
+from phalanx.ddp.stats import Collective, Traffic, ring_wire_bytes
 
 
 class BucketReduction(ABC):
@@ -104,16 +105,6 @@ class AllReduce(BucketReduction):
         return future
 
 
-class _HookLaunch:
-    """A bucket handed to the hook: the Future of its result, and what the hook saw."""
-
-    __slots__ = ("future", "grad_bucket")
-
-    def __init__(self, future: torch.futures.Future[Any], grad_bucket: GradBucket) -> None:
-        self.future = future
-        self.grad_bucket = grad_bucket
-
-
 class CommHookReduction(BucketReduction):
     """A user's `register_comm_hook(state, hook)`: the hook owns the wire format.
 
@@ -133,6 +124,9 @@ class CommHookReduction(BucketReduction):
         self.hook = hook
         self.state = state
         self._previous: torch.futures.Future[Any] | None = None
+        self._hook_stats = stats_of(state)
+        """The hook's own counters when its state is a HookState (what it really sent)."""
+        self._counted = (0, 0)  # (sent_bytes, collectives) of _hook_stats already booked
 
     def launch(self, bucket: Bucket) -> Any:
         grad_bucket = GradBucket(
@@ -145,7 +139,7 @@ class CommHookReduction(BucketReduction):
             future = torch.futures.Future()
             previous.add_done_callback(lambda _: self._start_after(grad_bucket, future))
         self._previous = future
-        return _HookLaunch(future, grad_bucket)
+        return future
 
     def _start_after(self, grad_bucket: GradBucket, result: torch.futures.Future[Any]) -> None:
         """Run the hook now that the previous bucket is done; forward its outcome to `result`."""
@@ -164,21 +158,26 @@ class CommHookReduction(BucketReduction):
         inner.add_done_callback(forward)
 
     def finish(self, bucket: Bucket, handle: Any) -> None:
-        future = handle.future
-        future.wait()
-        result = future.value()
+        handle.wait()
+        result = handle.value()
         if isinstance(result, list):
             result = result[0]
         if result is not bucket.grads:
             bucket.grads.copy_(result)
 
     def traffic(self, bucket: Bucket, handle: Any, world_size: int) -> Traffic:
-        """What the hook reported it sent (`GradBucket.record_sent`), else the bucket's bytes."""
-        sent, source = handle.grad_bucket.sent, "hook"
-        if sent is None:
-            sent, source = super().traffic(bucket, handle, world_size), "bucket"
-        return Traffic(sent.collectives, sent.gradient_bytes, 0, sent.wire_bytes, source)
+        """What the hook counted in its `HookState.stats` since the last bucket was booked
+        (its chained collectives are done once the bucket is); a hook without one (torch's
+        own, a process group as state) is booked as an all-reduce of the bucket."""
+        stats = self._hook_stats
+        if stats is None:
+            plain = super().traffic(bucket, handle, world_size)
+            return Traffic(plain.collectives, plain.gradient_bytes, 0, plain.wire_bytes, "bucket")
+        sent, calls = stats.sent_bytes - self._counted[0], stats.collectives - self._counted[1]
+        self._counted = (stats.sent_bytes, stats.collectives)
+        wire = ring_wire_bytes(Collective.ALL_REDUCE, sent, world_size)
+        return Traffic(calls, sent, 0, wire, "hook")
 
     def future(self, handle: Any) -> torch.futures.Future[Any]:
-        future: torch.futures.Future[Any] = handle.future
+        future: torch.futures.Future[Any] = handle
         return future

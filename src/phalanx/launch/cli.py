@@ -10,22 +10,26 @@ import argparse
 import shutil
 import signal
 import sys
+import uuid
 from collections.abc import Sequence
-from functools import partial
 from pathlib import Path
-from typing import Any, NoReturn
 
 from phalanx.errors import ConfigurationError, PhalanxError, UsageError
 from phalanx.launch.agent import Agent
-from phalanx.launch.config import (
-    DEFAULT_MULTINODE_PORT,
-    DEFAULT_RDZV_TIMEOUT_S,
-    LaunchConfig,
-    parse_nnodes,
-    parse_nproc,
-)
+from phalanx.launch.config import LaunchConfig, parse_nnodes, parse_nproc, parse_signals
 from phalanx.launch.consolidate_cmd import consolidate_main
+from phalanx.launch.flags import build_parser
 from phalanx.launch.output import OutputSink
+from phalanx.launch.rdzvflags import store_site
+from phalanx.launch.routing import (
+    ERR,
+    OUT,
+    OutputRouting,
+    parse_filters,
+    parse_ranks,
+    parse_std,
+)
+from phalanx.netif import is_local_address
 
 USAGE_EXIT = 2
 TOP_USAGE = """usage: phalanx <command> [args]
@@ -37,165 +41,86 @@ commands:
 run 'phalanx launch --help' for its flags"""
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(message)
-
-
-def _flag(parser: argparse.ArgumentParser, names: str, help: str, **kwargs: Any) -> None:
-    """Add a flag under its names, and torchrun's underscored twins as hidden aliases.
-
-    The aliases default to SUPPRESS so they never overwrite the main flag's default.
-    """
-    spellings = names.split()
-    parser.add_argument(*spellings, help=help, **kwargs)
-    twins = ["--" + n[2:].replace("-", "_") for n in spellings if n.startswith("--")]
-    hidden = {**kwargs, "help": argparse.SUPPRESS, "default": argparse.SUPPRESS}
-    hidden.pop("metavar", None)
-    for twin in twins:
-        if twin not in spellings:
-            parser.add_argument(twin, **hidden)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog="phalanx launch",
-        usage="phalanx launch [flags] script.py [script args]  |  phalanx launch [flags] -m "
-        "module [args]",
-        description="Start NPROC workers on this node, each with torchrun's environment "
-        "(RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...); stop them all when one fails. "
-        "Every flag also accepts torchrun's underscore spelling (--nproc_per_node).",
-        allow_abbrev=False,
-    )
-    add = partial(_flag, parser)
-    add(
-        "--nproc-per-node --num-processes",
-        "workers on this node: a number, auto (the GPUs, else 1), gpu or cpu; default 1",
-        dest="nproc_per_node",
-        default="1",
-        metavar="NPROC",
-    )
-    add("--nnodes", "nodes in the job; default 1", default="1", metavar="N")
-    add("--node-rank", "this node's index, from 0", type=int, default=0, metavar="R")
-    add(
-        "--master-addr",
-        "address of node 0, where rank 0 listens; needed with --nnodes > 1",
-        metavar="HOST",
-    )
-    add(
-        "--master-port",
-        "rank 0's port; unset or 0: a free one on a single node, "
-        f"{DEFAULT_MULTINODE_PORT} across nodes",
-        type=int,
-        metavar="PORT",
-    )
-    add(
-        "--max-restarts",
-        "restart the whole worker group up to K times after a failure",
-        type=int,
-        default=0,
-        metavar="K",
-    )
-    add("--log-dir", "also write each rank's output to DIR/rank_<rank>.log", metavar="DIR")
-    add("--standalone", "one node on 127.0.0.1 with a free port", action="store_true")
-    add(
-        "--rdzv-timeout",
-        "seconds a node other than 0 waits for the master to be reachable; "
-        f"default {DEFAULT_RDZV_TIMEOUT_S:g}",
-        type=float,
-        default=DEFAULT_RDZV_TIMEOUT_S,
-        metavar="S",
-    )
-    add(
-        "--rdzv-id --run-id",
-        "job id, given to workers as TORCHELASTIC_RUN_ID",
-        dest="run_id",
-        metavar="ID",
-    )
-    add(
-        "--rdzv-backend",
-        "only static (fixed node ranks) is supported",
-        default="static",
-        metavar="NAME",
-    )
-    add(
-        "--rdzv-endpoint",
-        "HOST[:PORT], the same as --master-addr HOST --master-port PORT",
-        metavar="HOST:PORT",
-    )
-    add(
-        "--monitor-interval",
-        "seconds between checks of the workers; default 0.1",
-        type=float,
-        default=0.1,
-        metavar="S",
-    )
-    add("-m --module", "run the target as a module, like python -m", action="store_true")
-    add("--no-python", "run the target as an executable, not through python", action="store_true")
-    parser.add_argument("script", help="the training script (or module, or executable)")
-    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="passed to the script")
-    return parser
-
-
 def config_from_args(ns: argparse.Namespace) -> LaunchConfig:
     """Turn parsed flags into a validated config; every mistake is a ConfigurationError."""
+    _refuse_what_needs_torch(ns)
     nnodes = parse_nnodes(ns.nnodes)
-    master_addr, master_port = _master(ns, nnodes)
+    site = store_site(ns, nnodes)
     return LaunchConfig(
         command=_command(ns),
         use_python=not ns.no_python,
+        run_path=ns.run_path,
         nproc_per_node=parse_nproc(ns.nproc_per_node),
         nnodes=nnodes,
-        node_rank=ns.node_rank,
-        master_addr=master_addr,
-        master_port=master_port,
+        node_rank=site.node_rank,
+        master_addr=site.master_addr,
+        master_port=site.master_port,
         max_restarts=ns.max_restarts,
         log_dir=ns.log_dir,
-        rdzv_timeout_s=ns.rdzv_timeout,
+        routing=_routing(ns),
+        rdzv_timeout_s=site.rdzv_timeout_s,
+        rdzv=site.rdzv,
+        local_addr=ns.local_addr,
+        grace_s=ns.shutdown_timeout,
         monitor_interval_s=ns.monitor_interval,
-        **({"run_id": ns.run_id} if ns.run_id else {}),
+        # torchrun's default id; the same on every node, as a job id should be.
+        run_id=ns.run_id or (uuid.uuid4().hex[:12] if nnodes == 1 else "none"),
+        role=ns.role,
+        handled_signals=parse_signals(ns.signals_to_handle),
+        virtual_local_rank=ns.virtual_local_rank,
+        notes=site.notes,
     )
 
 
-def _master(ns: argparse.Namespace, nnodes: int) -> tuple[str, int]:
-    """MASTER_ADDR and MASTER_PORT; port 0 means the agent picks a free one per attempt."""
-    if ns.rdzv_backend != "static":
+def _refuse_what_needs_torch(ns: argparse.Namespace) -> None:
+    """The torchrun flags whose meaning is torch code running inside the launcher, and a
+    --local-addr that is not this host's."""
+    if ns.logs_specs not in (None, "default"):
         raise ConfigurationError(
-            f"--rdzv-backend {ns.rdzv_backend} assigns node ranks at run time, which phalanx "
-            "does not do — give each node --node-rank, plus --master-addr and --master-port"
+            f"--logs-specs {ns.logs_specs} loads a torch LogsSpecs plugin into the launcher, "
+            "which imports no torch — drop it: phalanx writes torchrun's log layout itself "
+            "(--log-dir with -r/-t)"
         )
-    addr, port = ns.master_addr, ns.master_port
-    if ns.rdzv_endpoint:
-        host, endpoint_port = _split_endpoint(ns.rdzv_endpoint)
-        addr = addr or host
-        port = endpoint_port if port is None else port
-    if ns.standalone:
-        if nnodes != 1:
-            raise ConfigurationError("--standalone is for one node — drop it or --nnodes")
-        return "127.0.0.1", 0
-    if nnodes == 1:
-        return addr or "127.0.0.1", port or 0
-    if not addr:
+    if ns.event_log_handler != "null":
         raise ConfigurationError(
-            f"--nnodes {nnodes} needs --master-addr — pass node 0's address on every node"
+            f"--event-log-handler {ns.event_log_handler} is torch's elastic event API, which "
+            "the launcher (no torch) does not run — drop it; the launcher's own [phalanx] "
+            "lines report each start, failure and restart"
         )
-    return addr, DEFAULT_MULTINODE_PORT if port is None else port
+    if ns.numa_binding is not None:
+        raise ConfigurationError(
+            "--numa-binding needs each GPU's NUMA node in CUDA's device order, which the "
+            "launcher cannot read without torch — bind inside a wrapper instead, e.g. "
+            "--no-python numactl --cpunodebind=N python train.py"
+        )
+    if ns.local_addr is not None and not is_local_address(ns.local_addr):
+        raise ConfigurationError(
+            f"--local-addr {ns.local_addr} is not an address of this host — pass one of its "
+            "own addresses (ip -brief addr lists them)"
+        )
 
 
-def _split_endpoint(endpoint: str) -> tuple[str, int | None]:
-    host, colon, port = endpoint.rpartition(":")
-    if not colon:
-        return endpoint, None
-    if not port.isdigit():
-        raise ConfigurationError(
-            f"--rdzv-endpoint {endpoint!r} is not HOST[:PORT] — e.g. 10.0.0.1:29500"
+def _routing(ns: argparse.Namespace) -> OutputRouting:
+    filters = {
+        stream: parse_filters(text)
+        for stream, text in (
+            (OUT, ns.duplicate_stdout_filters),
+            (ERR, ns.duplicate_stderr_filters),
         )
-    return host, int(port)
+        if text
+    }
+    return OutputRouting(
+        redirects=parse_std("--redirects", ns.redirects) if ns.redirects else 0,
+        tee=parse_std("--tee", ns.tee) if ns.tee else 0,
+        local_ranks_filter=parse_ranks(ns.local_ranks_filter) if ns.local_ranks_filter else None,
+        duplicate_filters={k: v for k, v in filters.items() if v},
+    )
 
 
 def _command(ns: argparse.Namespace) -> list[str]:
-    if ns.module and ns.no_python:
-        raise ConfigurationError("-m and --no-python exclude each other — pick one")
+    if ns.module and (ns.no_python or ns.run_path):
+        other = "--run-path" if ns.run_path else "--no-python"
+        raise ConfigurationError(f"-m and {other} exclude each other — pick one")
     if ns.module:
         return ["-m", ns.script, *ns.script_args]
     if ns.no_python:

@@ -6,12 +6,14 @@ hang or a traceback inside N workers.
 
 from __future__ import annotations
 
+import signal
 import uuid
 from dataclasses import dataclass, field
 
 from phalanx.errors import ConfigurationError
 from phalanx.jobenv import global_rank
 from phalanx.launch.devices import cpu_count, gpu_count
+from phalanx.launch.routing import OutputRouting
 
 # torchrun's default for multi-node runs, so firewall rules written for it keep working.
 DEFAULT_MULTINODE_PORT = 29500
@@ -19,6 +21,30 @@ DEFAULT_MULTINODE_PORT = 29500
 DEFAULT_RDZV_TIMEOUT_S = 900.0
 # SIGTERM first so workers can flush logs; SIGKILL after this if they ignore it.
 DEFAULT_GRACE_S = 5.0
+# torchrun's default for --rdzv-conf join_timeout: how long the nodes have to gather.
+DEFAULT_JOIN_TIMEOUT_S = 600.0
+# torchrun's --signals-to-handle default. A dropped ssh session (SIGHUP) or SIGQUIT stops the
+# job like SIGTERM does, so no worker trains on unsupervised.
+DEFAULT_HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Rendezvous:
+    """How the nodes meet, from --rdzv-backend, --rdzv-conf and --node-rank."""
+
+    assign_node_rank: bool = False
+    """c10d across nodes without --node-rank: node ranks are handed out at rendezvous."""
+    hosts_store: bool = True
+    """This launcher hosts the job's store: node 0 (static), or the endpoint's host (c10d)."""
+    host_forced: bool = False
+    """--rdzv-conf is_host said so; otherwise a c10d host whose port is taken (another
+    launcher on the same host got there first) joins as a client, as torchrun's does."""
+    port_flag: str = "--master-port"
+    """The flag that set the store's port, named when that port is taken."""
+    read_timeout_s: float = 60.0
+    """--rdzv-conf read_timeout: how long one answer from the store may take."""
+    join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S
+    """--rdzv-conf join_timeout: how long the store's host waits for every node to join."""
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -29,6 +55,8 @@ class LaunchConfig:
     """The worker's command line without the interpreter: script + args, or -m module + args."""
     use_python: bool = True
     """False with --no-python: `command[0]` is an executable run as is."""
+    run_path: bool = False
+    """--run-path: the script runs through runpy.run_path inside the worker's interpreter."""
     nproc_per_node: int = 1
     """Workers on this node."""
     nnodes: int = 1
@@ -36,21 +64,35 @@ class LaunchConfig:
     node_rank: int = 0
     """This node's index; its workers get ranks node_rank*nproc .. node_rank*nproc + nproc - 1."""
     master_addr: str = "127.0.0.1"
-    """Where rank 0's TCP store listens."""
+    """Where the job's store listens: on node 0, hosted by its launcher."""
     master_port: int = 0
-    """0 on a single node means: pick a free port, a fresh one per restart."""
+    """0 on a single node means: a free port, held by the launcher for the whole run."""
     max_restarts: int = 0
     """Restart the whole worker group after a failure at most this many times."""
     log_dir: str | None = None
     """When set, each rank's output is also written to LOG_DIR/rank_<rank>.log."""
+    routing: OutputRouting = field(default_factory=lambda: OutputRouting())
+    """torchrun's -r/-t/--local-ranks-filter/--duplicate-*-filters: where output goes."""
     rdzv_timeout_s: float = DEFAULT_RDZV_TIMEOUT_S
-    """How long a non-master node waits for the master's port to open."""
+    """How long a non-master node waits for the master's store."""
+    rdzv: Rendezvous = field(default_factory=lambda: Rendezvous())
+    """How this node meets the others: static, or c10d with node ranks assigned at run time."""
+    local_addr: str | None = None
+    """--local-addr: this node's own address, for its store, its interface and its peers."""
     grace_s: float = DEFAULT_GRACE_S
     """Seconds between SIGTERM and SIGKILL when stopping workers."""
     monitor_interval_s: float = 0.1
     """How often the agent polls its workers."""
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     """TORCHELASTIC_RUN_ID, so scripts that log it keep working."""
+    role: str = "default"
+    """--role: ROLE_NAME in every worker's environment."""
+    handled_signals: tuple[int, ...] = DEFAULT_HANDLED_SIGNALS
+    """Signals that stop the job: the launcher stops every worker, then exits 128 + signum."""
+    virtual_local_rank: bool = False
+    """Every worker sees LOCAL_RANK=0 and only its own GPU in CUDA_VISIBLE_DEVICES."""
+    notes: tuple[str, ...] = ()
+    """Lines the launcher says before it starts (flags accepted that change nothing)."""
 
     def __post_init__(self) -> None:
         _check_counts(self)
@@ -68,11 +110,6 @@ class LaunchConfig:
     def global_rank(self, local_rank: int) -> int:
         """The rank of this node's worker `local_rank` in the whole job."""
         return global_rank(self.node_rank, self.nproc_per_node, local_rank)
-
-    @property
-    def picks_free_port(self) -> bool:
-        """A single-node run without a port picks one itself, so restarts can pick anew."""
-        return self.master_port == 0
 
 
 def _check_counts(config: LaunchConfig) -> None:
@@ -101,6 +138,7 @@ def _check_counts(config: LaunchConfig) -> None:
             config.monitor_interval_s > 0,
             f"--monitor-interval must be positive, got {config.monitor_interval_s}",
         ),
+        (config.grace_s >= 0, f"--shutdown-timeout must be 0 or more, got {config.grace_s}"),
     ]
     for ok, message in checks:
         if not ok:
@@ -147,3 +185,20 @@ def parse_nnodes(value: str) -> int:
             "nodes, pass one number"
         )
     return low_n
+
+
+def parse_signals(value: str | None) -> tuple[int, ...]:
+    """--signals-to-handle SIGTERM,SIGINT,...: names with or without SIG, or numbers."""
+    if value is None:
+        return DEFAULT_HANDLED_SIGNALS
+    found = []
+    for item in (v.strip() for v in value.split(",") if v.strip()):
+        name = item.upper() if item.upper().startswith("SIG") else "SIG" + item.upper()
+        signum = int(item) if item.isdigit() else getattr(signal, name, None)
+        if signum is None or int(signum) in (signal.SIGKILL, signal.SIGSTOP):
+            raise ConfigurationError(
+                f"--signals-to-handle: {item!r} is not a signal the launcher can catch — "
+                "use names like SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+            )
+        found.append(int(signum))
+    return tuple(found)

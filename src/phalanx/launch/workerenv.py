@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+from phalanx.errors import ConfigurationError
 from phalanx.launch.config import LaunchConfig
 from phalanx.launch.devices import cpu_count
-from phalanx.netif import choose_gloo_ifname
+from phalanx.netif import choose_gloo_ifname, local_addr_ifname
 
 
 def omp_threads(nproc_per_node: int) -> int:
@@ -22,9 +23,12 @@ def gloo_ifname_env(
     Decided here too, not only in the workers' `phalanx.init()`, so that scripts
     using torch.distributed directly get it, and the launcher's output says it.
     """
-    choice = choose_gloo_ifname(
-        config.master_addr, config.world_size, config.nproc_per_node, environ
-    )
+    if config.local_addr is not None:
+        choice = local_addr_ifname(config.local_addr, environ)
+    else:
+        choice = choose_gloo_ifname(
+            config.master_addr, config.world_size, config.nproc_per_node, environ
+        )
     if choice.note is not None:
         announce(choice.note)
     return {} if choice.name is None else {"GLOO_SOCKET_IFNAME": choice.name}
@@ -47,16 +51,18 @@ def worker_env(
     rank = config.global_rank(local_rank)
     env = dict(base)
     env.update(extra)
+    if config.virtual_local_rank:
+        env["CUDA_VISIBLE_DEVICES"] = visible_device(base, local_rank)
     env.update(
         RANK=str(rank),
-        LOCAL_RANK=str(local_rank),
+        LOCAL_RANK="0" if config.virtual_local_rank else str(local_rank),
         WORLD_SIZE=str(config.world_size),
         LOCAL_WORLD_SIZE=str(config.nproc_per_node),
         GROUP_RANK=str(config.node_rank),
         GROUP_WORLD_SIZE=str(config.nnodes),
         ROLE_RANK=str(rank),
         ROLE_WORLD_SIZE=str(config.world_size),
-        ROLE_NAME="default",
+        ROLE_NAME=config.role,
         MASTER_ADDR=config.master_addr,
         MASTER_PORT=str(master_port),
         PHALANX_RESTART_COUNT=str(restart_count),
@@ -64,9 +70,9 @@ def worker_env(
         TORCHELASTIC_RESTART_COUNT=str(restart_count),
         TORCHELASTIC_MAX_RESTARTS=str(config.max_restarts),
         TORCHELASTIC_RUN_ID=config.run_id,
-        # Rank 0's init_process_group must host the TCP store itself: there is no
-        # agent store, and an inherited "True" would make every rank wait for one.
-        TORCHELASTIC_USE_AGENT_STORE="False",
+        # The launcher hosts the store (launch/storehost.py): rank 0 joins it as a client,
+        # as under torchrun, instead of listening on every interface itself.
+        TORCHELASTIC_USE_AGENT_STORE="True",
         # Output goes through pipes; unbuffered, a print shows up when it happens.
         PYTHONUNBUFFERED="1",
     )
@@ -75,9 +81,32 @@ def worker_env(
     return env
 
 
+# --run-path: what torchrun's run_script_path does, in the worker's own fresh interpreter.
+# As there, the script's directory is not put on sys.path (the working directory is).
+_RUN_PATH = (
+    "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+)
+
+
 def worker_argv(config: LaunchConfig, python: str) -> list[str]:
-    """The command line of one worker: `python -u script args`, `python -u -m mod args`, or
-    the bare command with --no-python."""
+    """The command line of one worker: `python -u script args`, `python -u -m mod args`,
+    the script through runpy with --run-path, or the bare command with --no-python."""
+    if config.run_path:
+        return [python, "-u", "-c", _RUN_PATH, *config.command]
     if not config.use_python:
         return list(config.command)
     return [python, "-u", *config.command]
+
+
+def visible_device(base: Mapping[str, str], local_rank: int) -> str:
+    """--virtual-local-rank: the one device this worker sees, from the launcher's list."""
+    visible = base.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return str(local_rank)
+    devices = [d.strip() for d in visible.split(",") if d.strip()]
+    if local_rank >= len(devices):
+        raise ConfigurationError(
+            f"--virtual-local-rank: local rank {local_rank} has no device in "
+            f"CUDA_VISIBLE_DEVICES={visible!r} — list one device per worker"
+        )
+    return devices[local_rank]

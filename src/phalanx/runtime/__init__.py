@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx import netif
+from phalanx.diagnostics import progress
 from phalanx.errors import ConfigurationError, RendezvousError
 from phalanx.jobenv import LaunchInfo, detect_launch, launched_by_launcher
 from phalanx.runtime.backend import backend_names, claim_device, resolve_backend, select_device
@@ -130,6 +131,7 @@ def init(backend: str | None = None, timeout: float | timedelta = DEFAULT_TIMEOU
     claim_device(device)
     _pin_gloo_interface(chosen, info)
     _join_group(chosen, info, device, wait)
+    progress.start(info.rank, info.world_size, wait.total_seconds())
     register_exit_hook()
     world = describe_default_group(info)
     logger.info(

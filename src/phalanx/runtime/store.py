@@ -1,23 +1,46 @@
 """The rendezvous store: where the ranks first meet, and what to say when they do not.
 
-Rank 0 serves a TCP store at MASTER_ADDR:MASTER_PORT and every other rank
-connects to it; a world of one keeps its store in memory. Each way this can
-fail (a misspelt address, a taken port, a missing rank, an unreachable
-master) gets a message that names the address and what to check, instead of
-torch's bare "DistNetworkError" after the whole timeout.
+Under `phalanx launch` and torchrun the launcher hosts the store and every rank,
+rank 0 included, joins it as a client. Under srun, mpirun or a hand-set
+environment rank 0 hosts it at MASTER_ADDR:MASTER_PORT; a world of one keeps
+its store in memory. Each way this can fail (a misspelt address, a taken port,
+two processes given RANK=0, a missing rank, an unreachable master) gets a
+message that names the address and what to check, instead of torch's bare
+"DistNetworkError" after the whole timeout.
+
+A rank 0 that hosts the store for ranks that all run on its own host, with a
+loopback master, listens on loopback only (torch alone would listen on every
+interface, IPv4 and IPv6, where anyone on the network can use the store).
 """
 
 from __future__ import annotations
 
+import errno
+import os
 import socket
+import sys
+import time
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from phalanx.errors import ConfigurationError, RendezvousError
 from phalanx.jobenv import LaunchInfo
+from phalanx.netif import is_loopback
+from phalanx.storeclient import ATTEMPT_KEY, StoreClient
 
-__all__ = ["make_store"]
+__all__ = ["make_store", "serve_agent_store"]
+
+# Who hosts this job's store ("pid P on HOST"), set by rank 0 as soon as it listens, so that
+# a second process given RANK=0 can say who has it; and one key per rank that joined.
+_OWNER_KEY = "phalanx/rank0"
+_JOINED_KEY = "phalanx/joined/{rank}"
+_OWNER_WAIT_S = 3.0
+_POLL_S = 0.05
+
+
+def _plural(count: int, word: str) -> str:
+    return f"{count} {word}" if count == 1 else f"{count} {word}s"
 
 
 def _check_resolves(info: LaunchInfo) -> None:
@@ -32,27 +55,111 @@ def _check_resolves(info: LaunchInfo) -> None:
         ) from exc
 
 
-def _store_failure(info: LaunchInfo, hosts_store: bool, wait: timedelta, exc: Exception) -> str:
-    """A message for a failed TCPStore that names the address and what to check."""
-    where = f"{info.master_addr}:{info.master_port}"
-    seconds = f"{wait.total_seconds():g}s"
-    if hosts_store and "in use" in str(exc).lower():
+def _where(info: LaunchInfo) -> str:
+    return f"{info.master_addr}:{info.master_port}"
+
+
+def _port_taken(info: LaunchInfo) -> str:
+    """Rank 0 cannot listen: another process given RANK=0, or another job on the port."""
+    owner = _store_owner(info)
+    if owner is not None:
         return (
-            f"rank 0 could not listen on {where}: the port is taken — another job is using it; "
-            "export MASTER_PORT=<a free port> on every rank"
-        )
-    if hosts_store:
-        return (
-            f"rank 0 waited {seconds} at {where} for the other {info.world_size - 1} ranks "
-            f"and not all of them came ({exc}) — check that every rank was started "
-            f"({info.launcher} launcher) with the same MASTER_ADDR, MASTER_PORT and "
-            f"world size {info.world_size}"
+            f"rank 0 could not listen on {_where(info)}: this job's store is already hosted "
+            f"there by another process given RANK=0 ({owner}) — give each process its own "
+            f"RANK, 0..{info.world_size - 1}"
         )
     return (
-        f"rank {info.rank} could not reach the master (rank 0) at {where} within {seconds} "
-        f"({exc}) — check that rank 0 is running, that MASTER_ADDR/MASTER_PORT are the same "
-        "on every rank and name rank 0's host, and that no firewall blocks that port"
+        f"rank 0 could not listen on {_where(info)}: the port is taken — another job is "
+        "using it; export MASTER_PORT=<a free port> on every rank"
     )
+
+
+def _store_owner(info: LaunchInfo) -> str | None:
+    """Who hosts the store on our port, if it is a phalanx rank 0 of a job this size."""
+    assert info.master_addr is not None and info.master_port is not None
+    try:
+        with StoreClient(info.master_addr, info.master_port, _OWNER_WAIT_S) as client:
+            if client.wait_for([_OWNER_KEY], _OWNER_WAIT_S):
+                owner = client.get(_OWNER_KEY).decode(errors="replace")
+                size, _, who = owner.partition(" ")
+                return who if size == str(info.world_size) else None
+    except OSError:  # not a store, or not answering: another program has the port
+        pass
+    return None
+
+
+def _client_failure(info: LaunchInfo, wait: timedelta, exc: Exception) -> str:
+    return (
+        f"rank {info.rank} could not reach the master (rank 0) at {_where(info)} within "
+        f"{wait.total_seconds():g}s ({exc}) — check that rank 0 is running, that "
+        "MASTER_ADDR/MASTER_PORT are the same on every rank and name rank 0's host, and "
+        "that no firewall blocks that port"
+    )
+
+
+def _loopback_listener(info: LaunchInfo) -> socket.socket | None:
+    """A socket on the loopback master address when every rank runs on this host; None
+    (torch then listens on every interface) when other hosts must reach the store."""
+    assert info.master_addr is not None and info.master_port is not None
+    if info.local_world_size < info.world_size or not is_loopback(info.master_addr):
+        return None
+    family, kind, proto, _name, sockaddr = socket.getaddrinfo(
+        info.master_addr, info.master_port, type=socket.SOCK_STREAM
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(1024)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise RendezvousError(_port_taken(info)) from exc
+        raise
+    return sock
+
+
+def _host(info: LaunchInfo, wait: timedelta) -> dist.Store:
+    """Rank 0 hosts the store, says so, and waits for every other rank to join it."""
+    assert info.master_addr is not None and info.master_port is not None
+    listener = _loopback_listener(info)
+    try:
+        store = dist.TCPStore(
+            info.master_addr,
+            info.master_port,
+            info.world_size,
+            True,
+            timeout=wait,
+            wait_for_workers=False,
+            master_listen_fd=None if listener is None else listener.detach(),
+        )
+    except (RuntimeError, OSError) as exc:  # DistNetworkError / DistStoreError
+        if "in use" in str(exc).lower():
+            raise RendezvousError(_port_taken(info)) from exc
+        raise RendezvousError(f"rank 0 could not host the store at {_where(info)} ({exc})") from exc
+    store.set(_OWNER_KEY, f"{info.world_size} pid {os.getpid()} on {socket.gethostname()}")
+    _wait_for_ranks(store, info, wait)
+    return store
+
+
+def _wait_for_ranks(store: dist.Store, info: LaunchInfo, wait: timedelta) -> None:
+    """Like TCPStore's own wait for workers, but the error names the ranks that never came."""
+    deadline = time.monotonic() + wait.total_seconds()
+    missing = list(range(1, info.world_size))
+    while missing:
+        missing = [r for r in missing if not store.check([_JOINED_KEY.format(rank=r)])]
+        if missing and time.monotonic() >= deadline:
+            shown = ", ".join(str(r) for r in missing[:20]) + (" ..." if len(missing) > 20 else "")
+            who = f"rank {shown}" if len(missing) == 1 else f"ranks {shown}"
+            raise RendezvousError(
+                f"rank 0 waited {wait.total_seconds():g}s at {_where(info)} for the other "
+                f"{_plural(info.world_size - 1, 'rank')}; {who} never came — check that every "
+                "rank was started "
+                f"({info.launcher} launcher) with the same MASTER_ADDR, MASTER_PORT and world "
+                f"size {info.world_size}"
+            )
+        if missing:
+            time.sleep(_POLL_S)
 
 
 def make_store(info: LaunchInfo, wait: timedelta) -> dist.Store:
@@ -60,16 +167,36 @@ def make_store(info: LaunchInfo, wait: timedelta) -> dist.Store:
     if info.master_addr is None or info.master_port is None:
         return dist.HashStore()
     _check_resolves(info)
-    # Under torchrun the agent already serves the store on MASTER_PORT; rank 0 joins it.
-    hosts_store = info.rank == 0 and not info.agent_store
+    # Under phalanx launch and torchrun the launcher hosts the store; rank 0 joins it.
+    if info.rank == 0 and not info.agent_store:
+        return _host(info, wait)
     try:
-        return dist.TCPStore(
-            info.master_addr,
-            info.master_port,
-            info.world_size,
-            hosts_store,
-            timeout=wait,
-            wait_for_workers=True,
+        store = dist.TCPStore(
+            info.master_addr, info.master_port, info.world_size, False, timeout=wait
         )
     except (RuntimeError, OSError) as exc:  # DistNetworkError / DistStoreError
-        raise RendezvousError(_store_failure(info, hosts_store, wait, exc)) from exc
+        raise RendezvousError(_client_failure(info, wait, exc)) from exc
+    store.set(_JOINED_KEY.format(rank=info.rank), "1")
+    return store
+
+
+def serve_agent_store(argv: list[str] | None = None) -> None:
+    """The store helper `phalanx launch` starts (launch/storehost.py): serve one attempt.
+
+    argv: the listening socket's fd (bound by the launcher), its address, its
+    port, the attempt number. The store lives until the launcher closes our
+    stdin (the attempt ended) or dies (the pipe closes with it).
+    """
+    fd, host, port, attempt = (argv or sys.argv[1:])[:4]
+    store = dist.TCPStore(
+        host,
+        int(port),
+        None,
+        True,
+        timeout=timedelta(seconds=60),
+        wait_for_workers=False,
+        master_listen_fd=int(fd),
+    )
+    # Non-master launchers wait for this before starting an attempt's workers.
+    store.set(ATTEMPT_KEY, attempt)
+    sys.stdin.buffer.read()

@@ -28,6 +28,7 @@ from torch.utils.data import Dataset
 
 from phalanx.data.sampler import DistributedSampler
 from phalanx.ddp.module import DistributedDataParallel
+from phalanx.diagnostics import progress
 from phalanx.errors import ConfigurationError
 from phalanx.train.args import TrainingArguments
 from phalanx.train.batches import (
@@ -303,6 +304,7 @@ class Trainer:
     def _finish_step(self, loss: Tensor, run: StepWindow, window: StepWindow) -> None:
         grad_norm = self._optimizer_step()
         self.state.global_step += 1
+        progress.step(self.state.global_step + 1)
         for tracker in (run, window):
             tracker.add_step(loss, grad_norm)
         self._report.advance()

@@ -27,6 +27,8 @@ NAMES = [
     "OMP_NUM_THREADS",
     "PYTHONUNBUFFERED",
     "GLOO_SOCKET_IFNAME",
+    "CUDA_VISIBLE_DEVICES",
+    "ROLE_NAME",
 ]
 
 if __name__ == "__main__":

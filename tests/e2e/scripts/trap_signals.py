@@ -1,4 +1,4 @@
-"""Trap SIGINT and SIGTERM, note which one arrived in OUTDIR/got_<rank>, then exit."""
+"""Trap SIGINT, SIGTERM and SIGUSR1, note which one arrived in OUTDIR/got_<rank>, then exit."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def on_signal(signum: int, _frame: FrameType | None) -> None:
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, on_signal)
     write_atomically(OUT / f"ready_{rank()}", str(os.getpid()))
     time.sleep(60)

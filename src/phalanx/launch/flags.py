@@ -1,0 +1,218 @@
+"""The command line of `phalanx launch`: torchrun's flags, with both of its spellings.
+
+Every flag also answers to its underscore twin (`--nproc_per_node`), as in
+torchrun, so existing launch commands need only the program name changed.
+What each flag does, and which are refused and why: docs/launch.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from functools import partial
+from typing import Any, NoReturn
+
+from phalanx.errors import UsageError
+from phalanx.launch.config import DEFAULT_GRACE_S, DEFAULT_MULTINODE_PORT, DEFAULT_RDZV_TIMEOUT_S
+from phalanx.launch.rdzvflags import DEFAULT_C10D_PORT
+
+__all__ = ["build_parser"]
+
+Add = Callable[..., None]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message)
+
+
+def _flag(parser: argparse.ArgumentParser, names: str, help: str, **kwargs: Any) -> None:
+    """Add a flag under its names, and torchrun's underscored twins as hidden aliases.
+
+    The aliases default to SUPPRESS so they never overwrite the main flag's default.
+    """
+    spellings = names.split()
+    parser.add_argument(*spellings, help=help, **kwargs)
+    twins = ["--" + n[2:].replace("-", "_") for n in spellings if n.startswith("--")]
+    hidden = {**kwargs, "help": argparse.SUPPRESS, "default": argparse.SUPPRESS}
+    hidden.pop("metavar", None)
+    for twin in twins:
+        if twin not in spellings:
+            parser.add_argument(twin, **hidden)
+
+
+def _topology(add: Add) -> None:
+    add(
+        "--nproc-per-node --num-processes",
+        "workers on this node: a number, auto (the GPUs, else 1), gpu or cpu; default 1",
+        dest="nproc_per_node",
+        default="1",
+        metavar="NPROC",
+    )
+    add("--nnodes", "nodes in the job; default 1", default="1", metavar="N")
+    add(
+        "--node-rank",
+        "this node's index, from 0 (c10d: assigned when not given)",
+        type=int,
+        metavar="R",
+    )
+    add(
+        "--master-addr",
+        "address of node 0, whose launcher hosts the store; needed with --nnodes > 1",
+        metavar="HOST",
+    )
+    add(
+        "--master-port",
+        "the store's port; unset or 0: a free one on a single node, "
+        f"{DEFAULT_MULTINODE_PORT} across nodes",
+        type=int,
+        metavar="PORT",
+    )
+    add(
+        "--local-addr",
+        "this node's own address (its store, interface and identity)",
+        metavar="ADDR",
+    )
+    add("--standalone", "one node on 127.0.0.1 with a free port", action="store_true")
+
+
+def _rendezvous(add: Add) -> None:
+    add(
+        "--rdzv-backend",
+        "static (node ranks given with --node-rank) or c10d (assigned at rendezvous)",
+        default="static",
+        metavar="NAME",
+    )
+    add(
+        "--rdzv-endpoint",
+        "HOST[:PORT] of the store: static, the same as --master-addr/"
+        "--master-port; c10d, the host whose launcher hosts it (port "
+        f"{DEFAULT_C10D_PORT} by default)",
+        metavar="HOST:PORT",
+    )
+    add(
+        "--rdzv-id --run-id",
+        "job id, given to workers as TORCHELASTIC_RUN_ID",
+        dest="run_id",
+        metavar="ID",
+    )
+    add(
+        "--rdzv-conf",
+        "KEY=VALUE,... : timeout (as --rdzv-timeout), join_timeout, read_timeout, is_host",
+        metavar="CONF",
+    )
+    add(
+        "--rdzv-timeout",
+        "seconds a node other than the store's host waits for the store; "
+        f"default {DEFAULT_RDZV_TIMEOUT_S:g}",
+        type=float,
+        default=DEFAULT_RDZV_TIMEOUT_S,
+        metavar="S",
+    )
+
+
+def _processes(add: Add) -> None:
+    add(
+        "--max-restarts",
+        "restart the whole worker group up to K times after a failure",
+        type=int,
+        default=0,
+        metavar="K",
+    )
+    add(
+        "--monitor-interval",
+        "seconds between checks of the workers; default 0.1",
+        type=float,
+        default=0.1,
+        metavar="S",
+    )
+    add(
+        "--shutdown-timeout",
+        f"seconds between SIGTERM and SIGKILL when stopping workers; default {DEFAULT_GRACE_S:g}",
+        type=float,
+        default=DEFAULT_GRACE_S,
+        metavar="S",
+    )
+    add(
+        "--signals-to-handle",
+        "signals that stop the job; default SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+        metavar="SIGS",
+    )
+    add("--role", "ROLE_NAME of the workers; default 'default'", default="default", metavar="ROLE")
+    add("-m --module", "run the target as a module, like python -m", action="store_true")
+    add("--no-python", "run the target as an executable, not through python", action="store_true")
+    add("--run-path", "run the script with runpy.run_path in the worker", action="store_true")
+    add(
+        "--virtual-local-rank",
+        "LOCAL_RANK=0 everywhere, each worker seeing only its GPU",
+        action="store_true",
+    )
+    add(
+        "--start-method",
+        "accepted for torchrun; workers are always fresh interpreters",
+        choices=("spawn", "fork", "forkserver"),
+        default="spawn",
+    )
+
+
+def _output(add: Add) -> None:
+    add("--log-dir", "also write each rank's output to DIR/rank_<rank>.log", metavar="DIR")
+    add(
+        "-r --redirects",
+        "streams to log files only: 1 stdout, 2 stderr, 3 both; or 0:1,1:2",
+        metavar="STD",
+    )
+    add("-t --tee", "streams to log files and the console (as --redirects)", metavar="STD")
+    add(
+        "--local-ranks-filter",
+        "show only these local ranks' output on the console, e.g. 0",
+        metavar="RANKS",
+    )
+    add(
+        "--duplicate-stdout-filters",
+        "copy stdout lines containing any of these to a file",
+        metavar="WORDS",
+    )
+    add(
+        "--duplicate-stderr-filters",
+        "copy stderr lines containing any of these to a file",
+        metavar="WORDS",
+    )
+
+
+def _refused(add: Add) -> None:
+    """Flags whose meaning is torch code in the launcher: parsed, to refuse them by name."""
+    add(
+        "--logs-specs",
+        "only torchrun's default: phalanx writes its log layout itself",
+        metavar="NAME",
+    )
+    add(
+        "--event-log-handler",
+        "only 'null': phalanx reports through its own messages",
+        default="null",
+        metavar="NAME",
+    )
+    add(
+        "--numa-binding",
+        "refused: see docs/launch.md",
+        choices=("node", "socket", "exclusive", "core-complex"),
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="phalanx launch",
+        usage="phalanx launch [flags] script.py [script args]  |  phalanx launch [flags] -m "
+        "module [args]",
+        description="Start NPROC workers on this node, each with torchrun's environment "
+        "(RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...); stop them all when one fails. "
+        "Every flag also accepts torchrun's underscore spelling (--nproc_per_node).",
+        allow_abbrev=False,
+    )
+    add = partial(_flag, parser)
+    for group in (_topology, _rendezvous, _processes, _output, _refused):
+        group(add)
+    parser.add_argument("script", help="the training script (or module, or executable)")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="passed to the script")
+    return parser

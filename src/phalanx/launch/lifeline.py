@@ -1,0 +1,120 @@
+"""The lifeline: a tiny guard process that stops the workers when the launcher dies unseen.
+
+The launcher stops its workers itself on every signal it can catch, but nothing
+runs in a process killed by SIGKILL (the OOM killer, `kill -9`, a scheduler).
+Its workers, each in its own session, would then train on unsupervised and keep
+writing checkpoints. So the launcher starts this guard in a session of its own
+and tells it, through a pipe, which process groups it spawned (`+PGID`) and
+which it has stopped (`-PGID`, so a recycled id is never signalled). When the
+launcher exits, the pipe closes: after a clean `exit` line the guard just
+leaves; without one the launcher died, and the guard sends SIGTERM to every
+group still listed, SIGKILL after the grace period, and reports it.
+
+A pipe works wherever the launcher dies and however; a parent-death signal
+would need code in every worker (or a `preexec_fn`, unsafe in the launcher's
+threads) and would reach only the worker, not what it forked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import IO
+
+from phalanx.launch.procgroup import live_groups, signal_group
+
+__all__ = ["Lifeline"]
+
+_POLL_S = 0.05
+# The package's parent directory: the guard imports this module from it with `-S`
+# (no site-packages scan), which keeps its start-up to a few milliseconds.
+_IMPORT_ROOT = str(Path(__file__).resolve().parents[2])
+
+
+class Lifeline:
+    """The launcher's end of the pipe to its guard process."""
+
+    def __init__(self, grace_s: float, python: str = sys.executable) -> None:
+        read_end, write_end = os.pipe()
+        code = (
+            f"import sys; sys.path.insert(0, {_IMPORT_ROOT!r}); "
+            "from phalanx.launch.lifeline import guard; guard()"
+        )
+        try:
+            self._guard = subprocess.Popen(
+                [python, "-I", "-S", "-c", code, str(grace_s)],
+                stdin=read_end,
+                stdout=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        finally:
+            os.close(read_end)
+        self._pipe: IO[bytes] | None = os.fdopen(write_end, "wb", buffering=0)
+        self._lock = threading.Lock()  # the store helper is watched from another thread
+
+    def _send(self, line: str) -> None:
+        with self._lock:
+            if self._pipe is None:
+                return
+            try:
+                self._pipe.write(f"{line}\n".encode())
+            except OSError:  # the guard is gone; nothing more it can do for us
+                self._pipe = None
+
+    def watch(self, pgid: int) -> None:
+        """Stop group `pgid` if the launcher dies before `release(pgid)`."""
+        self._send(f"+{pgid}")
+
+    def release(self, pgid: int) -> None:
+        """Group `pgid` is stopped and gone: forget it."""
+        self._send(f"-{pgid}")
+
+    def close(self) -> None:
+        """The launcher is leaving cleanly: let the guard go without touching anything."""
+        self._send("exit")
+        with self._lock:
+            if self._pipe is not None:
+                self._pipe.close()
+                self._pipe = None
+        try:
+            self._guard.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._guard.kill()
+            self._guard.wait()
+
+
+def _stop_groups(pgids: set[int], grace_s: float) -> None:
+    for pgid in pgids:
+        signal_group(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and live_groups(pgids):
+        time.sleep(_POLL_S)
+    for pgid in pgids:
+        signal_group(pgid, signal.SIGKILL)
+
+
+def guard() -> None:
+    """The guard process: read the launcher's lines until the pipe closes (see the module)."""
+    grace_s = float(sys.argv[1])
+    pgids: set[int] = set()
+    for raw in sys.stdin.buffer:
+        line = raw.decode().strip()
+        if line == "exit":
+            return
+        if line[:1] in "+-" and line[1:].isdigit():
+            (pgids.add if line[0] == "+" else pgids.discard)(int(line[1:]))
+    if pgids:
+        with contextlib.suppress(OSError):  # the launcher's terminal may have gone with it
+            print(
+                f"[phalanx] the launcher died without stopping its workers; stopping "
+                f"{len(pgids)} process group{'s' if len(pgids) != 1 else ''}",
+                file=sys.stderr,
+                flush=True,
+            )
+        _stop_groups(pgids, grace_s)

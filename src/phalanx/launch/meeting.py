@@ -1,0 +1,175 @@
+"""This node's side of the rendezvous: host the job's store or find it, get a node rank,
+and start each attempt only once the store serves it.
+
+The launcher that hosts the store (node 0 under static rendezvous; the one on
+the endpoint's host under c10d, which then is node 0) binds it at once, so a
+master address that is not this host's fails before anything starts. Every
+other launcher proves it reached that store before it spawns a worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import replace
+
+from phalanx.errors import PortTakenError
+from phalanx.launch.config import LaunchConfig
+from phalanx.launch.lifeline import Lifeline
+from phalanx.launch.rendezvous import (
+    claim_node_rank,
+    join_nodes,
+    wait_for_joiners,
+    wait_for_store,
+)
+from phalanx.launch.storehost import StoreHost, bind_store_socket
+from phalanx.storeclient import StoreClient
+
+__all__ = ["Meeting"]
+
+# Long enough for the store helper to import torch on a busy machine.
+_OWN_STORE_TIMEOUT_S = 120.0
+# torchrun's exit barrier timeout: how long the host keeps the store for the other nodes.
+_EXIT_BARRIER_S = 300.0
+_LEFT_KEY = "phalanx/left"
+
+
+class Meeting:
+    """The store and the rendezvous of one launcher, for the whole run."""
+
+    def __init__(
+        self,
+        config: LaunchConfig,
+        lifeline: Lifeline,
+        announce: Callable[[str], None],
+        cancelled: Callable[[], bool],
+    ) -> None:
+        self.config = config
+        self.port = config.master_port
+        self._lifeline = lifeline
+        self._announce = announce
+        self._cancelled = cancelled
+        self._store: StoreHost | None = None
+        self._ready_attempt = -1  # the attempt whose store is already known to be up
+
+    def open(self) -> LaunchConfig:
+        """Host or reach the store and learn this node's rank: the config the workers get."""
+        cfg = self.config
+        if cfg.rdzv.hosts_store:
+            try:
+                return self._host()
+            except PortTakenError:
+                if not cfg.rdzv.assign_node_rank or cfg.rdzv.host_forced:
+                    raise
+                # Another launcher on this host hosts the c10d store: join it, as torchrun does.
+                cfg = self.config = replace(cfg, rdzv=replace(cfg.rdzv, hosts_store=False))
+        client = self._reach_store(0)
+        if client is None:
+            return cfg
+        with client:
+            self._ready_attempt = 0
+            if not cfg.rdzv.assign_node_rank:
+                claim_node_rank(client, cfg.node_rank)
+                return cfg
+            node_rank = join_nodes(client, cfg.run_id, cfg.nnodes, cfg.rdzv.join_timeout_s,
+                                   self._cancelled)  # fmt: skip
+        self._announce(f"rendezvous {cfg.run_id!r}: this is node {node_rank} of {cfg.nnodes}")
+        return _with_node_rank(cfg, node_rank)
+
+    def _host(self) -> LaunchConfig:
+        cfg = self.config
+        sock = bind_store_socket(
+            cfg.local_addr or cfg.master_addr,
+            cfg.master_port,
+            cfg.rdzv.port_flag,
+            free_hint=cfg.nnodes == 1,
+        )
+        self._store = StoreHost(sock, self._lifeline, self._announce)
+        self.port = self._store.port
+        if cfg.nnodes > 1 and cfg.rdzv.assign_node_rank:
+            self._gather_nodes()
+        return _with_node_rank(cfg, 0) if cfg.rdzv.assign_node_rank else cfg
+
+    def _gather_nodes(self) -> None:
+        """c10d host: serve attempt 0 now and wait until every node has joined."""
+        assert self._store is not None
+        self._store.open_attempt(0)
+        self._ready_attempt = 0
+        cfg = self.config
+        self._announce(
+            f"rendezvous {cfg.run_id!r}: hosting at {self._store.address}:{self.port}, "
+            f"waiting for {cfg.nnodes - 1} more node{'s' if cfg.nnodes > 2 else ''}"
+        )
+        with StoreClient(
+            self._store.address, self.port, max(_OWN_STORE_TIMEOUT_S, cfg.rdzv.read_timeout_s)
+        ) as client:
+            wait_for_joiners(client, cfg.run_id, cfg.nnodes, cfg.rdzv.join_timeout_s,
+                             self._cancelled)  # fmt: skip
+
+    def begin_attempt(self, attempt: int) -> bool:
+        """Serve (host) or wait for (others) the store of `attempt`; False when cancelled."""
+        if self._store is not None:
+            if attempt != self._ready_attempt:
+                self._store.open_attempt(attempt)
+            return True
+        if attempt == self._ready_attempt:
+            return True
+        client = self._reach_store(attempt)
+        if client is None:
+            return False
+        client.close()
+        return True
+
+    def _reach_store(self, attempt: int) -> StoreClient | None:
+        """A client of the host's store once it serves `attempt`; None when cancelled."""
+        cfg = self.config
+        return wait_for_store(
+            cfg.master_addr,
+            self.port,
+            attempt,
+            cfg.rdzv_timeout_s,
+            self._announce,
+            self._cancelled,
+            cfg.rdzv.read_timeout_s,
+        )
+
+    def end_attempt(self, last: bool, succeeded: bool) -> None:
+        """The attempt's workers are gone: its store goes too (each attempt starts clean).
+
+        After the `last` attempt the nodes leave together: every other node says
+        it is done, and a host whose own workers succeeded keeps its store up
+        until they all have (torchrun's exit barrier), for workers that still use
+        the store as they shut down. A host whose workers failed does not wait:
+        a node that died with them would hold it up for the whole barrier.
+        """
+        self._ready_attempt = -1
+        if last and self.config.nnodes > 1 and (self._store is None or succeeded):
+            self._leave_together()
+        if self._store is not None:
+            self._store.close_attempt()
+
+    def _leave_together(self) -> None:
+        cfg = self.config
+        with contextlib.suppress(OSError):
+            if self._store is None:
+                with StoreClient(cfg.master_addr, self.port, cfg.rdzv.read_timeout_s) as client:
+                    client.add(_LEFT_KEY, 1)
+                return
+            with StoreClient(self._store.address, self.port, cfg.rdzv.read_timeout_s) as client:
+                if not client.wait_for_count(_LEFT_KEY, cfg.nnodes - 1, _EXIT_BARRIER_S,
+                                             self._cancelled):  # fmt: skip
+                    self._announce(
+                        f"closing the store although only {client.add(_LEFT_KEY, 0)} of "
+                        f"{cfg.nnodes - 1} other nodes finished within {_EXIT_BARRIER_S:g}s"
+                    )
+
+    def close(self) -> None:
+        if self._store is not None:
+            with contextlib.suppress(OSError):
+                self._store.close()
+            self._store = None
+
+
+def _with_node_rank(config: LaunchConfig, node_rank: int) -> LaunchConfig:
+    """`config` once the rendezvous assigned this node its rank."""
+    return replace(config, node_rank=node_rank, rdzv=replace(config.rdzv, assign_node_rank=False))

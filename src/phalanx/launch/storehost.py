@@ -1,0 +1,171 @@
+"""The job's rendezvous store, hosted by the launcher that owns the master address.
+
+The launcher binds the store's listening socket itself, to one address: the
+master address on one node (127.0.0.1 unless told otherwise), the address the
+other nodes dial in a multi-node job. torch's own TCPStore would listen on
+every interface, IPv4 and IPv6, where anyone on the network can read and
+write its keys. The socket lives as long as the launcher, so the port never
+changes between restarts and never sits in TIME_WAIT.
+
+The store itself is torch's TCPStore, served from that socket
+(`master_listen_fd`) by a helper process: the launcher imports no torch. Each
+attempt gets a fresh helper, so no key of a failed attempt leaks into the
+next (as torchrun creates a new store per attempt), and the helper is started
+only when the first client connects: a job whose workers never use
+torch.distributed never pays for importing torch. Workers reach it as
+torchrun's workers reach torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+
+from phalanx.errors import ConfigurationError, PortTakenError
+from phalanx.launch.lifeline import Lifeline
+from phalanx.launch.procgroup import signal_group
+
+__all__ = ["StoreHost", "bind_store_socket"]
+
+_BACKLOG = 4096
+_HELPER_EXIT_S = 2.0
+_SERVE = "from phalanx.runtime.store import serve_agent_store; serve_agent_store()"
+
+
+def bind_store_socket(host: str, port: int, port_flag: str, free_hint: bool) -> socket.socket:
+    """A listening socket on `host`'s own address, or a one-line error that says what to fix.
+
+    `port_flag` names the flag that set the port (for the message); `free_hint`
+    adds that leaving it unset picks a free one.
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ConfigurationError(
+            f"the master address {host!r} does not resolve ({exc}) — pass this host's "
+            "hostname or IP address"
+        ) from exc
+    last: OSError | None = None
+    for family, kind, proto, _name, sockaddr in infos:
+        sock = socket.socket(family, kind, proto)
+        try:
+            # As torch's store does: a port left in TIME_WAIT by an earlier job is reusable.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(sockaddr)
+            sock.listen(_BACKLOG)
+            return sock
+        except OSError as exc:
+            sock.close()
+            last = exc
+            if exc.errno == errno.EADDRINUSE:
+                raise PortTakenError(_port_taken(host, port, port_flag, free_hint)) from exc
+    resolved = ", ".join(dict.fromkeys(str(info[4][0]) for info in infos))
+    shown = host if resolved == host else f"{host} ({resolved})"
+    raise ConfigurationError(
+        f"the master address {shown} is not an address of this host "
+        f"({last.strerror if last else 'no address'}), but this node "
+        "hosts the store — pass this host's own address as --master-addr on every node "
+        "(behind NAT or a Kubernetes Service, add --local-addr <this host's address>)"
+    )
+
+
+def _port_taken(host: str, port: int, port_flag: str, free_hint: bool) -> str:
+    hint = " (or leave it unset to pick a free one)" if free_hint else " on every node"
+    return (
+        f"port {port} is taken on {host} — another job is using it; pass another {port_flag}{hint}"
+    )
+
+
+class StoreHost:
+    """This node's store socket, and the helper that serves the current attempt from it."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        lifeline: Lifeline,
+        announce: Callable[[str], None],
+        python: str = sys.executable,
+    ) -> None:
+        self.sock = sock
+        self.address = str(sock.getsockname()[0])
+        self.port = int(sock.getsockname()[1])
+        self._lifeline = lifeline
+        self._announce = announce
+        self._python = python
+        self._helper: subprocess.Popen[bytes] | None = None
+        self._watcher: threading.Thread | None = None
+        self._wake_r, self._wake_w = os.pipe()
+        self._lock = threading.Lock()
+
+    def open_attempt(self, attempt: int) -> None:
+        """Serve attempt `attempt` with a fresh store, started when its first client knocks."""
+        self._watcher = threading.Thread(
+            target=self._start_on_first_client, args=(attempt,), daemon=True
+        )
+        self._watcher.start()
+
+    def _start_on_first_client(self, attempt: int) -> None:
+        readable, _, _ = select.select([self.sock.fileno(), self._wake_r], [], [])
+        if self._wake_r in readable:
+            os.read(self._wake_r, 1)
+            return
+        with self._lock:
+            self._helper = self._spawn_helper(attempt)
+
+    def _spawn_helper(self, attempt: int) -> subprocess.Popen[bytes]:
+        fd = self.sock.fileno()
+        helper = subprocess.Popen(
+            [self._python, "-c", _SERVE, str(fd), self.address, str(self.port), str(attempt)],
+            pass_fds=(fd,),
+            stdin=subprocess.PIPE,  # its lifeline: closed when the attempt or the launcher ends
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        self._lifeline.watch(helper.pid)
+        threading.Thread(target=self._relay, args=(helper,), daemon=True).start()
+        return helper
+
+    def _relay(self, helper: subprocess.Popen[bytes]) -> None:
+        """The helper's complaints (a failed torch import, say) as launcher messages."""
+        assert helper.stderr is not None
+        with helper.stderr:
+            for line in helper.stderr:
+                text = line.decode(errors="replace").rstrip()
+                if text:
+                    self._announce(f"store: {text}")
+
+    def close_attempt(self) -> None:
+        """Stop serving this attempt: its clients are gone, and its keys go with the helper."""
+        if self._watcher is not None and self._watcher.is_alive():
+            os.write(self._wake_w, b"x")
+            self._watcher.join()
+        self._watcher = None
+        with self._lock:
+            helper, self._helper = self._helper, None
+        if helper is None:
+            return
+        assert helper.stdin is not None
+        with contextlib.suppress(OSError):
+            helper.stdin.close()
+        try:
+            helper.wait(timeout=_HELPER_EXIT_S)
+        except subprocess.TimeoutExpired:
+            signal_group(helper.pid, signal.SIGKILL)
+            helper.wait()
+        signal_group(helper.pid, signal.SIGKILL)  # anything it left in its group
+        self._lifeline.release(helper.pid)
+
+    def close(self) -> None:
+        self.close_attempt()
+        self.sock.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)

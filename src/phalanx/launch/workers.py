@@ -1,0 +1,197 @@
+"""The workers of one attempt on this node: how each is started, where its output goes,
+and how the group is stopped so that nothing it forked is left running."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from phalanx.launch.lifeline import Lifeline
+from phalanx.launch.output import OutputSink, RankOutput, StreamTarget, open_log
+from phalanx.launch.procgroup import exit_code_of, live_groups, signal_group
+from phalanx.launch.routing import ERR, OUT, OutputRouting
+from phalanx.launch.terminal import open_bar_pty
+
+# How long to wait for a worker's pipes to drain after it exited; only a grandchild
+# that left the worker's process group can keep them open longer.
+_DRAIN_TIMEOUT_S = 3.0
+_STOP_POLL_S = 0.05
+
+
+@dataclass
+class StopRequest:
+    """Signals the launcher received; set by the handler, read by the supervise loop."""
+
+    signums: list[int] = field(default_factory=list)
+
+    @property
+    def signum(self) -> int | None:
+        return self.signums[0] if self.signums else None
+
+
+@dataclass
+class Worker:
+    rank: int
+    local_rank: int
+    process: subprocess.Popen[bytes]
+    output: RankOutput
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stderr_tail(self) -> list[str]:
+        return self.output.stderr_tail()
+
+
+@dataclass(frozen=True)
+class Failure:
+    """The first worker that failed, as the summary reports it."""
+
+    worker: Worker
+    returncode: int
+
+    @property
+    def exit_code(self) -> int:
+        return exit_code_of(self.returncode)
+
+
+@dataclass
+class OutputPlan:
+    """Where this attempt's output goes: the flags, and the files they name."""
+
+    routing: OutputRouting
+    log_dir: Path | None  # --log-dir: rank_<rank>.log, unprefixed, both streams
+    attempt_dir: Path | None  # torchrun's per-stream logs (-r/-t), when any
+    header: str | None  # a restart appends after this line
+    filtered: dict[int, IO[bytes]] = field(default_factory=dict)  # stream -> filtered log
+
+    def targets(
+        self, rank: int, local_rank: int
+    ) -> tuple[list[IO[bytes]], StreamTarget, StreamTarget]:
+        """The files this worker's pumps own, and its stdout and stderr targets."""
+        owned: list[IO[bytes]] = []
+        combined = []
+        if self.log_dir is not None:
+            combined.append(open_log(self.log_dir / f"rank_{rank}.log", self.header))
+            owned += combined
+        made = []
+        for stream, name in ((OUT, "stdout"), (ERR, "stderr")):
+            files = list(combined)
+            if self.attempt_dir is not None and self.routing.to_file(local_rank, stream):
+                files.append((self.attempt_dir / str(local_rank) / f"{name}.log").open("wb"))
+                owned.append(files[-1])
+            needles = self.routing.duplicate_filters.get(stream, ())
+            made.append(StreamTarget(
+                console=self.routing.to_console(local_rank, stream),
+                files=files,
+                filtered=self.filtered.get(stream),
+                needles=tuple(n.encode() for n in needles),
+            ))  # fmt: skip
+        return owned, made[0], made[1]
+
+    def close(self) -> None:
+        for log in self.filtered.values():
+            log.close()
+
+
+def spawn_worker(
+    argv: list[str],
+    env: dict[str, str],
+    rank: int,
+    local_rank: int,
+    sink: OutputSink,
+    plan: OutputPlan,
+) -> Worker:
+    """Start one worker in its own session, its output pumped to the sink and its files.
+
+    Global rank 0 draws its progress bar on a pty when the console is a terminal.
+    """
+    owned, out_target, err_target = plan.targets(rank, local_rank)
+    bar = open_bar_pty(sink.stderr, len(f"[rank {rank}] ")) if rank == 0 else None
+    try:
+        process = subprocess.Popen(
+            argv,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE if bar is None else bar[1],
+            start_new_session=True,
+        )
+    except OSError:
+        for log in owned:
+            log.close()
+        if bar is not None:
+            os.close(bar[0])
+            os.close(bar[1])
+        raise
+    assert process.stdout is not None
+    stderr: IO[bytes] | int
+    if bar is None:
+        assert process.stderr is not None
+        stderr = process.stderr
+    else:
+        os.close(bar[1])  # the worker holds the other side; EOF comes when it is gone
+        stderr = bar[0]
+    output = RankOutput(rank, process.stdout, stderr, sink, (out_target, err_target), owned)
+    return Worker(rank, local_rank, process, output)
+
+
+class WorkerGroup:
+    """The workers of one attempt on this node."""
+
+    def __init__(self, workers: list[Worker], lifeline: Lifeline) -> None:
+        """`workers` are already on the lifeline's watch list (see `Agent._spawn`)."""
+        self.workers = workers
+        self._lifeline = lifeline
+
+    def first_failure(self) -> Failure | None:
+        """The lowest-ranked worker found failed in this sweep, if any."""
+        for worker in self.workers:
+            code = worker.process.poll()
+            if code is not None and code != 0:
+                return Failure(worker, code)
+        return None
+
+    def all_succeeded(self) -> bool:
+        return all(w.process.poll() == 0 for w in self.workers)
+
+    def stop(self, first_signal: int, grace_s: float, stop: StopRequest) -> None:
+        """Signal every group, wait up to `grace_s` for them to go, then SIGKILL what is left.
+
+        Groups of workers that already exited are signalled too: their children
+        may still run. A second signal to the launcher skips the grace period.
+        """
+        signals_before = len(stop.signums)
+        for worker in self.workers:
+            signal_group(worker.pid, first_signal)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and len(stop.signums) == signals_before:
+            if not self._any_alive():
+                break
+            time.sleep(_STOP_POLL_S)
+        for worker in self.workers:
+            signal_group(worker.pid, signal.SIGKILL)
+        for worker in self.workers:
+            worker.process.wait()
+            self._lifeline.release(worker.pid)
+
+    def _any_alive(self) -> bool:
+        # poll() reaps the workers themselves, so only their descendants can keep a group alive.
+        if any(w.process.poll() is None for w in self.workers):
+            return True
+        return bool(live_groups({w.pid for w in self.workers}))
+
+    def drain_output(self) -> None:
+        """Let the pumps pass on the workers' last lines, within one shared deadline."""
+        deadline = time.monotonic() + _DRAIN_TIMEOUT_S
+        for worker in self.workers:
+            worker.output.join(max(0.0, deadline - time.monotonic()))

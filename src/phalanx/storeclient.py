@@ -1,0 +1,142 @@
+"""A small client of torch's TCPStore wire protocol, with no torch import.
+
+The launcher (which must never import torch) uses it to prove that a port is
+really a torch store and not merely open, to assign node ranks at rendezvous,
+and to wait for the master's next attempt; the workers use it to ask who
+already holds rank 0's store. It speaks the subset of the protocol those need
+(torch/csrc/distributed/c10d/TCPStoreLibUvBackend.cpp: a command byte, then
+fixed-size native-endian integers and length-prefixed byte strings), and is
+tested against a real `torch.distributed.TCPStore`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import time
+from collections.abc import Callable, Sequence
+
+__all__ = ["ATTEMPT_KEY", "NotAStoreError", "StoreClient"]
+
+# Set by the store a launcher hosts to the attempt it serves (runtime/store.py); the other
+# nodes' launchers wait for their own attempt number there before starting workers.
+ATTEMPT_KEY = "phalanx/attempt"
+
+# c10d::detail::validationMagicNumber and QueryType, in the order torch declares them.
+_VALIDATION_MAGIC = 0x3C85F7CE
+_VALIDATE, _SET, _GET, _ADD, _CHECK = 0, 1, 3, 4, 5
+_PING = 13
+_READY = 0  # CheckResponseType::READY
+_POLL_S = 0.05
+# How much of a foreign program's greeting to show, and how long to wait for the rest of it.
+_GREETING_BYTES = 60
+_GREETING_WAIT_S = 0.2
+
+
+class NotAStoreError(OSError):
+    """Something answered on the port, but not as a torch store does."""
+
+
+def _key(key: str) -> bytes:
+    # torch's client puts "/" before every key (TCPStore::keyPrefix_); so do we, so that
+    # both see one key space.
+    data = ("/" + key).encode()
+    return struct.pack("=Q", len(data)) + data
+
+
+class StoreClient:
+    """One validated connection to a TCPStore; every call blocks for at most `timeout_s`."""
+
+    def __init__(self, host: str, port: int, timeout_s: float) -> None:
+        """Connect, validate and ping: raises OSError when nothing answers in time, and
+        `NotAStoreError` when the answer is not a store's."""
+        self.address = f"{host}:{port}"
+        self._sock = socket.create_connection((host, port), timeout=timeout_s)
+        try:
+            self._sock.settimeout(timeout_s)
+            nonce = int.from_bytes(os.urandom(4), "little")
+            self._sock.sendall(
+                struct.pack("=BI", _VALIDATE, _VALIDATION_MAGIC) + struct.pack("=BI", _PING, nonce)
+            )
+            reply = self._recv_exactly(4, handshake=True)
+            if struct.unpack("=I", reply)[0] != nonce:
+                raise NotAStoreError(f"it answered {self._more(reply)!r} to the store handshake")
+        except BaseException:
+            self._sock.close()
+            raise
+
+    def __enter__(self) -> StoreClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def _more(self, start: bytes) -> bytes:
+        """`start` and whatever else the peer already sent: enough to recognise a program."""
+        self._sock.settimeout(_GREETING_WAIT_S)
+        try:
+            return start + self._sock.recv(_GREETING_BYTES)
+        except OSError:
+            return start
+
+    def _recv_exactly(self, size: int, handshake: bool = False) -> bytes:
+        data = b""
+        while len(data) < size:
+            chunk = self._sock.recv(size - len(data))
+            if not chunk:
+                what = "closed the connection at the store handshake" if handshake else "closed"
+                raise NotAStoreError(
+                    f"{self.address} {what}" + (f" after {data!r}" if data else "")
+                )
+            data += chunk
+        return data
+
+    def add(self, key: str, amount: int) -> int:
+        """Add to the counter `key` (0 when new) and return its new value."""
+        self._sock.sendall(bytes([_ADD]) + _key(key) + struct.pack("=q", amount))
+        return int(struct.unpack("=q", self._recv_exactly(8))[0])
+
+    def set(self, key: str, value: bytes) -> None:
+        self._sock.sendall(bytes([_SET]) + _key(key) + struct.pack("=Q", len(value)) + value)
+
+    def check(self, keys: Sequence[str]) -> bool:
+        """True when every key exists, without waiting."""
+        request = struct.pack("=Q", len(keys)) + b"".join(_key(k) for k in keys)
+        self._sock.sendall(bytes([_CHECK]) + request)
+        return self._recv_exactly(1)[0] == _READY
+
+    def get(self, key: str) -> bytes:
+        """The value of an existing `key` (check first: a missing key is the server's error)."""
+        self._sock.sendall(bytes([_GET]) + _key(key))
+        (size,) = struct.unpack("=Q", self._recv_exactly(8))
+        return self._recv_exactly(size) if size else b""
+
+    def wait_for_count(
+        self, key: str, count: int, timeout_s: float, cancelled: Callable[[], bool]
+    ) -> bool:
+        """Poll until counter `key` reaches `count` (True), or time runs out or `cancelled()`."""
+        deadline = time.monotonic() + timeout_s
+        while self.add(key, 0) < count:
+            if time.monotonic() >= deadline or cancelled():
+                return False
+            time.sleep(_POLL_S)
+        return True
+
+    def wait_for(
+        self, keys: Sequence[str], timeout_s: float, cancelled: Callable[[], bool] = lambda: False
+    ) -> bool:
+        """Poll until every key exists (True), or `timeout_s` passes or `cancelled()` (False).
+
+        Polling rather than the protocol's WAIT keeps the connection usable after a
+        timeout: a cancelled WAIT leaves a reply in flight.
+        """
+        deadline = time.monotonic() + timeout_s
+        while not self.check(keys):
+            if time.monotonic() >= deadline or cancelled():
+                return False
+            time.sleep(_POLL_S)
+        return True

@@ -1,0 +1,20 @@
+"""Fixtures of the end-to-end tests."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from phalanx.storeclient import ATTEMPT_KEY
+
+
+@pytest.fixture
+def master_store() -> Iterator[int]:
+    """A torch store serving attempt 0, standing in for node 0's launcher on another node."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    store.set(ATTEMPT_KEY, "0")
+    yield int(store.port)
+    del store

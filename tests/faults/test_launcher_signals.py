@@ -1,0 +1,126 @@
+"""The launcher dies, the workers do not live on (issue 12, item 1).
+
+Workers run in sessions of their own, so nothing but the launcher stops them.
+SIGHUP (a dropped ssh session) and SIGQUIT are handled like SIGTERM; SIGKILL
+cannot be handled at all, and the lifeline guard stops the workers instead.
+Each trial starts a launcher whose workers sleep with a grandchild each, hits
+it with the signal, and then looks through /proc for any process that carries
+the trial's mark in its environment: there must be none. (torchrun, SIGKILLed
+the same way, leaves all four processes running: docs/reliability.md.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.launchkit import (
+    LAUNCH,
+    SCRIPTS,
+    clean_env,
+    finish,
+    marked_processes,
+    pids_of,
+    start,
+    wait_for,
+    wait_until_gone,
+)
+
+pytestmark = pytest.mark.faults
+
+# SIGTERM to the workers, up to the default 5 s grace, SIGKILL: gone well within this.
+GONE_WITHIN_S = 10.0
+
+
+def _start_sleepers(out: Path, mark: str) -> subprocess.Popen[str]:
+    """A launcher of 2 workers that each sleep 60 s with a grandchild (fail_fast.py, whose
+    failing rank 99 does not exist)."""
+    argv = [*LAUNCH, "--nproc-per-node", "2", SCRIPTS / "fail_fast.py", out, 99, "exit"]
+    return start(argv, env=clean_env(PHALANX_TEST_MARK=mark))
+
+
+def _kill_leftovers(mark: str) -> None:
+    """A failed trial must not leave its sleepers to the next test."""
+    for pid in marked_processes(mark):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _expected_status(signum: int) -> int:
+    return -signal.SIGKILL if signum == signal.SIGKILL else 128 + signum
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGQUIT, signal.SIGKILL])
+def test_no_worker_outlives_the_launcher(tmp_path: Path, signum: signal.Signals) -> None:
+    mark = uuid.uuid4().hex
+    launcher = _start_sleepers(tmp_path, mark)
+    try:
+        wait_for([tmp_path / f"pids_{r}" for r in range(2)])
+        workers = pids_of(tmp_path, range(2))  # each worker and its grandchild
+        launcher.send_signal(signum)
+        _, err = finish(launcher)
+        assert launcher.returncode == _expected_status(signum), err
+        assert wait_until_gone(workers, GONE_WITHIN_S) == []
+        assert wait_until_gone(marked_processes(mark), GONE_WITHIN_S) == []
+    finally:
+        _kill_leftovers(mark)
+    if signum == signal.SIGKILL:
+        assert "the launcher died without stopping its workers" in err
+    else:
+        assert f"stopped by {signum.name}" in err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGQUIT])
+def test_hangup_and_quit_reach_the_workers_as_sigterm(
+    tmp_path: Path, signum: signal.Signals
+) -> None:
+    launcher = start([*LAUNCH, "--nproc-per-node", "2", SCRIPTS / "trap_signals.py", tmp_path])
+    wait_for([tmp_path / f"ready_{r}" for r in range(2)])
+    launcher.send_signal(signum)
+    finish(launcher)
+    assert launcher.returncode == 128 + signum
+    # SIGTERM lets a worker save and leave; SIGHUP's default would kill it, SIGQUIT's dump core.
+    assert [(tmp_path / f"got_{r}").read_text() for r in range(2)] == ["SIGTERM"] * 2
+
+
+def _one_random_trial(tmp_path: Path, signum: int, rng: random.Random) -> tuple[bool, list[int]]:
+    """Signal the launcher at a random moment of its first 1.5 s (store, spawn, run):
+    (did it exit with the right status, what was left running)."""
+    mark = uuid.uuid4().hex
+    out = tmp_path / mark
+    out.mkdir()
+    launcher = _start_sleepers(out, mark)
+    time.sleep(rng.uniform(0.0, 1.5))
+    launcher.send_signal(signum)
+    finish(launcher)
+    left = wait_until_gone(marked_processes(mark), GONE_WITHIN_S)
+    _kill_leftovers(mark)
+    # Before its handlers are in place (the first milliseconds), the signal's default
+    # action ends the launcher, which has spawned nothing yet.
+    status_ok = launcher.returncode in (_expected_status(signum), -signum)
+    return status_ok, left
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_signal_soak(tmp_path: Path) -> None:
+    """20 trials per signal at random moments; every launcher exits, nothing survives."""
+    rng = random.Random(12)
+    trials, failures = 20, []
+    for signum in (signal.SIGHUP, signal.SIGQUIT, signal.SIGKILL, signal.SIGTERM):
+        for trial in range(trials):
+            status_ok, left = _one_random_trial(tmp_path, signum, rng)
+            if not status_ok or left:
+                failures.append((signal.Signals(signum).name, trial, status_ok, left))
+    print(f"signal soak: {4 * trials} trials, {4 * trials - len(failures)} clean")
+    assert failures == []

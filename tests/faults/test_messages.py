@@ -1,0 +1,84 @@
+"""The small messages of issue 12: each mistake named as itself, in one line."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from phalanx.errors import ConfigurationError
+from phalanx.jobenv import detect_launch
+from phalanx.ports import free_port
+from tests.harness import run_workers
+from tests.launchkit import SCRIPTS, launch
+
+pytestmark = pytest.mark.faults
+
+
+def test_world_size_zero_is_a_world_size_problem() -> None:
+    with pytest.raises(ConfigurationError) as caught:
+        detect_launch({"RANK": "0", "WORLD_SIZE": "0", "MASTER_ADDR": "h", "MASTER_PORT": "1"})
+    assert str(caught.value).startswith("WORLD_SIZE=0 must be at least 1 — ")
+    assert "LOCAL_WORLD_SIZE" not in str(caught.value)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("bound_to", ["127.0.0.1", "0.0.0.0"])
+def test_port_in_use_under_phalanx_launch_names_master_port(tmp_path: Path, bound_to: str) -> None:
+    with socket.socket() as other_job:
+        other_job.bind((bound_to, 0))
+        other_job.listen()
+        port = other_job.getsockname()[1]
+        result = launch(f"--master-port {port}", SCRIPTS / "env_dump.py", tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert f"port {port} is taken on 127.0.0.1 — another job is using it; pass another " in (
+        result.stderr
+    )
+    assert "--master-port (or leave it unset to pick a free one)" in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def _claim_rank_0(rank: int, world_size: int, port: int) -> str:
+    """Both processes say RANK=0 of 2 (a copy-pasted launch line); return init's error."""
+    import os
+
+    from phalanx import runtime
+
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+    os.environ["MASTER_PORT"] = str(port)
+    try:
+        runtime.init(backend="gloo", timeout=4)
+    except runtime.RendezvousError as exc:
+        return str(exc)
+    raise AssertionError("init returned although rank 1 never came")
+
+
+@pytest.mark.timeout(90)
+def test_two_processes_given_rank_0_are_told_so() -> None:
+    port = free_port()
+    outcomes = run_workers(_claim_rank_0, 2, port, init_pg=False, timeout=60)
+    messages = sorted(o.value for o in outcomes)
+    told = [m for m in messages if "another process given RANK=0" in m]
+    assert len(told) == 1, messages
+    assert (
+        f"rank 0 could not listen on 127.0.0.1:{port}: this job's store is already hosted"
+        in (told[0])
+    )
+    assert "give each process its own RANK, 0..1" in told[0]
+    assert "another job" not in told[0]
+    # The first one hosts the store and waits for a rank 1 that never comes.
+    (host,) = [m for m in messages if m not in told]
+    assert "for the other 1 rank; rank 1 never came" in host
+
+
+@pytest.mark.timeout(60)
+def test_one_worker_is_one_worker_and_torch_rank_tags_are_not_doubled(tmp_path: Path) -> None:
+    # Lines as torch's excepthook writes them once a process group exists.
+    script = 'echo "[rank$RANK]: Traceback (most recent call last):" >&2; echo "[rank9]: x" >&2'
+    result = launch("--nproc-per-node 1 --no-python sh -c", script)
+    assert result.returncode == 0, result.stderr
+    assert "[phalanx] starting 1 worker: rank 0 of 1, master" in result.stderr
+    assert "[rank 0] Traceback (most recent call last):" in result.stderr.splitlines()
+    assert "[rank 0] [rank9]: x" in result.stderr.splitlines()  # another rank's tag is kept

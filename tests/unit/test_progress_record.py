@@ -1,0 +1,85 @@
+"""The per-rank progress record: what a writer publishes is what a reader (the launcher,
+another process) reads, never half an update."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from phalanx.diagnostics import progress
+from phalanx.diagnostics.progress import read_record, record_path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_a_record_reads_back_what_was_published(tmp_path: Path) -> None:
+    rec = progress._Recorder(3, tmp_path)
+    rec.set_step(7)
+    rec.collective("ddp all_reduce bucket", 2, 5)
+    pos = read_record(record_path(tmp_path, 3))
+    assert pos is not None
+    assert (pos.rank, pos.pid, pos.step, pos.iteration, pos.collectives) == (
+        3,
+        os.getpid(),
+        7,
+        5,
+        1,
+    )
+    assert pos.label == "ddp all_reduce bucket 2"
+    assert pos.where() == (
+        "in step 7; last collective entered: #1 (ddp all_reduce bucket 2, iteration 5)"
+    )
+    assert abs(pos.updated - time.time()) < 60
+
+
+def test_no_step_and_no_collective_yet(tmp_path: Path) -> None:
+    progress._Recorder(0, tmp_path)
+    pos = read_record(record_path(tmp_path, 0))
+    assert pos is not None and pos.where() == "no collective entered yet"
+
+
+def test_a_half_written_record_is_never_returned(tmp_path: Path) -> None:
+    rec = progress._Recorder(1, tmp_path)
+    rec.collective("x", -1, 1)
+    path = record_path(tmp_path, 1)
+    data = bytearray(path.read_bytes())
+    data[progress._SEQ_OFFSET] |= 1  # an odd sequence number: an update under way
+    path.write_bytes(bytes(data))
+    assert read_record(path) is None
+    assert read_record(tmp_path / "missing") is None
+    (tmp_path / "junk").write_bytes(b"\0" * 200)
+    assert read_record(tmp_path / "junk") is None
+
+
+def test_the_dump_signal_writes_every_threads_stack(tmp_path: Path) -> None:
+    """In a fresh process (the arming is process-wide): start() under a launcher arms the
+    signal recorded in the file, and the stack file then names the sleeping function."""
+    code = (
+        "import os, sys, time\n"
+        f"os.environ['PHALANX_PROGRESS_DIR'] = {str(tmp_path)!r}\n"
+        "from phalanx.diagnostics import progress\n"
+        "progress.start(0, 2, 60)\n"
+        "def sleeping_here():\n"
+        "    print('ready', flush=True); time.sleep(30)\n"
+        "sleeping_here()\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        pos = read_record(record_path(tmp_path, 0))
+        assert pos is not None and pos.dump_signal not in (0, signal.SIGUSR1)
+        os.kill(proc.pid, pos.dump_signal)
+        stacks = tmp_path / "rank_0.stacks"
+        deadline = time.monotonic() + 10
+        while "sleeping_here" not in stacks.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "sleeping_here" in stacks.read_text()
+        assert proc.poll() is None  # dumping does not stop the process
+    finally:
+        proc.kill()
+        proc.communicate()
