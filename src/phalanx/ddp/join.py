@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from enum import Enum
 from types import TracebackType
 from typing import Any, NamedTuple
 
@@ -33,7 +34,18 @@ import torch.distributed as dist
 from phalanx.ddp.stats import Collective, ReducerStats, Traffic
 from phalanx.errors import ConfigurationError, UnevenInputsError
 
-__all__ = ["Join", "JoinConfig", "JoinHook", "JoinRound", "Joinable"]
+__all__ = ["Join", "JoinConfig", "JoinHook", "JoinRound", "Joinable", "Shadowed"]
+
+
+class Shadowed(Enum):
+    """What one `Join.shadow_round` took part in."""
+
+    NOTHING_LEFT = "nothing_left"
+    """No rank trains any more: the loop is over."""
+    FORWARD = "forward"
+    """A forward whose backward does not reduce (no_sync, or no grad)."""
+    REDUCED = "reduced"
+    """A synced iteration: the gradients were reduced (an optimizer step follows)."""
 
 
 @dataclass(frozen=True)
@@ -76,9 +88,12 @@ class JoinHook:
     def main_hook(self) -> None:
         """Shadow one iteration of the ranks still training."""
 
-    def shadow(self, round_: JoinRound, send_local: bool) -> None:
-        """Shadow the iteration `round_` describes; by default, torch's `main_hook()`."""
+    def shadow(self, round_: JoinRound, send_local: bool) -> bool:
+        """Shadow the iteration `round_` describes; by default, torch's `main_hook()`.
+
+        True when gradients were reduced in it (a synced iteration)."""
         self.main_hook()
+        return False
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """Every rank has run out; `is_last_joiner`: this rank was among the last."""
@@ -174,7 +189,7 @@ class Join:
             if not self._enable or exc_type is not None:
                 return  # an error inside the loop propagates as it is (as in torch)
             is_last_joiner = True
-            while self.shadow_round(send_local=False):
+            while self.shadow_round(send_local=False) is not Shadowed.NOTHING_LEFT:
                 is_last_joiner = False
             for hook in self._hooks:
                 hook.post_hook(is_last_joiner)
@@ -182,9 +197,8 @@ class Join:
             for joinable in self._joinables:
                 joinable._join_config = JoinConfig.disabled()
 
-    def shadow_round(self, send_local: bool = False) -> bool:
-        """Take part in the training ranks' next iteration without a batch; False when none
-        trains any more.
+    def shadow_round(self, send_local: bool = False) -> Shadowed:
+        """Take part in the training ranks' next iteration without a batch.
 
         `send_local=True` (phalanx) keeps this rank's `.grad` in the average and
         gives it the averaged gradients back, so that its optimizer can step with
@@ -193,12 +207,11 @@ class Join:
         """
         round_ = exchange_round(self._first, None, self._plan_size, self._stats)
         if not round_.training:
-            return False
+            return Shadowed.NOTHING_LEFT
         if self._throw:
             raise early_termination(round_)
-        for hook in self._hooks:
-            hook.shadow(round_, send_local)
-        return True
+        reduced = [hook.shadow(round_, send_local) for hook in self._hooks]
+        return Shadowed.REDUCED if any(reduced) else Shadowed.FORWARD
 
     @staticmethod
     def notify_join_context(joinable: Joinable, plan: list[int]) -> JoinRound | None:

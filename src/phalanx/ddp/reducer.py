@@ -149,6 +149,13 @@ class Reducer:
         for bucket in self.buckets:
             bucket.scale = scale
 
+    def average_over(self, ranks: int) -> None:
+        """Divide the summed gradients by `ranks` from now on (Join with
+        divide_by_initial_world_size=False: the ranks still training). Comm hooks
+        divide as they choose, as in torch."""
+        if isinstance(self.reduction, AllReduce):
+            self.reduction.set_divisor(ranks)
+
     def bucket_order(self) -> list[list[str]]:
         """Parameter names per bucket, in launch order (for logs and tests)."""
         return [[self.names[i] for i in b.param_indices] for b in self.buckets]
@@ -343,6 +350,8 @@ class Reducer:
             self._waited(start, end, shadow)
             if outcome.failed_ranks:
                 self._raise_for_failed_ranks(outcome.failed_ranks)
+            if outcome.used_counts is not None:
+                self.unused.remember(outcome.used_counts, shadowed=shadow)
             here = range(len(self.params)) if shadow else self.unused.now
             unused_everywhere = self.unused.unused_everywhere(outcome.used_counts, here)
             if send_local:
@@ -400,7 +409,7 @@ class Reducer:
         self._start_iteration()
         self._synced_backward_started()
         if not send_local:
-            self._used[:] = bytes(len(self._used))
+            self._used[:] = self.unused.last_used  # torch's stale map (UnusedParameters.remember)
         everything = range(len(self.params))
         if self.skips.due(self.buckets):
             self.skips.agree(self.buckets, set(everything))

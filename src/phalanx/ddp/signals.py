@@ -61,6 +61,13 @@ class StepSignals:
         self._count(votes)
         return [n == self.world_size for n in votes.tolist()]
 
+    def agree_max(self, mine: int) -> int:
+        """The largest of every rank's `mine` (one small all-reduce)."""
+        value = torch.tensor([mine], dtype=torch.int64).to(self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
+        self._count(value)
+        return int(value.item())
+
     def exchange(self, carrier: torch.Tensor | None, used: bytearray | None) -> StepOutcome:
         """After every bucket finished: send what did not ride in a bucket, read everything.
 

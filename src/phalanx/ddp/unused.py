@@ -61,6 +61,9 @@ class UnusedParameters:
         """This iteration's unused parameters (indices), sorted."""
         self.used = bytearray(len(params))
         """1 where the parameter got a gradient since the last reduction (written by the hook)."""
+        self.last_used = bytearray(len(params))
+        """1 where some rank used the parameter in the last reduction this rank took part
+        in, or in one it shadowed since (see `remember`)."""
         self._saved: dict[int, torch.Tensor] = {}
 
     def search(self, outputs: Any) -> None:
@@ -96,6 +99,18 @@ class UnusedParameters:
         for i, saved in self._saved.items():
             if i in unused:
                 slot_of(i).copy_(saved)
+
+    def remember(self, used_counts: list[int], shadowed: bool) -> None:
+        """Keep which parameters some rank used, for the used map a rank out of batches
+        sends under Join. torch's joined rank all-reduces its device-side used map in
+        place, which still holds the counts of its last real iteration and then grows
+        with every shadowed one: a parameter used then counts as used in every
+        iteration it shadows. Parity with torch's Join needs the same map."""
+        for i, count in enumerate(used_counts):
+            if count:
+                self.last_used[i] = 1
+            elif not shadowed:
+                self.last_used[i] = 0
 
     def end_iteration(self) -> None:
         self.used[:] = bytes(len(self.used))
