@@ -28,6 +28,7 @@ from phalanx.ddp.reducer import Reducer
 from phalanx.ddp.reductions import AllReduce, CommHookReduction
 from phalanx.ddp.sync import broadcast_coalesced, verify_same_state
 from phalanx.ddp.torch_surface import TorchSurface
+from phalanx.diagnostics import timeline
 from phalanx.errors import ConfigurationError, ReducerError
 from phalanx.nested import map_tensors
 from phalanx.runtime.exit import register_exit_hook
@@ -61,7 +62,7 @@ class DistributedDataParallel(TorchSurface, nn.Module, Joinable):
         broadcast_buffers: bool | None = True,
         init_sync: bool = True,
         process_group: dist.ProcessGroup | None = None,
-        bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB,
+        bucket_cap_mb: float | str | None = DEFAULT_BUCKET_CAP_MB,
         find_unused_parameters: bool = False,
         check_reduction: bool = False,
         gradient_as_bucket_view: bool = False,
@@ -90,6 +91,8 @@ class DistributedDataParallel(TorchSurface, nn.Module, Joinable):
         )
         arguments.warn_deprecated(check_reduction)
         self._bucket_caps = arguments.bucket_caps(bucket_cap_mb, bucket_cap_mb_list)
+        # "auto" with a list: the list wins (it sets every size), as bucket_caps says.
+        self._tune_bucket_size = bucket_cap_mb == arguments.AUTO and not bucket_cap_mb_list
         self.module = module
         self.process_group = arguments.resolve_group(process_group, device_mesh)
         if device_mesh is not None:
@@ -163,6 +166,10 @@ class DistributedDataParallel(TorchSurface, nn.Module, Joinable):
             static_graph=self.static_graph,
             skip_unused_buckets=self.skip_all_reduce_unused_params,
             batched_copy=self.batched_grad_copy,
+            tune_bucket_size=self._tune_bucket_size,
+        )
+        self.reducer.timeline = timeline.for_rank(
+            dist.get_rank(self.process_group), self.world_size
         )
         for _, p in trainable:
             _REDUCER_OF[id(p)] = (weakref.ref(p), weakref.ref(self.reducer))

@@ -124,8 +124,9 @@ class TrainingArguments(Config):
     """Search the graph each step for parameters that got no gradient. None means False:
     the search costs time, and the reducer names any unused parameter if you need it.
     Do not use with gradient_checkpointing."""
-    ddp_bucket_cap_mb: float | None = None
-    """Size of the gradient buckets all-reduced together, in MiB; None means DDP's 25."""
+    ddp_bucket_cap_mb: float | Literal["auto"] | None = None
+    """Size of the gradient buckets all-reduced together, in MiB; None means DDP's 25.
+    "auto": measured on the job during its first steps (docs/ddp.md)."""
     ddp_broadcast_buffers: bool | None = None
     """Broadcast rank 0's buffers (e.g. BatchNorm statistics) before each forward.
     None means True, or False with gradient_checkpointing (it must be False with it)."""
@@ -298,7 +299,7 @@ def _check_ddp(args: TrainingArguments) -> None:
     )
     cap = args.ddp_bucket_cap_mb
     _require(
-        cap is None or (math.isfinite(cap) and cap > 0),
+        cap is None or cap == "auto" or (math.isfinite(cap) and cap > 0),
         f"ddp_bucket_cap_mb={cap} must be > 0 MiB — the default is 25",
     )
     _require(
