@@ -172,6 +172,8 @@ class Join:
                 "Join got joinables on different process groups — join those of one group"
             )
         self._first = first
+        self._over = False  # a round with no rank training was seen: nothing left to shadow
+        self._shadowed = False  # this rank shadowed at least one round (not a last joiner)
 
     def __enter__(self) -> Join:
         for k, joinable in enumerate(self._joinables):
@@ -188,11 +190,10 @@ class Join:
         try:
             if not self._enable or exc_type is not None:
                 return  # an error inside the loop propagates as it is (as in torch)
-            is_last_joiner = True
-            while self.shadow_round(send_local=False) is not Shadowed.NOTHING_LEFT:
-                is_last_joiner = False
+            while not self._over:
+                self.shadow_round(send_local=False)
             for hook in self._hooks:
-                hook.post_hook(is_last_joiner)
+                hook.post_hook(is_last_joiner=not self._shadowed)
         finally:
             for joinable in self._joinables:
                 joinable._join_config = JoinConfig.disabled()
@@ -207,7 +208,9 @@ class Join:
         """
         round_ = exchange_round(self._first, None, self._plan_size, self._stats)
         if not round_.training:
+            self._over = True
             return Shadowed.NOTHING_LEFT
+        self._shadowed = True
         if self._throw:
             raise early_termination(round_)
         reduced = [hook.shadow(round_, send_local) for hook in self._hooks]
