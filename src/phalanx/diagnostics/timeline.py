@@ -192,3 +192,15 @@ def _finish(timeline: Timeline) -> None:
     timeline.write()
     if timeline.rank == 0:
         merge(timeline.path, timeline.world_size)
+
+
+_active: Timeline | None = None  # one per process, like progress's record
+
+
+def for_rank(rank: int, world_size: int) -> Timeline | None:
+    """This process's timeline if `PHALANX_TIMELINE` asks for one: made once, shared by
+    every wrapper (the reducer records into it), written at exit."""
+    global _active
+    if _active is None:
+        _active = from_env(rank, world_size)
+    return _active
