@@ -36,8 +36,8 @@ from typing import Any
 import comm_tasks
 import torch
 import torch.distributed as dist
-from step_report import bootstrap_ci
 from spawn import run_ranks
+from step_report import bootstrap_ci
 
 import phalanx
 from phalanx.ddp.comm_hooks import HookState, PowerSGDState, bf16_compress_hook, powersgd_hook
