@@ -138,6 +138,7 @@ def _console(text: str) -> set[str]:
     return found
 
 
+@pytest.mark.slow  # make test-slow: over a minute on a loaded 2-core machine
 @pytest.mark.timeout(240)
 def test_output_flags_match_torchrun(tmp_path: Path) -> None:
     """--role, --log-dir, -r, -t, --local-ranks-filter and --run-path, side by side."""

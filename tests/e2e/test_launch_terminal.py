@@ -13,6 +13,7 @@ import pty
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -46,8 +47,9 @@ def _launch_in_terminal(*args: str, timeout_s: float = 60) -> tuple[int, str]:
 
 @pytest.mark.timeout(90)
 @pytest.mark.skipif(sys.platform != "linux", reason="pseudo-terminals as on Linux")
-def test_rank0_bar_is_drawn_on_a_terminal() -> None:
-    code, screen = _launch_in_terminal("--nproc-per-node", "2", str(SCRIPTS / "bar.py"), "10")
+def test_rank0_bar_is_drawn_on_a_terminal(tmp_path: Path) -> None:
+    bar = str(SCRIPTS / "bar.py")
+    code, screen = _launch_in_terminal("--nproc-per-node", "2", bar, "10", str(tmp_path))
     assert code == 0, screen
     redraws = [part.split("\r\n")[0] for part in screen.split(CLEAR)[1:]]
     bar_states = {r for r in redraws if r.startswith("[rank 0] train:")}
@@ -61,8 +63,8 @@ def test_rank0_bar_is_drawn_on_a_terminal() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_no_bar_redraws_behind_a_pipe() -> None:
-    result = launch("--nproc-per-node 2", SCRIPTS / "bar.py", 10)
+def test_no_bar_redraws_behind_a_pipe(tmp_path: Path) -> None:
+    result = launch("--nproc-per-node 2", SCRIPTS / "bar.py", 10, tmp_path)
     assert result.returncode == 0, result.stderr
     assert "\x1b[K" not in result.stderr and "\x1b[K" not in result.stdout
     assert sorted(line for line in result.stdout.splitlines() if "rank 1 line" in line) == [

@@ -116,6 +116,7 @@ def _read_until(proc: subprocess.Popen[str], needle: str, timeout_s: float) -> s
     raise AssertionError(f"never printed {needle!r}:\n{text.decode(errors='replace')}")
 
 
+@pytest.mark.slow  # make test-slow: over a minute on a loaded 2-core machine
 @pytest.mark.timeout(200)
 def test_without_our_launcher_each_rank_reports_itself(tmp_path: Path) -> None:
     port = free_port()

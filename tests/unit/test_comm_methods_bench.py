@@ -20,6 +20,7 @@ SCRIPT = ROOT / "benchmarks" / "comm_methods.py"
 METHODS = ["fp32", "bf16", "powersgd1", "powersgd4", "local8", "diloco8"]
 
 
+@pytest.mark.slow  # make test-slow: over a minute on a loaded 2-core machine
 @pytest.mark.timeout(150)
 def test_tiny_run_reports_every_method(tmp_path: Path) -> None:
     out, png = tmp_path / "r.json", tmp_path / "plot.png"
