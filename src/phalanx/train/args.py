@@ -128,7 +128,8 @@ class TrainingArguments(Config):
     save_on_signal: bool = True
     """On SIGTERM or Ctrl-C (SIGINT): finish the step in flight, agree across ranks to stop,
     save a checkpoint at that step and exit with 128 + the signal's number; a second Ctrl-C
-    stops at once. False leaves both signals their default action (the process dies at once)."""
+    stops at once. False leaves both signals as they are (by default SIGTERM kills the
+    process at once and Ctrl-C raises KeyboardInterrupt), with nothing saved."""
     replica_check_steps: int = 0
     """Every this many steps, check that every rank holds the same parameters and buffers
     (phalanx.check_replicas: one small all-gather); 0 never checks."""
