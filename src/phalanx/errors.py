@@ -12,6 +12,7 @@ __all__ = [
     "CheckpointError",
     "ConfigurationError",
     "MasterUnreachableError",
+    "NonFiniteError",
     "NotSupportedError",
     "OutputError",
     "PhalanxError",
@@ -68,3 +69,8 @@ class CheckpointError(PhalanxError):
 class OutputError(PhalanxError):
     """A file the Trainer writes (metrics, output_dir itself) cannot be written: full disk,
     read-only file system, no permission."""
+
+
+class NonFiniteError(PhalanxError):
+    """A gradient or a parameter became NaN or infinite: training would only spread it (the
+    all-reduce hands one rank's NaN to every replica), and a checkpoint would keep it."""

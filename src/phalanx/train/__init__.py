@@ -9,11 +9,12 @@ Runs on one process under plain `python`, and data-parallel under
 
 from __future__ import annotations
 
-from phalanx.errors import CheckpointError, OutputError
+from phalanx.errors import CheckpointError, NonFiniteError, OutputError
 from phalanx.train.args import TrainingArguments
 from phalanx.train.checkpointer import CheckpointFallbackWarning
 from phalanx.train.evaluation import EvalPrediction
 from phalanx.train.stateful import ShardedStateful, Stateful
+from phalanx.train.stopping import TrainingStopped
 from phalanx.train.trainer import Trainer, TrainOutput
 from phalanx.train.trainer_state import ResumeWarning
 
@@ -21,6 +22,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointFallbackWarning",
     "EvalPrediction",
+    "NonFiniteError",
     "OutputError",
     "ResumeWarning",
     "ShardedStateful",
@@ -28,4 +30,5 @@ __all__ = [
     "TrainOutput",
     "Trainer",
     "TrainingArguments",
+    "TrainingStopped",
 ]

@@ -27,6 +27,7 @@ from phalanx.ddp.options import DDPOptions
 from phalanx.errors import ConfigurationError
 from phalanx.train.fields import Config, check_fields
 from phalanx.train.metrics import Reporter
+from phalanx.train.nonfinite import NonFiniteAction
 from phalanx.train.schedules import ScheduleName
 
 DEFAULT_REPORT_TO: tuple[Reporter, ...] = ("console", "jsonl")
@@ -113,6 +114,25 @@ class TrainingArguments(Config):
     tensorboard package); an empty list logs nowhere."""
     disable_tqdm: bool = False
     """Hide the progress bar (it is only ever shown on rank 0)."""
+
+    # ----------------------------------------------------------- faults
+    on_nonfinite_grad: NonFiniteAction = "stop"
+    """What a step whose gradient is NaN or infinite does (checked after the all-reduce, before
+    the optimizer step): "stop" raises NonFiniteError on every rank, naming the step and the
+    ranks whose loss was not finite, with nothing stepped; "skip" skips the step on every rank
+    (optimizer and schedule untouched), logs it, and stops after max_consecutive_skips in a
+    row; "off" checks nothing. Under fp16 the GradScaler skips such steps itself."""
+    max_consecutive_skips: int = 5
+    """With on_nonfinite_grad="skip": raise NonFiniteError once this many steps in a row
+    were skipped."""
+    save_on_signal: bool = True
+    """On SIGTERM or Ctrl-C (SIGINT): finish the step in flight, agree across ranks to stop,
+    save a checkpoint at that step and exit with 128 + the signal's number; a second Ctrl-C
+    stops at once. False leaves both signals as they are (by default SIGTERM kills the
+    process at once and Ctrl-C raises KeyboardInterrupt), with nothing saved."""
+    replica_check_steps: int = 0
+    """Every this many steps, check that every rank holds the same parameters and buffers
+    (phalanx.check_replicas: one small all-gather); 0 never checks."""
 
     # ----------------------------------------------------------- DDP
     ddp_backend: str | None = None
@@ -287,6 +307,15 @@ def _check_reporting(args: TrainingArguments) -> None:
             getattr(args, name) >= 0,
             f"{name}={getattr(args, name)} must be >= 0 — 0 turns it off",
         )
+    _require(
+        args.max_consecutive_skips >= 1,
+        f"max_consecutive_skips={args.max_consecutive_skips} must be >= 1 — it is how many "
+        "non-finite steps in a row are skipped before the run stops",
+    )
+    _require(
+        args.replica_check_steps >= 0,
+        f"replica_check_steps={args.replica_check_steps} must be >= 0 — 0 turns it off",
+    )
     limit = args.save_total_limit
     _require(
         limit is None or limit >= 1,

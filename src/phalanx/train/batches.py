@@ -9,7 +9,7 @@ loss is `loss_fn(outputs, batch)`, or else whatever loss the model returned.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from phalanx.errors import ConfigurationError
 from phalanx.nested import map_tensors
+from phalanx.runtime import World
 
 LossFn = Callable[[Any, Any], Tensor]
 _LABEL_KEYS = ("labels", "label", "label_ids")
@@ -42,6 +43,46 @@ def batch_size(batch: Any) -> int:
         if isinstance(value, (Tensor, Mapping, list, tuple)):
             return batch_size(value)
     return len(values)  # a list of plain samples (strings, numbers)
+
+
+def step_groups(
+    batches: Iterable[Any], done: int, accumulation: int, per_epoch: int
+) -> Iterator[tuple[list[Any], int]]:
+    """The micro-batches of each optimizer step of an epoch, `done` micro-batches into it,
+    each with the number the step has: `accumulation`, fewer for the epoch's last step.
+
+    A step's micro-batches are loaded before it starts, since weighting their
+    losses needs every size (`loss_weights`). A rank whose data ends before
+    `per_epoch` (even_batches=False: the longest rank's count) gets the rest of
+    the epoch's steps with fewer micro-batches, or none: it shadows the others.
+    """
+    start, group = done, []
+    for batch in batches:
+        group.append(batch)
+        if len(group) == min(accumulation, per_epoch - start):
+            yield group, len(group)
+            start, group = start + len(group), []
+    while start < per_epoch:
+        expected = min(accumulation, per_epoch - start)
+        yield group, expected
+        start, group = start + expected, []
+
+
+def loss_weights(sizes: list[int], world: World) -> list[float]:
+    """Each micro-batch's loss weight, so that the step's gradient is the mean over every
+    sample of the step on every rank, whatever the batch sizes.
+
+    A loss is a mean over its micro-batch, and the reducer divides the sum over
+    ranks by their number N; so rank r's micro-batch of n samples is weighted
+    N * n / (the step's samples on all ranks), the total agreed in one small
+    all-reduce (one process needs none). Equal batches get 1 / (micro-batches).
+    """
+    total = float(sum(sizes))
+    if world.is_distributed:
+        total = world.all_reduce_sum([total])[0]
+    if total <= 0:
+        return [0.0] * len(sizes)
+    return [world.world_size * size / total for size in sizes]
 
 
 def takes_keyword_batch(model: nn.Module, sample: Any) -> bool:

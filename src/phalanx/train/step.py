@@ -1,12 +1,16 @@
-"""One optimizer step of the Trainer: precision, clipping, the step, the schedule.
+"""One optimizer step of the Trainer: the micro-batches, precision, clipping, the non-finite
+check, the step, the schedule.
 
 Kept apart from the loop so the loop reads as what happens when; this is how.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -14,8 +18,23 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from phalanx import zero3
+from phalanx.ddp.module import DistributedDataParallel
 from phalanx.optim.zero import ZeroRedundancyOptimizer
+from phalanx.runtime import World
 from phalanx.train.args import TrainingArguments
+from phalanx.train.batches import (
+    LossFn,
+    batch_size,
+    call_model,
+    loss_weights,
+    require_loss,
+    takes_keyword_batch,
+    to_device,
+)
+from phalanx.train.nonfinite import NonFiniteGuard
+
+if TYPE_CHECKING:
+    from phalanx.train.trainer_state import TrainState
 
 
 def autocast_for(args: TrainingArguments, device: torch.device) -> AbstractContextManager[Any]:
@@ -27,15 +46,23 @@ def autocast_for(args: TrainingArguments, device: torch.device) -> AbstractConte
 
 
 def clip_gradients(model: nn.Module, optimizer: Optimizer, max_norm: float) -> Tensor:
-    """Clip the global gradient norm (after the all-reduce: the same on every rank)."""
+    """Clip the global gradient norm (after the all-reduce: the same on every rank); the norm
+    before clipping. `max_norm=inf` only measures it."""
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         # The norm from the shards (one all-reduce): under stage 2 no rank holds the
         # whole gradient that torch's clip would read.
         return optimizer.clip_grad_norm_(max_norm)
     if zero3.unit_of(model) is not None:
         return zero3.clip_grad_norm_(model, max_norm)  # stage 3: the same, over its pieces
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if math.isinf(max_norm):
+        return torch.nn.utils.get_total_norm(grads)
     params = [p for p in model.parameters() if p.grad is not None]
     return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+
+StepCheck = Callable[[Tensor], bool]
+"""Looks at the step's gradient norm: True to step, False to skip the step (or it raises)."""
 
 
 def optimizer_step(
@@ -44,11 +71,23 @@ def optimizer_step(
     scheduler: LRScheduler,
     scaler: torch.amp.GradScaler | None,
     max_grad_norm: float,
-) -> Tensor | None:
-    """Unscale (fp16), clip, step, schedule, clear the gradients; the norm before clipping."""
+    check: StepCheck | None = None,
+) -> tuple[Tensor | None, bool]:
+    """Unscale (fp16), clip, check, step, schedule, clear the gradients.
+
+    Returns the norm before clipping (None when neither clipping nor `check`
+    needed it), and False when `check` skipped the step (nothing stepped, the
+    gradients cleared). Under fp16 the GradScaler skips non-finite steps
+    itself, so `check` is not asked.
+    """
     if scaler is not None:
         scaler.unscale_(optimizer)
-    grad_norm = clip_gradients(model, optimizer, max_grad_norm) if max_grad_norm > 0 else None
+        check = None
+    measure = max_grad_norm > 0 or check is not None
+    grad_norm = clip_gradients(model, optimizer, max_grad_norm or math.inf) if measure else None
+    if check is not None and grad_norm is not None and not check(grad_norm):
+        optimizer.zero_grad(set_to_none=True)
+        return grad_norm, False
     stepped = True
     if scaler is not None:
         scale = scaler.get_scale()
@@ -60,4 +99,93 @@ def optimizer_step(
     if stepped:
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return grad_norm
+    return grad_norm, True
+
+
+class StepRunner:
+    """One optimizer step of the Trainer: the micro-batches' forwards and weighted backwards
+    (all but the last under no_sync, so one all-reduce per step), then `optimizer_step`
+    with the non-finite check."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        wrapped_model: nn.Module,
+        optimizer: Optimizer,
+        scheduler: LRScheduler,
+        scaler: torch.amp.GradScaler | None,
+        args: TrainingArguments,
+        world: World,
+        guard: NonFiniteGuard,
+    ) -> None:
+        self.model = model
+        self.wrapped_model = wrapped_model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.scaler = scaler
+        self.args = args
+        self.world = world
+        self.guard = guard
+        self._keyword: bool | None = None
+        """Whether a batch is spread into keyword arguments; found at the first batch."""
+        self.shadow: Callable[[], None] | None = None
+        """Under Join (even_batches=False): plays the other ranks' micro-batches that this
+        rank has no data for, up to the step's reduction."""
+
+    def run(
+        self, batches: list[Any], expected: int, loss_fn: LossFn | None, state: TrainState
+    ) -> StepResult:
+        """Train one step on `batches`, this rank's micro-batches of a step of `expected`
+        (fewer only under even_batches=False, where `shadow` plays the missing ones)."""
+        sizes = [batch_size(batch) for batch in batches]
+        weights = loss_weights(sizes, self.world)
+        synced = expected - 1  # the step's last micro-batch reduces, the others accumulate
+        losses = [
+            self._micro_step(batch, weight, index == synced, loss_fn)
+            for index, (batch, weight) in enumerate(zip(batches, weights, strict=True))
+        ]
+        if len(batches) < expected:
+            assert self.shadow is not None, "a short step without Join"
+            self.shadow()
+        loss = torch.stack(losses).sum() if losses else torch.zeros((), device=self.world.device)
+        check = None if self.guard.action == "off" else self._check(loss, state)
+        grad_norm, stepped = optimizer_step(
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.scaler,
+            self.args.max_grad_norm,
+            check,
+        )
+        return StepResult(loss, grad_norm, stepped, sum(sizes))
+
+    def _check(self, loss: Tensor, state: TrainState) -> StepCheck:
+        return lambda grad_norm: self.guard.allows_step(grad_norm, loss, state)
+
+    def _micro_step(self, batch: Any, weight: float, sync: bool, loss_fn: LossFn | None) -> Tensor:
+        """Forward and backward of one micro-batch; its loss times `weight`, detached."""
+        batch = to_device(batch, self.world.device)
+        if self._keyword is None:
+            self._keyword = takes_keyword_batch(self.model, batch)
+        skip_sync = not sync and isinstance(self.wrapped_model, DistributedDataParallel)
+        with self.wrapped_model.no_sync() if skip_sync else nullcontext():  # type: ignore[operator]
+            with autocast_for(self.args, self.world.device):
+                outputs = call_model(self.wrapped_model, batch, self._keyword)
+                loss = require_loss(outputs, batch, loss_fn)
+            weighted = loss.float() * weight
+            scaled = self.scaler.scale(weighted) if self.scaler is not None else weighted
+            scaled.backward()
+        return weighted.detach()
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one step left behind, for the logs."""
+
+    loss: Tensor
+    """This rank's share of the step's mean loss: the mean over ranks is the step's loss."""
+    grad_norm: Tensor | None
+    stepped: bool
+    """False when the non-finite check skipped the step."""
+    samples: int
+    """This rank's samples in the step."""

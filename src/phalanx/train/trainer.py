@@ -12,17 +12,18 @@ between steps, on every rank together.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import Dataset
 
@@ -30,18 +31,14 @@ from phalanx.data.sampler import DistributedSampler
 from phalanx.ddp.join import Join, Shadowed
 from phalanx.ddp.module import DistributedDataParallel
 from phalanx.diagnostics import progress
+from phalanx.diagnostics.replicas import check_replicas
 from phalanx.errors import ConfigurationError
 from phalanx.train.args import TrainingArguments
-from phalanx.train.batches import (
-    LossFn,
-    batch_size,
-    call_model,
-    require_loss,
-    takes_keyword_batch,
-    to_device,
-)
+from phalanx.train.batches import LossFn, step_groups
+from phalanx.train.checkpoint import PREFIX
 from phalanx.train.checkpointer import Checkpointer
 from phalanx.train.evaluation import ComputeMetrics, EvalSetup, evaluate_model
+from phalanx.train.nonfinite import NonFiniteGuard, check_parameters
 from phalanx.train.outputdir import prepare_output_dir, restart_note
 from phalanx.train.progress import StepWindow
 from phalanx.train.report import RunReport, human_size
@@ -57,7 +54,8 @@ from phalanx.train.setup import (
     wrap_model,
 )
 from phalanx.train.stateful import Entry
-from phalanx.train.step import autocast_for, optimizer_step
+from phalanx.train.step import StepRunner, autocast_for
+from phalanx.train.stopping import StopRequests, TrainingStopped
 from phalanx.train.trainer_state import (
     Counters,
     ResumeWarning,
@@ -104,10 +102,13 @@ class Trainer:
         self.collate_fn = collate_fn
         self.compute_metrics = compute_metrics
         self.state = TrainState()
-        self._keyword: bool | None = None
         self._run: StepWindow | None = None
         self._sent_mark = (0, 0)  # (bytes, collectives) sent at the last log
         self._loss_before = 0.0
+        self._stopped_by: int | None = None
+        """The signal the ranks agreed to stop for (train() then saves and exits)."""
+        self._saved_step: int | None = None
+        """The step output_dir holds a checkpoint of, written or resumed by this Trainer."""
         self.sampler: DistributedSampler | None = None
         self.world, self._owns_group = join_world(self.args)
         """Rank, world size, device, and the group: one of one rank for a plain process."""
@@ -167,6 +168,20 @@ class Trainer:
             self.optimizer, args.lr_scheduler_type, args.warmup_steps, self.max_steps
         )
         self._checkpointer = Checkpointer(self.world, Path(args.output_dir), args.save_total_limit)
+        self._guard = NonFiniteGuard(
+            self.world, args.on_nonfinite_grad, args.max_consecutive_skips, self._report.say
+        )
+        self._stop_requests = StopRequests(self.world)
+        self._stepper = StepRunner(
+            self.model,
+            self.wrapped_model,
+            self.optimizer,
+            self.scheduler,
+            self.scaler,
+            args,
+            self.world,
+            self._guard,
+        )
         self._make_entries()
 
     def _make_entries(self) -> None:
@@ -230,11 +245,19 @@ class Trainer:
         keep_until = self.state.global_step if resumed_from is not None else 0
         self._report.open(self.max_steps, self.state.global_step, keep_until)
         self._rng.restore()  # last, so nothing above can shift the dropout masks
+        self._saved_step = self.state.global_step if self._resumed_here(resumed_from) else None
         try:
-            window = self._loop()
+            with self._stop_requests.installed(self.args.save_on_signal):
+                window = self._loop()
+                if self._stopped_by is not None:
+                    raise self._stop_and_save(self._stopped_by)
         finally:
             self._report.close()
         return self._output(window, resumed_from)
+
+    def _resumed_here(self, resumed_from: str | None) -> bool:
+        """Whether the checkpoint resumed from is output_dir's own: no need to write it again."""
+        return resumed_from is not None and Path(resumed_from).parent == Path(self.args.output_dir)
 
     def _resume(self, resume_from: bool | str | Path) -> str | None:
         path = self._checkpointer.choose(resume_from)
@@ -254,84 +277,84 @@ class Trainer:
         return str(path)
 
     def _loop(self) -> StepWindow:
+        """Train until max_steps, or until the ranks agree to stop at a step boundary."""
         run = StepWindow(self._comm_wait())
         window = StepWindow(self._comm_wait())
         self._sent_mark = self._comm_sent()
         self._run, self._loss_before = run, self.state.loss_sum
-        while self.state.global_step < self.max_steps:
-            finished_epoch = self._train_epoch(run, window)
-            if finished_epoch:
-                self.state.epoch += 1
-                self.state.batches_done = 0
+        while not self._train_epoch(run, window):
+            self.state.epoch += 1
+            self.state.batches_done = 0
         if window.steps:
             self._log(window)
         return run
 
-    def _epoch_batches(self) -> Iterator[Any]:
+    def _train_epoch(self, run: StepWindow, window: StepWindow) -> bool:
+        """Train the rest of this epoch; True when training ends in it (max_steps, or a stop).
+
+        The stop is agreed before each step's data is loaded (a dataset that draws
+        random numbers would otherwise have drawn them for a step never trained) and
+        once after the last step, so a signal during it is honoured as well.
+        """
+        with self._uneven_inputs() as shadow:
+            self._stepper.shadow = shadow
+            steps = self._epoch_steps()
+            while not self._stop_agreed() and self.state.global_step < self.max_steps:
+                batches, expected = next(steps, ([], 0))
+                if shadow is None:  # no one to shadow: a loader shorter than its len() ends here
+                    expected = len(batches)
+                if not expected:
+                    return False
+                self._train_step(batches, expected, run, window)
+        return True
+
+    def _stop_agreed(self) -> bool:
+        self._stopped_by = self._stop_requests.agree()
+        return self._stopped_by is not None
+
+    @contextmanager
+    def _uneven_inputs(self) -> Iterator[Callable[[], None] | None]:
+        """even_batches=False: the epoch runs under Join, and a rank whose data ran out
+        shadows the others' micro-batches (the callable), keeping its own accumulated
+        gradient in the average so that its optimizer steps with theirs."""
+        if self.args.even_batches or not isinstance(self.wrapped_model, DistributedDataParallel):
+            yield None
+            return
+        with Join([self.wrapped_model]) as join:
+            yield functools.partial(_shadow_until_reduced, join)
+
+    def _epoch_steps(self) -> Iterator[tuple[list[Any], int]]:
+        """This epoch's steps from the current position on: (this rank's micro-batches, how
+        many the step has on the longest rank)."""
         assert self.sampler is not None
         self.sampler.set_epoch(self.state.epoch)
         self._loader_generator.manual_seed(self.args.seed + self.state.epoch)
-        return iter(self.train_loader)
+        return step_groups(
+            iter(self.train_loader),
+            self.state.batches_done,
+            self.args.gradient_accumulation_steps,
+            self.micro_batches_per_epoch,
+        )
 
-    def _train_epoch(self, run: StepWindow, window: StepWindow) -> bool:
-        """Train from the current position to the end of the epoch or max_steps; with
-        even_batches=False, under Join, and out of batches, shadow the others' steps."""
-        if self.args.even_batches or not isinstance(self.wrapped_model, DistributedDataParallel):
-            return self._train_batches(run, window)
-        with Join([self.wrapped_model]) as join:
-            finished = self._train_batches(run, window)
-            while finished and self.state.global_step < self.max_steps:
-                shadowed = join.shadow_round(send_local=True)
-                if shadowed is Shadowed.NOTHING_LEFT:
-                    break
-                if shadowed is Shadowed.REDUCED:  # the others step: so does our optimizer
-                    # No loss of our own: the log's mean repeats this rank's last one.
-                    last = run.last_loss if run.last_loss is not None else torch.zeros(())
-                    self._finish_step(last, run, window)
-        return finished
-
-    def _train_batches(self, run: StepWindow, window: StepWindow) -> bool:
-        accumulation = self.args.gradient_accumulation_steps
-        losses: list[Tensor] = []
-        for batch in self._epoch_batches():
-            micro = self.state.batches_done
-            first = micro - micro % accumulation
-            in_step = min(accumulation, self.micro_batches_per_epoch - first)
-            last = micro + 1 == first + in_step
-            losses.append(self._micro_step(batch, 1.0 / in_step, sync=last))
-            self.state.batches_done += 1
-            for tracker in (run, window):
-                tracker.add_samples(batch_size(batch))
-            if last:
-                self._finish_step(torch.stack(losses).mean(), run, window)
-                losses = []
-                if self.state.global_step >= self.max_steps:
-                    return False
-        return True
-
-    def _micro_step(self, batch: Any, scale: float, sync: bool) -> Tensor:
-        batch = to_device(batch, self.world.device)
-        if self._keyword is None:
-            self._keyword = takes_keyword_batch(self.model, batch)
-        skip_sync = not sync and isinstance(self.wrapped_model, DistributedDataParallel)
-        with self.wrapped_model.no_sync() if skip_sync else nullcontext():  # type: ignore[operator]
-            with self._autocast():
-                outputs = call_model(self.wrapped_model, batch, self._keyword)
-                loss = require_loss(outputs, batch, self.loss_fn)
-            scaled = loss.float() * scale
-            if self.scaler is not None:
-                scaled = self.scaler.scale(scaled)
-            scaled.backward()
-        return loss.detach().float()
-
-    def _finish_step(self, loss: Tensor, run: StepWindow, window: StepWindow) -> None:
-        grad_norm = self._optimizer_step()
+    def _train_step(
+        self, batches: list[Any], expected: int, run: StepWindow, window: StepWindow
+    ) -> None:
+        result = self._stepper.run(batches, expected, self.loss_fn, self.state)
+        self.state.batches_done += expected
         self.state.global_step += 1
         progress.step(self.state.global_step + 1)
         for tracker in (run, window):
-            tracker.add_step(loss, grad_norm)
+            tracker.add_samples(result.samples)
+            if result.stepped:  # a skipped step's loss is not finite: it stays out of the mean
+                tracker.add_step(result.loss, result.grad_norm)
         self._report.advance()
+        self._after_step(window)
+
+    def _after_step(self, window: StepWindow) -> None:
+        """Between steps, on every rank alike: replica check, logging, evaluation, saving."""
         step, args = self.state.global_step, self.args
+        if args.replica_check_steps and step % args.replica_check_steps == 0:
+            check_replicas(self.wrapped_model, self.world.process_group)
         if step % args.logging_steps == 0:
             self._log(window)
         if args.eval_steps and step % args.eval_steps == 0:
@@ -339,10 +362,15 @@ class Trainer:
         if args.save_steps and (step % args.save_steps == 0 or step == self.max_steps):
             self.save_checkpoint()
 
-    def _optimizer_step(self) -> Tensor | None:
-        return optimizer_step(
-            self.model, self.optimizer, self.scheduler, self.scaler, self.args.max_grad_norm
-        )
+    def _stop_and_save(self, signum: int) -> TrainingStopped:
+        """Every rank agreed to stop: save at this step (unless done already) and say so."""
+        step = self.state.global_step
+        path = Path(self.args.output_dir) / f"{PREFIX}{step}"
+        if self._saved_step != step:
+            path = self.save_checkpoint()
+        stopped = TrainingStopped(signum, step, path.name)
+        self._report.say(f"{stopped} — resume with resume_from_checkpoint=True")
+        return stopped
 
     # ---------------------------------------------------------------- logging
     def _comm_wait(self) -> float:
@@ -368,6 +396,8 @@ class Trainer:
         self._sent_mark = (sent, calls)
         metrics["lr"] = float(self.scheduler.get_last_lr()[0])
         metrics["epoch"] = self.state.epoch + self.state.batches_done / self.micro_batches_per_epoch
+        if self.args.on_nonfinite_grad == "skip":
+            metrics["skipped_steps"] = float(self.state.skipped_steps)
         self._emit(metrics)
         window.reset(self._comm_wait())
 
@@ -383,7 +413,7 @@ class Trainer:
         return summary
 
     def _mean_loss(self) -> float:
-        steps = self.state.global_step
+        steps = self.state.global_step - self.state.skipped_steps
         return self.state.loss_sum / steps if steps else math.nan
 
     def _output(self, run: StepWindow, resumed_from: str | None) -> TrainOutput:
@@ -447,10 +477,20 @@ class Trainer:
         self._check_open()
         if self.sampler is None:
             raise ConfigurationError("save_checkpoint() needs a train_dataset — pass one")
+        step = self.state.global_step
+        check_parameters(self.model, self.world, step)  # never a NaN checkpoint over good ones
         self._sync_loss()
         notes = {"args.json": json.dumps(self.args.to_dict(), indent=1).encode()}
-        saved = self._checkpointer.save(self.checkpoint_states(), self.state.global_step, notes)
+        saved = self._checkpointer.save(self.checkpoint_states(), step, notes)
+        self._saved_step = step
         self._report.say(
             f"saved {saved.path.name} ({human_size(saved.bytes)}, {saved.seconds:.2f} s)"
         )
         return saved.path
+
+
+def _shadow_until_reduced(join: Join) -> None:
+    """Take part in the other ranks' remaining micro-batches of this step, up to its reduction."""
+    while (shadowed := join.shadow_round(send_local=True)) is not Shadowed.REDUCED:
+        if shadowed is Shadowed.NOTHING_LEFT:  # the step counts are agreed: cannot happen
+            raise RuntimeError("phalanx: every rank ran out of batches inside a step")

@@ -62,8 +62,14 @@ class TrainState:
     batches_done: int = 0
     """Micro-batches of `epoch` already trained on, by every rank."""
     loss_sum: float = 0.0
-    """Sum of the step losses (each the mean over ranks) of steps 1..global_step, as of
-    the last save or the end of train(); the mean of the run is loss_sum / global_step."""
+    """Sum of the step losses (each the mean over the step's samples on every rank) of the
+    steps trained so far, as of the last save or the end of train(); the mean of the run is
+    loss_sum / (global_step - skipped_steps)."""
+    skipped_steps: int = 0
+    """Steps skipped for a non-finite gradient (on_nonfinite_grad="skip"); they count in
+    global_step, as their data was used up."""
+    skipped_in_a_row: int = 0
+    """How many of the latest steps were skipped, one after the other."""
 
 
 class Counters:
@@ -83,6 +89,8 @@ class Counters:
             "global_step": self.state.global_step,
             "epoch": self.state.epoch,
             "loss_sum": self.state.loss_sum,
+            "skipped_steps": self.state.skipped_steps,
+            "skipped_in_a_row": self.state.skipped_in_a_row,
             "world_size": self.world.world_size,
             "args": self.args.to_dict(),
         }
@@ -91,6 +99,8 @@ class Counters:
         self.state.global_step = int(state_dict["global_step"])
         self.state.epoch = int(state_dict["epoch"])
         self.state.loss_sum = float(state_dict["loss_sum"])
+        self.state.skipped_steps = int(state_dict.get("skipped_steps", 0))
+        self.state.skipped_in_a_row = int(state_dict.get("skipped_in_a_row", 0))
         saved_args = state_dict["args"]
         self.changes = [
             f"{name} {saved_args.get(name)!r} → {getattr(self.args, name)!r}"

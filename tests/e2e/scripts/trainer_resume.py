@@ -1,17 +1,23 @@
 """A Trainer job for the exact-resume test: dropout, shuffled data, epochs crossed.
 
-Usage: trainer_resume.py OUTPUT_DIR RESULT_FILE [--kill-after-step N] [--resume]
+Usage: trainer_resume.py OUTPUT_DIR RESULT_FILE [--kill-after-step N] [--kill-rank R] [--resume]
                          [--save-steps N] [--max-steps N] [--kill-on-first-attempt-only]
-                         [--zero-stage {0,1,2,3}]
+                         [--zero-stage {0,1,2,3}] [--kill-in-save STEP:RANK:POINT]
+                         [--signal-after-step N --signal NAME [--signal-rank R]
+                          [--signal-count C] [--signal-launcher]]
 
 120 samples over 2 ranks in micro-batches of 4 with 2-step accumulation is
 15 micro-batches, so 8 optimizer steps, per epoch (the last step of each epoch
 has one micro-batch): 20 steps cross two epoch boundaries. With
---kill-after-step N, rank 0 SIGKILLs itself at the first micro-batch after
-step N, a real crash mid-run; the launcher then stops the other rank. With
+--kill-after-step N, rank 0 (or --kill-rank) SIGKILLs itself at the first
+micro-batch after step N, a real crash mid-run; the launcher then stops the other rank. With
 --kill-on-first-attempt-only it does so only when the launcher has not
 restarted the job yet (PHALANX_RESTART_COUNT 0), so `--max-restarts 1` brings
 the job back, and `--resume` carries it on from the last checkpoint.
+With --kill-in-save, rank RANK
+SIGKILLs itself inside the save of checkpoint-STEP (faultkit.py says where).
+With --signal-after-step N, rank R sends itself (or, with --signal-launcher,
+its parent, the launcher) the signal C times during step N + 1.
 With --zero-stage 1 or 2 the Trainer shards its AdamW (and the checkpoints); with 3 the model too.
 Rank 0 writes the final parameters to RESULT_FILE and a summary beside it.
 """
@@ -26,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from faultkit import kill_in_save, signal_in_step
 from torch import Tensor, nn
 from torch.utils.data import TensorDataset
 
@@ -55,6 +62,13 @@ def main() -> None:
     parser.add_argument("output_dir")
     parser.add_argument("result")
     parser.add_argument("--kill-after-step", type=int, default=0)
+    parser.add_argument("--kill-rank", type=int, default=0)
+    parser.add_argument("--kill-in-save", default="")
+    parser.add_argument("--signal-after-step", type=int, default=0)
+    parser.add_argument("--signal", default="SIGTERM")
+    parser.add_argument("--signal-rank", type=int, default=0)
+    parser.add_argument("--signal-count", type=int, default=1)
+    parser.add_argument("--signal-launcher", action="store_true")
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--save-steps", type=int, default=0)
     parser.add_argument("--max-steps", type=int, default=20)
@@ -87,11 +101,14 @@ def main() -> None:
         crash_here = trainer.state.global_step == opts.kill_after_step > 0
         if opts.kill_on_first_attempt_only:
             crash_here = crash_here and os.environ.get("PHALANX_RESTART_COUNT", "0") == "0"
-        if crash_here and trainer.world.rank == 0:
+        if crash_here and trainer.world.rank == opts.kill_rank:
             os.kill(os.getpid(), signal.SIGKILL)
+        signal_in_step(trainer, opts)
         return nn.functional.cross_entropy(outputs, batch[1])
 
     trainer = Trainer(model=model, args=args, train_dataset=dataset(), loss_fn=loss_fn)
+    if opts.kill_in_save:
+        kill_in_save(trainer, opts.kill_in_save)
     result = trainer.train(resume_from_checkpoint=True if opts.resume else None)
     # Stage 3's model holds pieces: gather the whole parameters (every rank takes part).
     state = zero3.full_state_dict(trainer.model) if opts.zero_stage == 3 else None

@@ -1,0 +1,95 @@
+"""Stopping on request: SIGTERM (a scheduler's preemption) or Ctrl-C saves the work first.
+
+Without this, a preempted job loses every step since its last periodic save.
+While `train()` runs, SIGTERM and SIGINT only record that a stop was asked
+for. The signal reaches ranks at slightly different times, so acting on it
+at once would stop them at different steps; instead, at every step boundary
+the ranks all-reduce their flags (one tiny all-reduce per step), and when
+any rank was asked, every rank stops after the same step, a checkpoint is
+written at that step, and `train()` raises `TrainingStopped`: a `SystemExit`
+with the status a shell gives a process the signal ended (128 + its number),
+which a launcher or scheduler reads as "stopped by the signal".
+
+A second Ctrl-C stops at once (KeyboardInterrupt), while the first one's
+save is still running if need be: the checkpoint being written is then left
+as a `.tmp` directory, which is never loaded.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+from typing import Any
+
+from phalanx.runtime import World
+
+STOP_SIGNALS: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)
+
+
+class TrainingStopped(SystemExit):
+    """`train()` stopped on SIGTERM or SIGINT after saving a checkpoint at `step`.
+
+    A SystemExit: left uncaught, the process exits quietly with 128 + the
+    signal's number; catch it to do more before exiting.
+    """
+
+    def __init__(self, signum: int, step: int, checkpoint: str) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
+        self.step = step
+        self.checkpoint = checkpoint
+
+    def __str__(self) -> str:
+        name = signal.Signals(self.signum).name
+        return f"stopped by {name} at step {self.step}; saved {self.checkpoint}"
+
+
+class StopRequests:
+    """SIGTERM and SIGINT received while installed; the ranks agree on them at step boundaries."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.enabled = False
+        """Whether the ranks agree at each step boundary (the same on every rank)."""
+        self.received: list[int] = []
+        self._previous: dict[int, Any] = {}
+
+    @contextmanager
+    def installed(self, enabled: bool) -> Iterator[None]:
+        """Record the two signals inside the block (main thread only); then the old handlers."""
+        self.enabled, self.received = enabled, []
+        # Off the main thread no handler can be set, but the rank still agrees at every
+        # step (the others may be signalled).
+        if enabled and threading.current_thread() is threading.main_thread():
+            for signum in STOP_SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._record)
+        try:
+            yield
+        finally:
+            for signum, handler in self._previous.items():
+                signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+            self._previous, self.enabled = {}, False
+
+    def _record(self, signum: int, _frame: FrameType | None) -> None:
+        # Only a note: printing here could re-enter a write the signal interrupted.
+        if signum == signal.SIGINT and signal.SIGINT in self.received:
+            signal.signal(signal.SIGINT, self._previous.get(signal.SIGINT, signal.SIG_DFL))
+            raise KeyboardInterrupt  # the second Ctrl-C: stop at once
+        self.received.append(signum)
+
+    def agree(self) -> int | None:
+        """Collective at a step boundary: the signal every rank stops for, or None to go on.
+
+        SIGTERM wins over SIGINT when ranks received different ones.
+        """
+        if not self.enabled:
+            return None
+        mine = [float(signum in self.received) for signum in STOP_SIGNALS]
+        votes = self.world.all_reduce_sum(mine) if self.world.is_distributed else mine
+        for signum, count in zip(STOP_SIGNALS, votes, strict=True):
+            if count:
+                return signum
+        return None
