@@ -169,6 +169,16 @@ def plots(results: dict[str, Any], out: Path) -> list[Path]:
     return paths
 
 
+def write(results: dict[str, Any], started: float) -> str:
+    """suite.json and suite.md as they stand; the markdown table."""
+    results["wall_s"] = round(time.monotonic() - started)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "suite.json").write_text(json.dumps(results, indent=1))
+    table = markdown(results)
+    (RESULTS / "suite.md").write_text(table + "\n")
+    return table
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a quarter of the steps")
@@ -186,14 +196,10 @@ def main(argv: list[str] | None = None) -> int:
         for model in args.models.split(","):
             print(f"world {world}, {model}:", flush=True)
             results["runs"][f"{world}/{model}"] = run_one(model, world, sweep, scale)
+            write(results, started)  # after every run: a run cut short keeps what it measured
     if not args.no_startup:
         results["startup"] = startup.measure(trials=4 if args.quick else 8)
-    results["wall_s"] = round(time.monotonic() - started)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "suite.json").write_text(json.dumps(results, indent=1))
-    table = markdown(results)
-    (RESULTS / "suite.md").write_text(table + "\n")
-    print(table)
+    print(write(results, started))
     for path in plots(results, RESULTS):
         print(f"wrote {path}")
     bad = [k for k, r in results["runs"].items() if not r["params_match"]]
