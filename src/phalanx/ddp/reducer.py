@@ -23,7 +23,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,9 @@ from phalanx.ddp.static_graph import GradientCounts
 from phalanx.ddp.sync import rank0_order
 from phalanx.ddp.unused import UnusedParameters
 from phalanx.diagnostics import progress
+
+if TYPE_CHECKING:
+    from phalanx.diagnostics.timeline import Timeline
 
 
 class Phase(Enum):
@@ -101,6 +104,8 @@ class Reducer:
         """skip_all_reduce_unused_params: a bucket unused on every rank is not sent."""
         self.batched_copy = batched_copy
         self.stats = ReducerStats()
+        self.timeline: Timeline | None = None
+        """Where backward, bucket flights and the final wait are recorded (None: nowhere)."""
         self.reduction: BucketReduction = AllReduce(group)
         self.unused = UnusedParameters(self.params, find_unused_parameters, static_graph)
         self.counts = GradientCounts(self.names, static_graph)
@@ -250,6 +255,8 @@ class Reducer:
         phase = self.phase
         if phase is Phase.ARMED:
             self._begin_backward()
+            if self.timeline is not None:
+                self.timeline.backward_started()
             self._end.queue()  # no-op when an output's hook queued it (the usual case)
             if not self.counts.recording:
                 self.phase = Phase.REDUCING
@@ -320,6 +327,8 @@ class Reducer:
             else:
                 buckets[k].launch(self.reduction)
                 progress.collective("ddp all_reduce bucket", k, self.stats.sync_rounds + 1)
+                if self.timeline is not None:
+                    self._record_flight(buckets[k])
                 self.stats.buckets_launched += 1
                 self.stats.collectives += 1
             k += 1
@@ -356,7 +365,7 @@ class Reducer:
         """End of backward: wait for every bucket, learn what the other ranks saw, write back."""
         with torch.profiler.record_function("phalanx.ddp.finalize"):
             self.phase = Phase.REDUCED
-            start = time.perf_counter()
+            start = time.perf_counter_ns()
             if self._next_launch < len(self.buckets):
                 self._launch_despite_missing_gradients()
             for bucket in self.buckets:
@@ -364,7 +373,10 @@ class Reducer:
             outcome = self.signals.exchange(
                 self._flag_carrier(), self._used if self.unused.tracked else None
             )
-            self.stats.comm_wait_s += time.perf_counter() - start
+            end = time.perf_counter_ns()
+            self.stats.comm_wait_s += (end - start) / 1e9
+            if self.timeline is not None:
+                self.timeline.backward_waited(start, end)
             self.stats.collectives += outcome.collectives
             if outcome.failed_ranks:
                 self._raise_for_failed_ranks(outcome.failed_ranks)
@@ -375,6 +387,14 @@ class Reducer:
                     self.reduction.write_back(bucket, unused_everywhere)
             self.stats.sync_rounds += 1
             self.unused.end_iteration()
+
+    def _record_flight(self, bucket: Bucket) -> None:
+        """Timeline: this bucket's flight, completed by its collective's own future."""
+        work = bucket.work
+        future = work.get_future() if hasattr(work, "get_future") else work
+        nbytes = bucket.buffer.numel() * bucket.buffer.element_size()
+        assert self.timeline is not None
+        self.timeline.bucket_launched(bucket.index, nbytes, future)
 
     def _launch_despite_missing_gradients(self) -> None:
         """Some gradients never came: still send every bucket, with this rank's flag raised.
