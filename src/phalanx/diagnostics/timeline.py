@@ -31,7 +31,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -105,6 +105,20 @@ class Timeline:
         self._samples += samples
         with self.span("forward", samples=samples):
             yield
+
+    @contextmanager
+    def local_backward(self, sync: bool) -> Iterator[None]:
+        """A backward with no reducer (a one-rank Trainer): a step with nothing to wait for."""
+        if not sync:
+            with self.span("backward (accumulate)"):
+                yield
+            return
+        self.backward_started()
+        try:
+            yield
+        finally:
+            end = time.perf_counter_ns()
+            self.backward_waited(end, end)
 
     def backward_started(self) -> None:
         self._current = StepRecord(len(self.steps), (time.perf_counter_ns(), 0))
@@ -207,6 +221,19 @@ def merge(path: str | Path, world_size: int, wait_s: float = _MERGE_WAIT_S) -> d
 
 def _meta(rank: int, tid: int, name: str) -> dict[str, Any]:
     return {"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": name}}
+
+
+def span_of(timeline: Timeline | None, name: str) -> AbstractContextManager[None]:
+    """`timeline.span(name)`, or nothing when the timeline is off."""
+    return nullcontext() if timeline is None else timeline.span(name)
+
+
+def forward_of(timeline: Timeline | None, samples: int) -> AbstractContextManager[None]:
+    return nullcontext() if timeline is None else timeline.forward(samples)
+
+
+def local_backward_of(timeline: Timeline | None, sync: bool) -> AbstractContextManager[None]:
+    return nullcontext() if timeline is None else timeline.local_backward(sync)
 
 
 class BenchStop(SystemExit):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
@@ -29,6 +30,7 @@ from torch.utils.data import Dataset
 from phalanx.data.sampler import DistributedSampler
 from phalanx.ddp.module import DistributedDataParallel
 from phalanx.diagnostics import progress
+from phalanx.diagnostics import timeline as timelines
 from phalanx.errors import ConfigurationError
 from phalanx.train.args import TrainingArguments
 from phalanx.train.batches import (
@@ -110,6 +112,11 @@ class Trainer:
         self.world, self._owns_group = join_world(self.args)
         """Rank, world size, device, and the group: one of one rank for a plain process."""
         self._report = RunReport(self.world, self.args)
+        path = self.args.timeline or os.environ.get(timelines.ENV)
+        self.timeline = (
+            timelines.start(path, self.world.rank, self.world.world_size) if path else None
+        )
+        """The process's timeline (phalanx.diagnostics.timeline), or None when off."""
         self._closed = False
         try:
             self._setup_model(model, optimizer)
@@ -125,6 +132,8 @@ class Trainer:
         """The unwrapped module: what you save, export, or evaluate yourself."""
         self.wrapped_model: nn.Module = wrap_model(self.model, self.args, self.world)
         """What the loop calls: phalanx DDP with more than one rank, else the model itself."""
+        if isinstance(self.wrapped_model, DistributedDataParallel):
+            self.wrapped_model.timeline = self.timeline
         if optimizer is not None:
             check_user_optimizer(optimizer, self.args)
         self.optimizer = (
@@ -222,7 +231,8 @@ class Trainer:
             self._report.say(f"already at max_steps ({self.max_steps}) — nothing to do")
             return TrainOutput(self.state.global_step, self._mean_loss(), 0.0, 0.0, resumed_from)
         keep_until = self.state.global_step if resumed_from is not None else 0
-        self._report.open(self.max_steps, self.state.global_step, keep_until)
+        with timelines.span_of(self.timeline, "open run (barrier)"):
+            self._report.open(self.max_steps, self.state.global_step, keep_until)
         self._rng.restore()  # last, so nothing above can shift the dropout masks
         try:
             window = self._loop()
@@ -290,19 +300,23 @@ class Trainer:
         batch = to_device(batch, self.world.device)
         if self._keyword is None:
             self._keyword = takes_keyword_batch(self.model, batch)
-        skip_sync = not sync and isinstance(self.wrapped_model, DistributedDataParallel)
-        with self.wrapped_model.no_sync() if skip_sync else nullcontext():  # type: ignore[operator]
-            with self._autocast():
+        wrapped = isinstance(self.wrapped_model, DistributedDataParallel)
+        # Wrapped, DDP and its reducer record forward and backward on the timeline.
+        timeline = self.timeline if not wrapped else None
+        with self.wrapped_model.no_sync() if wrapped and not sync else nullcontext():  # type: ignore[operator]
+            with self._autocast(), timelines.forward_of(timeline, batch_size(batch)):
                 outputs = call_model(self.wrapped_model, batch, self._keyword)
                 loss = require_loss(outputs, batch, self.loss_fn)
             scaled = loss.float() * scale
             if self.scaler is not None:
                 scaled = self.scaler.scale(scaled)
-            scaled.backward()
+            with timelines.local_backward_of(timeline, sync):
+                scaled.backward()
         return loss.detach().float()
 
     def _finish_step(self, loss: Tensor, run: StepWindow, window: StepWindow) -> None:
-        grad_norm = self._optimizer_step()
+        with timelines.span_of(self.timeline, "optimizer step"):
+            grad_norm = self._optimizer_step()
         self.state.global_step += 1
         progress.step(self.state.global_step + 1)
         for tracker in (run, window):
@@ -337,7 +351,8 @@ class Trainer:
         window.reset(self._comm_wait())
 
     def _emit(self, metrics: dict[str, float]) -> None:
-        self._report.emit(self.state.global_step, metrics)
+        with timelines.span_of(self.timeline, "log (barrier)"):
+            self._report.emit(self.state.global_step, metrics)
 
     def _sync_loss(self) -> dict[str, float]:
         """Collective: fold this call's step losses into state.loss_sum; the run's summary."""
@@ -414,7 +429,8 @@ class Trainer:
             raise ConfigurationError("save_checkpoint() needs a train_dataset — pass one")
         self._sync_loss()
         notes = {"args.json": json.dumps(self.args.to_dict(), indent=1).encode()}
-        saved = self._checkpointer.save(self.checkpoint_states(), self.state.global_step, notes)
+        with timelines.span_of(self.timeline, "checkpoint save"):
+            saved = self._checkpointer.save(self.checkpoint_states(), self.state.global_step, notes)
         self._report.say(
             f"saved {saved.path.name} ({human_size(saved.bytes)}, {saved.seconds:.2f} s)"
         )
