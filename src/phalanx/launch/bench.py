@@ -36,8 +36,16 @@ from phalanx.launch.bench_report import (
 _TIMELINE = "PHALANX_TIMELINE"
 _STOP = "PHALANX_BENCH_STEPS"
 # Probe sizes besides the job's own buckets: 256 KiB to 64 MiB by factors of 4, the
-# range of bucket_cap_mb worth recommending.
+# range of bucket_cap_mb worth recommending, as far as the step's bytes reach.
 _PROBE_SIZES = [256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
+
+
+def probe_sizes(result: WorldResult) -> list[int]:
+    """The job's buckets, the whole step and half of it (what compression would send),
+    and the standard sizes up to the step's bytes (no bucket is larger)."""
+    step = result.bytes_per_step
+    standard = [n for n in _PROBE_SIZES if n <= step]
+    return sorted({*result.bucket_bytes, step, step // 2, *standard} - {0})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,8 +106,7 @@ def run_bench(ns: argparse.Namespace, worlds: list[int]) -> dict[str, Any]:
         print(f"phalanx bench: world {world}: running {ns.script} ...", flush=True)
         result = _measure(ns, world)
         if world > 1 and not ns.no_probe and result.bucket_bytes:
-            sizes = sorted(set(result.bucket_bytes) | set(_PROBE_SIZES))
-            attach_probe(result, _probe(ns, world, sizes))
+            attach_probe(result, _probe(ns, world, probe_sizes(result)))
         results.append(result)
     set_efficiency(results)
     advice = recommend(results)
