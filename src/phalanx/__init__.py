@@ -9,11 +9,18 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from phalanx.errors import ConfigurationError, NotSupportedError, PhalanxError, ReducerError
+from phalanx.errors import (
+    ConfigurationError,
+    NotSupportedError,
+    PhalanxError,
+    ReducerError,
+    UnevenInputsError,
+)
 
 if TYPE_CHECKING:
     from phalanx.data.sampler import DistributedSampler
     from phalanx.ddp import comm_hooks
+    from phalanx.ddp.join import Join
     from phalanx.ddp.module import DistributedDataParallel
     from phalanx.diagnostics.replicas import check_replicas
     from phalanx.optim.diloco import DiLoCo
@@ -34,6 +41,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "TrainingArguments": ("phalanx.train", "TrainingArguments"),
     "DistributedDataParallel": ("phalanx.ddp.module", "DistributedDataParallel"),
     "DistributedSampler": ("phalanx.data.sampler", "DistributedSampler"),
+    "Join": ("phalanx.ddp.join", "Join"),
     "comm_hooks": ("phalanx.ddp.comm_hooks", None),
     "ZeroRedundancyOptimizer": ("phalanx.optim.zero", "ZeroRedundancyOptimizer"),
     "LocalSGD": ("phalanx.optim.local_sgd", "LocalSGD"),
@@ -48,6 +56,7 @@ __all__ = [
     "DiLoCo",
     "DistributedDataParallel",
     "DistributedSampler",
+    "Join",
     "LocalSGD",
     "MixedPrecisionPolicy",
     "NotSupportedError",
@@ -55,6 +64,7 @@ __all__ = [
     "ReducerError",
     "Trainer",
     "TrainingArguments",
+    "UnevenInputsError",
     "World",
     "ZeroRedundancyOptimizer",
     "check_replicas",

@@ -18,6 +18,7 @@ __all__ = [
     "PortTakenError",
     "ReducerError",
     "RendezvousError",
+    "UnevenInputsError",
     "UsageError",
 ]
 
@@ -40,6 +41,11 @@ class PortTakenError(ConfigurationError):
 
 class ReducerError(PhalanxError):
     """The gradient reducer saw a state that would give wrong gradients or a hang."""
+
+
+class UnevenInputsError(ReducerError):
+    """Under `Join(throw_on_early_termination=True)`, a rank ran out of batches: raised on
+    every rank at the same iteration (torch raises a RuntimeError there)."""
 
 
 class NotSupportedError(PhalanxError, NotImplementedError):

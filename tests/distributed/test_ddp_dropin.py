@@ -175,8 +175,6 @@ def _refusals(rank: int) -> dict[str, str]:
 
 
 REFUSED_METHODS = [
-    "join",
-    "join_hook",
     "_register_fused_optim",
     "_register_buffer_comm_hook",
     "_get_ddp_logging_data",

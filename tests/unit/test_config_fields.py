@@ -203,6 +203,7 @@ def test_a_subclass_gets_flags_checks_and_help_for_its_own_fields(
     [
         ({}, DDPOptions(bucket_cap_mb=25.0, find_unused_parameters=False, broadcast_buffers=True)),
         ({"ddp_bucket_cap_mb": 50}, DDPOptions(bucket_cap_mb=50.0)),
+        ({"ddp_bucket_cap_mb": "Auto"}, DDPOptions(bucket_cap_mb="auto")),
         ({"ddp_find_unused_parameters": True}, DDPOptions(find_unused_parameters=True)),
         ({"ddp_broadcast_buffers": False}, DDPOptions(broadcast_buffers=False)),
         ({"gradient_checkpointing": True}, DDPOptions(broadcast_buffers=False)),

@@ -166,6 +166,7 @@ def test_from_cli_reads_every_kind_of_flag() -> None:
     assert (args.ddp_find_unused_parameters, args.ddp_broadcast_buffers) == (True, False)
     assert (args.ddp_bucket_cap_mb, args.report_to) == (50.0, ["console", "csv"])
     assert TrainingArguments.from_cli(["--report_to", "none"]).report_to == []
+    assert TrainingArguments.from_cli(["--ddp_bucket_cap_mb", "auto"]).ddp_bucket_cap_mb == "auto"
     assert TrainingArguments.from_cli([]) == TrainingArguments()
 
 

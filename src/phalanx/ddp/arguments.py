@@ -85,8 +85,12 @@ def _mib_to_bytes(name: str, value: Any) -> int:
     return max(1, int(mib * MIB))
 
 
+AUTO = "auto"
+"""bucket_cap_mb="auto": measure a few sizes during the first steps (phalanx.ddp.autotune)."""
+
+
 def bucket_caps(
-    bucket_cap_mb: float | None, bucket_cap_mb_list: Sequence[float] | None
+    bucket_cap_mb: float | str | None, bucket_cap_mb_list: Sequence[float] | None
 ) -> list[int]:
     """Byte caps of the buckets in launch order (the last repeats); see `assign_buckets`.
 
@@ -94,12 +98,14 @@ def bucket_caps(
     rest up to the last entry, with no separate small first bucket.
     """
     if bucket_cap_mb_list is not None and len(bucket_cap_mb_list) > 0:
-        if bucket_cap_mb not in (None, DEFAULT_BUCKET_CAP_MB):
+        if bucket_cap_mb not in (None, DEFAULT_BUCKET_CAP_MB, AUTO):
             raise ConfigurationError(
                 f"both bucket_cap_mb={bucket_cap_mb} and bucket_cap_mb_list were passed; the "
                 "list sets every bucket's size — pass one of them"
             )
         return [_mib_to_bytes("bucket_cap_mb_list entry", mb) for mb in bucket_cap_mb_list]
+    if bucket_cap_mb == AUTO:  # the default until the measurement picks a size
+        bucket_cap_mb = DEFAULT_BUCKET_CAP_MB
     cap_mb = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
     return default_caps(_mib_to_bytes("bucket_cap_mb", cap_mb))
 

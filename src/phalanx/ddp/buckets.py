@@ -78,6 +78,7 @@ class Bucket:
         "copy_on_ready",
         "deferred",
         "flags",
+        "grad_bytes",
         "grads",
         "grads_in_views",
         "index",
@@ -109,6 +110,8 @@ class Bucket:
         self.param_indices = list(param_indices)
         """Each slot's parameter, as an index into the reducer's parameter list."""
         self.params = [params[i] for i in param_indices]
+        self.grad_bytes = sum(p.numel() * p.element_size() for p in self.params)
+        """Bytes of this bucket's gradients (what a reduction sends, flag slots aside)."""
         self.keeps_gradients = keeps_gradients
         """False: no buffer at all; the bucket only counts readiness, and the reduction
         reads each `.grad` at launch (sharded gradients need no full-size copy)."""

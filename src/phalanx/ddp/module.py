@@ -22,6 +22,8 @@ from torch import nn
 from phalanx.ddp import arguments
 from phalanx.ddp.arguments import DEFAULT_BUCKET_CAP_MB
 from phalanx.ddp.comm_hooks import CommHook, allreduce_hook, fp16_compress_hook
+from phalanx.ddp.join import Join, Joinable, JoinConfig, JoinHook, JoinRound
+from phalanx.ddp.join_ddp import DDPJoinHook, ForwardPlan
 from phalanx.ddp.reducer import Reducer
 from phalanx.ddp.reductions import AllReduce, CommHookReduction
 from phalanx.ddp.sync import broadcast_coalesced, verify_same_state
@@ -42,7 +44,7 @@ logger = logging.getLogger("phalanx")
 _REDUCER_OF: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[Reducer]]] = {}
 
 
-class DistributedDataParallel(TorchSurface, nn.Module):
+class DistributedDataParallel(TorchSurface, nn.Module, Joinable):
     """Replicate `module` on every rank and average its gradients during backward.
 
     Our own reducer (phalanx.ddp.reducer), not a wrapper of torch's: gradients
@@ -61,7 +63,7 @@ class DistributedDataParallel(TorchSurface, nn.Module):
         broadcast_buffers: bool | None = True,
         init_sync: bool = True,
         process_group: dist.ProcessGroup | None = None,
-        bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB,
+        bucket_cap_mb: float | str | None = DEFAULT_BUCKET_CAP_MB,
         find_unused_parameters: bool = False,
         check_reduction: bool = False,
         gradient_as_bucket_view: bool = False,
@@ -90,6 +92,8 @@ class DistributedDataParallel(TorchSurface, nn.Module):
         )
         arguments.warn_deprecated(check_reduction)
         self._bucket_caps = arguments.bucket_caps(bucket_cap_mb, bucket_cap_mb_list)
+        # "auto" with a list: the list wins (it sets every size), as bucket_caps says.
+        self._tune_bucket_size = bucket_cap_mb == arguments.AUTO and not bucket_cap_mb_list
         self.module = module
         self.process_group = arguments.resolve_group(process_group, device_mesh)
         if device_mesh is not None:
@@ -117,6 +121,8 @@ class DistributedDataParallel(TorchSurface, nn.Module):
         self.require_forward_param_sync = True
         self._ddp_sink_clone = True
         self.world_size = dist.get_world_size(self.process_group)
+        self._join_config = JoinConfig.disabled()
+        self._divide_by_initial_world_size = True
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
 
         params = self._managed_parameters()
@@ -162,7 +168,10 @@ class DistributedDataParallel(TorchSurface, nn.Module):
             static_graph=self.static_graph,
             skip_unused_buckets=self.skip_all_reduce_unused_params,
             batched_copy=self.batched_grad_copy,
+            tune_bucket_size=self._tune_bucket_size,
         )
+        # A reducer made again (unpickling) records where the wrapper's timeline does.
+        self.reducer.timeline = getattr(self, "_timeline", None)
         for _, p in trainable:
             _REDUCER_OF[id(p)] = (weakref.ref(p), weakref.ref(self.reducer))
 
@@ -252,10 +261,26 @@ class DistributedDataParallel(TorchSurface, nn.Module):
     # state, which a compiled graph must not capture. The module itself compiles.
     @torch.compiler.disable
     def _before_forward(self) -> None:
-        if torch.is_grad_enabled() and self.require_backward_grad_sync:
-            self.reducer.rebuild_if_due()
-        if self.will_sync_module_buffers() and self.world_size > 1:
-            broadcast_coalesced(self._buffers_to_sync, self.process_group)
+        sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        plan = ForwardPlan(
+            sync=sync,
+            buffers=self.will_sync_module_buffers() and self.world_size > 1,
+            rebuild=sync and self.reducer.rebuild_due(),
+        )
+        buffer_source = 0
+        if self._join_config.enable:  # under Join: tell the ranks out of batches what follows
+            round_ = Join.notify_join_context(self, plan.flags())
+            if round_ is not None:
+                self.set_join_divisor(round_)
+                buffer_source = round_.authority
+        if plan.sync:
+            self.reducer.before_sync_forward(plan.rebuild)
+        if plan.buffers:
+            self.sync_buffers(src=buffer_source)
+
+    def sync_buffers(self, src: int = 0) -> None:
+        """Broadcast rank `src`'s buffers (of the process group) to every rank, counted."""
+        self.reducer.stats.add(broadcast_coalesced(self._buffers_to_sync, self.process_group, src))
 
     @torch.compiler.disable
     def _after_forward(self, output: Any) -> None:
@@ -280,6 +305,39 @@ class DistributedDataParallel(TorchSurface, nn.Module):
     @broadcast_buffers.setter
     def broadcast_buffers(self, value: bool) -> None:
         self.forward_sync_buffers = value
+
+    # --------------------------------------------------------------------- Join
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> Join:
+        """`with model.join():` — the same as `with phalanx.Join([model], ...)` (torch's)."""
+        return Join(
+            [self],
+            enable,
+            throw_on_early_termination,
+            divide_by_initial_world_size=divide_by_initial_world_size,
+        )
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """What this model does on a rank out of batches (phalanx.ddp.join_ddp)."""
+        self._divide_by_initial_world_size = bool(kwargs.get("divide_by_initial_world_size", True))
+        return DDPJoinHook(self, self._divide_by_initial_world_size)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.reducer.signals.device
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        return self.process_group
+
+    def set_join_divisor(self, round_: JoinRound) -> None:
+        """divide_by_initial_world_size=False: average over the ranks training this round."""
+        if not self._divide_by_initial_world_size:
+            self.reducer.average_over(len(round_.training))
 
     # --------------------------------------------------------------- public API
     @contextmanager

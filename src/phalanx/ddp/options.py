@@ -17,8 +17,8 @@ from phalanx.ddp.module import DEFAULT_BUCKET_CAP_MB
 class DDPOptions:
     """DistributedDataParallel keyword arguments, every one resolved to a concrete value."""
 
-    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
-    """Size of the gradient buckets all-reduced together, in MiB."""
+    bucket_cap_mb: float | str = DEFAULT_BUCKET_CAP_MB
+    """Size of the gradient buckets all-reduced together, in MiB, or "auto"."""
     find_unused_parameters: bool = False
     """Search the autograd graph after each forward for parameters that will get no gradient."""
     broadcast_buffers: bool = True

@@ -13,16 +13,15 @@ Life of one synced iteration (docs/architecture.md draws it):
 With static_graph, the first synced backward only counts gradients per
 parameter (phase RECORDING, phalanx.ddp.static_graph) and sends every bucket
 at its end. The hook runs once per parameter per step in Python, so it is
-kept minimal.
+kept minimal. Under Join, a rank out of batches runs `shadow_iteration`
+instead: the same collectives, with no gradient of its own (phalanx.ddp.join).
 """
 
 from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
-from enum import Enum
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,52 +29,24 @@ import torch.distributed as dist
 
 from phalanx.ddp import reducer_errors
 from phalanx.ddp.autograd import EndOfBackward
-from phalanx.ddp.buckets import Bucket, assign_buckets
+from phalanx.ddp.buckets import Bucket
+from phalanx.ddp.layout import BucketPlan
+from phalanx.ddp.phase import Phase
 from phalanx.ddp.reductions import AllReduce, BucketReduction
 from phalanx.ddp.signals import StepSignals
 from phalanx.ddp.static_graph import GradientCounts
-from phalanx.ddp.sync import rank0_order
-from phalanx.ddp.unused import UnusedParameters
+from phalanx.ddp.stats import ReducerStats
+from phalanx.ddp.unused import BucketSkips, UnusedParameters
 from phalanx.diagnostics import progress
 
 if TYPE_CHECKING:
     from phalanx.diagnostics.timeline import Timeline
 
-
-class Phase(Enum):
-    """Where the reducer stands in the current iteration."""
-
-    IDLE = "idle"
-    """No DDP forward since the last reduction: gradients are ignored."""
-    LOCAL_ARMED = "local_armed"
-    """A forward ran under no_sync(): its backward only accumulates."""
-    LOCAL = "local"
-    """A no_sync() backward is running."""
-    ARMED = "armed"
-    """A synced forward ran: its backward will reduce."""
-    REDUCING = "reducing"
-    """A synced backward is running: buckets fill and launch in order."""
-    RECORDING = "recording"
-    """static_graph's first synced backward: gradients are only counted; every bucket
-    goes at its end (torch's DDP does the same)."""
-    REDUCED = "reduced"
-    """Reduced: another gradient before the next forward is an error."""
+__all__ = ["Phase", "Reducer", "ReducerStats"]
 
 
 # The hook compares against this module constant: no attribute lookup on Phase per call.
 _REDUCING = Phase.REDUCING
-
-
-@dataclass
-class ReducerStats:
-    """Counters a user (or a test) can read to see what the reducer really did."""
-
-    sync_rounds: int = 0  # backward passes whose gradients were reduced
-    buckets_launched: int = 0  # bucket collectives launched
-    buckets_skipped: int = 0  # not sent, unused on every rank (skip_all_reduce_unused_params)
-    collectives: int = 0  # every collective launched for gradients (buckets + step signals)
-    comm_wait_s: float = 0.0  # time spent waiting on communication at the end of backward
-    rebuilds: int = 0  # bucket rebuilds (at most one)
 
 
 class Reducer:
@@ -92,24 +63,30 @@ class Reducer:
         static_graph: bool = False,
         skip_unused_buckets: bool = False,
         batched_copy: bool = False,
+        tune_bucket_size: bool = False,
     ) -> None:
         self.names = [name for name, _ in named_params]
         self.params = [p for _, p in named_params]
         self.group = group
         self.world_size = dist.get_world_size(group)
-        self.bucket_caps = list(bucket_caps)
-        """Bucket k of a (device, dtype) closes at bucket_caps[k] bytes (the last cap repeats)."""
-        self.gradient_as_bucket_view = gradient_as_bucket_view
-        self.skip_unused_buckets = skip_unused_buckets
-        """skip_all_reduce_unused_params: a bucket unused on every rank is not sent."""
-        self.batched_copy = batched_copy
-        self.stats = ReducerStats()
         self.timeline: Timeline | None = None
         """Where backward, bucket flights and the final wait are recorded (None: nowhere)."""
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.batched_copy = batched_copy
+        self.stats = ReducerStats()
         self.reduction: BucketReduction = AllReduce(group)
         self.unused = UnusedParameters(self.params, find_unused_parameters, static_graph)
         self.counts = GradientCounts(self.names, static_graph)
-        self.signals = StepSignals(group, self.params[0].device)
+        self.signals = StepSignals(group, self.params[0].device, self.stats)
+        self.plan = BucketPlan(
+            self.params,
+            bucket_caps,
+            group,
+            self.signals.device,
+            self.stats,
+            tune=tune_bucket_size,
+        )
+        """The order and the caps the buckets are built from (phalanx.ddp.layout)."""
         self.phase = Phase.IDLE
         self._end = EndOfBackward(self._end_of_backward)
         self._used = self.unused.used  # the same bytearray, reset in place
@@ -117,22 +94,22 @@ class Reducer:
         # except under static_graph for a parameter used by several reentrant checkpoints.
         self._fires_left = bytearray(self.counts.expected)
         self._next_launch = 0
-        self._skipped: frozenset[int] = frozenset()  # bucket indices not sent this iteration
-        self._skip_planned_for: list[Bucket] | None = None
+        self.skips = BucketSkips(skip_unused_buckets, self.unused, self.signals)
+        """skip_all_reduce_unused_params: a bucket unused on every rank is not sent."""
         self._backwards_seen = 0
         self._recording_arrival = False
-        self._arrival: list[int] = []  # first backward's gradient order, for the rebuild
-        self._rebuilt = False
-        self._build(list(reversed(range(len(self.params)))))
+        self._arrival = self.plan.arrival  # first backward's gradient order, for the rebuild
+        self._backward_started = 0.0  # perf_counter() at the first gradient of this backward
+        self._build()
         self._handles = [
             p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, i))
             for i, p in enumerate(self.params)
         ]
 
     # ----------------------------------------------------------------- buckets
-    def _build(self, order: list[int]) -> None:
-        """(Re)allocate the buckets for arrival `order`, keeping any gradients already there."""
-        assignment = assign_buckets(self.params, order, self.bucket_caps)
+    def _build(self) -> None:
+        """(Re)allocate the buckets as the plan says, keeping any gradients already there."""
+        assignment = self.plan.layout()
         last = len(assignment) - 1
         self.buckets = [
             Bucket(
@@ -152,7 +129,7 @@ class Reducer:
         for bucket in self.buckets:
             for slot, i in enumerate(bucket.param_indices):
                 self._bucket_of[i], self._slot_of[i] = bucket, slot
-        self._skipped = frozenset()
+        self.skips.skipped = frozenset()
         self.set_reduction(self.reduction)
         if self.gradient_as_bucket_view and self.reduction.keeps_gradients:
             for bucket in self.buckets:
@@ -166,36 +143,36 @@ class Reducer:
         rebuild = reduction.keeps_gradients != self.buckets[0].keeps_gradients
         self.reduction = reduction
         if rebuild:
-            self._build([i for b in self.buckets for i in b.param_indices])
+            self._build()
             return
         scale = reduction.slot_scale()
         for bucket in self.buckets:
             bucket.scale = scale
 
+    def average_over(self, ranks: int) -> None:
+        """Divide the summed gradients by `ranks` from now on (Join with
+        divide_by_initial_world_size=False: the ranks still training). Comm hooks
+        divide as they choose, as in torch."""
+        if isinstance(self.reduction, AllReduce):
+            self.reduction.set_divisor(ranks)
+
     def bucket_order(self) -> list[list[str]]:
         """Parameter names per bucket, in launch order (for logs and tests)."""
         return [[self.names[i] for i in b.param_indices] for b in self.buckets]
 
-    def rebuild_if_due(self) -> None:
-        """Once, after the first backward: re-bucket in the order gradients really arrived.
+    def rebuild_due(self) -> bool:
+        """Whether the next synced forward rebuilds the buckets in arrival order (once)."""
+        return self.plan.rebuild_due(self._backwards_seen)
 
-        Rank 0's order is broadcast so that every rank builds identical buckets.
-        """
-        if self._rebuilt or self._backwards_seen == 0:
-            return
-        self._rebuilt = True
-        self._recording_arrival = False
-        # A parameter counted several times (static_graph's first backward) is ready at
-        # its last gradient: keep that arrival.
-        arrival = list(dict.fromkeys(reversed(self._arrival)))[::-1]
-        seen = rank0_order(arrival, len(self.params), self.group, self.signals.device)
-        seen_set = set(seen)
-        new_order = seen + [i for i in reversed(range(len(self.params))) if i not in seen_set]
-        self._arrival = []
-        self.stats.rebuilds += 1
-        new = assign_buckets(self.params, new_order, self.bucket_caps)
-        if new != [b.param_indices for b in self.buckets]:
-            self._build(new_order)
+    def before_sync_forward(self, rebuild: bool | None = None) -> None:
+        """Before a grad-enabled synced forward: the arrival-order rebuild when due, then
+        bucket_cap_mb="auto"'s next step. A rank shadowing under Join passes `rebuild`
+        as the training ranks decided it (its own backwards may not have happened)."""
+        rebuild = self.rebuild_due() if rebuild is None else rebuild
+        if rebuild:
+            self._recording_arrival = False
+        if self.plan.before_sync_forward(rebuild):
+            self._build()
 
     def set_static_graph(self) -> None:
         """`_set_static_graph()`: from the next synced backward on, as static_graph=True."""
@@ -215,15 +192,18 @@ class Reducer:
         if not sync:
             self.phase = Phase.LOCAL_ARMED
             return
+        self._start_iteration()
+        self.unused.search(outputs)
+        if not self.counts.recording:
+            self._plan_skipped_buckets()
+        self._end.watch(outputs)
+
+    def _start_iteration(self) -> None:
         self.phase = Phase.ARMED
         self._next_launch = 0
         self._fires_left = bytearray(self.counts.expected)
         for bucket in self.buckets:
             bucket.reset()
-        self.unused.search(outputs)
-        if not self.counts.recording:
-            self._plan_skipped_buckets()
-        self._end.watch(outputs)
 
     def _on_grad_ready(self, i: int, param: torch.Tensor) -> None:
         """The hot path: one call per parameter per backward."""
@@ -254,17 +234,15 @@ class Reducer:
         """
         phase = self.phase
         if phase is Phase.ARMED:
-            self._begin_backward()
-            if self.timeline is not None:
-                self.timeline.backward_started()
+            self._begin_backward(synced=True)
             self._end.queue()  # no-op when an output's hook queued it (the usual case)
             if not self.counts.recording:
                 self.phase = Phase.REDUCING
-                self._mark_unused_ready()
+                self._mark_ready_unused(self.unused.now)
                 return True
             self.phase = phase = Phase.RECORDING
         elif phase is Phase.LOCAL_ARMED:
-            self._begin_backward()
+            self._begin_backward(synced=False)
             self.phase = phase = Phase.LOCAL
         elif phase is Phase.REDUCED:
             self._raise_ready_twice(i)
@@ -278,13 +256,20 @@ class Reducer:
                 self._bucket_of[i].accumulate_in_view(self._slot_of[i], param)
         return False
 
-    def _begin_backward(self) -> None:
+    def _begin_backward(self, synced: bool) -> None:
         self._backwards_seen += 1
-        self._recording_arrival = self._backwards_seen == 1 and not self._rebuilt
+        self._recording_arrival = self._backwards_seen == 1 and not self.plan.rebuilt
+        if synced:
+            self._synced_backward_started()
 
-    def _mark_unused_ready(self) -> None:
+    def _synced_backward_started(self) -> None:
+        self._backward_started = time.perf_counter()
+        if self.timeline is not None:
+            self.timeline.backward_started()
+
+    def _mark_ready_unused(self, indices: Iterable[int]) -> None:
         """A parameter the graph does not reach still fills its slot, or its bucket never goes."""
-        for i in self.unused.now:
+        for i in indices:
             if self._fires_left[i] == 0:
                 self._raise_ready_twice(i)
             self._fires_left[i] = 0
@@ -299,38 +284,23 @@ class Reducer:
             self._launch_ready_buckets()
 
     def _plan_skipped_buckets(self) -> None:
-        """skip_all_reduce_unused_params: agree on the buckets that no rank uses this time.
-
-        torch skips the buckets unused on *this* rank and hangs if another rank
-        used them; agreeing first (one small all-reduce after forward) skips
-        only what is unused everywhere, so a rank that differs costs bandwidth,
-        not a deadlock. Under static_graph the set never changes: agreed once
-        per bucket layout.
-        """
-        if not self.skip_unused_buckets or not self.unused.tracked:
-            return
-        if self.unused.static_graph and self._skip_planned_for is self.buckets:
-            return
-        unused = set(self.unused.now)
-        mine = [all(i in unused for i in b.param_indices) for b in self.buckets]
-        everywhere = self.signals.agree(mine)
-        self.stats.collectives += 1
-        self._skipped = frozenset(k for k, skip in enumerate(everywhere) if skip)
-        self._skip_planned_for = self.buckets
+        if self.skips.due(self.buckets):
+            self.skips.agree(self.buckets, set(self.unused.now))
 
     def _launch_ready_buckets(self) -> None:
         """Launch every consecutive full bucket from `_next_launch`: same order on all ranks."""
         buckets, k = self.buckets, self._next_launch
         while k < len(buckets) and buckets[k].pending == 0:
-            if k in self._skipped:
+            if k in self.skips.skipped:
                 self.stats.buckets_skipped += 1
             else:
-                buckets[k].launch(self.reduction)
+                bucket = buckets[k]
+                bucket.launch(self.reduction)
                 progress.collective("ddp all_reduce bucket", k, self.stats.sync_rounds + 1)
-                if self.timeline is not None:
-                    self._record_flight(buckets[k])
                 self.stats.buckets_launched += 1
-                self.stats.collectives += 1
+                if self.timeline is not None:
+                    future = self.reduction.future(bucket.work)
+                    self.timeline.bucket_launched(k, bucket.grad_bytes, future)
             k += 1
         self._next_launch = k
 
@@ -348,7 +318,7 @@ class Reducer:
         self._fires_left = bytearray(self.counts.expected)
         self.phase = Phase.REDUCING
         self._plan_skipped_buckets()
-        self._mark_unused_ready()
+        self._mark_ready_unused(self.unused.now)
         for i, param in enumerate(self.params):
             if self._fires_left[i]:
                 self._fires_left[i] = 0
@@ -357,44 +327,60 @@ class Reducer:
     def _flag_carrier(self) -> torch.Tensor | None:
         """The last bucket's flag slots, when the flags ride in its collective."""
         last = len(self.buckets) - 1
-        if self.reduction.carries_flags and last not in self._skipped:
+        if self.reduction.carries_flags and last not in self.skips.skipped:
             return self.buckets[last].flags
         return None
 
-    def _finalize(self) -> None:
-        """End of backward: wait for every bucket, learn what the other ranks saw, write back."""
+    def _finalize(self, shadow: bool = False, send_local: bool = True) -> None:
+        """End of backward: wait for every bucket, learn what the other ranks saw, write back.
+
+        `shadow`: this rank had no batch (`shadow_iteration`); then every parameter
+        counts as unused here, and `send_local=False` leaves `.grad` alone.
+        """
         with torch.profiler.record_function("phalanx.ddp.finalize"):
             self.phase = Phase.REDUCED
             start = time.perf_counter_ns()
             if self._next_launch < len(self.buckets):
                 self._launch_despite_missing_gradients()
-            for bucket in self.buckets:
-                bucket.wait(self.reduction)
+            self._wait_for_buckets()
             outcome = self.signals.exchange(
                 self._flag_carrier(), self._used if self.unused.tracked else None
             )
             end = time.perf_counter_ns()
-            self.stats.comm_wait_s += (end - start) / 1e9
-            if self.timeline is not None:
-                self.timeline.backward_waited(start, end)
-            self.stats.collectives += outcome.collectives
+            self._waited(start, end, shadow)
             if outcome.failed_ranks:
                 self._raise_for_failed_ranks(outcome.failed_ranks)
-            unused_everywhere = self.unused.unused_everywhere(outcome.used_counts)
-            self.unused.restore_saved(self._slot_view, unused_everywhere)
-            for bucket in self.buckets:
-                if bucket.index not in self._skipped:
-                    self.reduction.write_back(bucket, unused_everywhere)
-            self.stats.sync_rounds += 1
+            if outcome.used_counts is not None:
+                self.unused.remember(outcome.used_counts, shadowed=shadow)
+            here = range(len(self.params)) if shadow else self.unused.now
+            unused_everywhere = self.unused.unused_everywhere(outcome.used_counts, here)
+            if send_local:
+                self.unused.restore_saved(self._slot_view, unused_everywhere)
+                for bucket in self.buckets:
+                    if bucket.index not in self.skips.skipped:
+                        self.reduction.write_back(bucket, unused_everywhere)
             self.unused.end_iteration()
 
-    def _record_flight(self, bucket: Bucket) -> None:
-        """Timeline: this bucket's flight, completed by its collective's own future."""
-        work = bucket.work
-        future = work.get_future() if hasattr(work, "get_future") else work
-        nbytes = bucket.buffer.numel() * bucket.buffer.element_size()
-        assert self.timeline is not None
-        self.timeline.bucket_launched(bucket.index, nbytes, future)
+    def _wait_for_buckets(self) -> None:
+        """Every launched bucket's collective done; what each sent, counted."""
+        for bucket in self.buckets:
+            handle = bucket.work
+            if handle is not None:
+                bucket.wait(self.reduction)
+                self.stats.add(self.reduction.traffic(bucket, handle, self.world_size))
+
+    def _waited(self, start_ns: int, end_ns: int, shadow: bool) -> None:
+        """Book the end-of-backward wait: counters, timeline, the bucket-size tuner."""
+        self.stats.comm_wait_s += (end_ns - start_ns) / 1e9
+        if self.timeline is not None:
+            self.timeline.backward_waited(start_ns, end_ns)
+        if shadow:
+            self.stats.shadow_rounds += 1
+            return
+        self.stats.sync_rounds += 1
+        tuner = self.plan.tuner
+        if tuner is not None and not tuner.done:
+            tuner.record(end_ns / 1e9 - self._backward_started)
 
     def _launch_despite_missing_gradients(self) -> None:
         """Some gradients never came: still send every bucket, with this rank's flag raised.
@@ -407,6 +393,35 @@ class Reducer:
                 self._bucket_of[i].mark_missing(self._slot_of[i])
         self.signals.raise_flag(self._flag_carrier())
         self._launch_ready_buckets()
+
+    # ------------------------------------------------------------------ Join
+    def shadow_iteration(self, send_local: bool = False) -> None:
+        """A rank out of batches takes part in the others' synced iteration (phalanx.ddp.join).
+
+        As if its forward had used no parameter: the bucket agreement, every
+        bucket in order and the step signals go as on the training ranks, so a
+        training rank's failure raises here too. The buckets hold zeros, or with
+        `send_local` this rank's own `.grad` (what it accumulated under no_sync
+        before its batches ran out, kept in the average), and then `.grad` gets
+        the averages as on the training ranks. Without it `.grad` is left alone
+        (torch's join; with gradient_as_bucket_view it holds the average).
+        """
+        self._start_iteration()
+        self._synced_backward_started()
+        if not send_local:
+            self._used[:] = self.unused.last_used  # torch's stale map (UnusedParameters.remember)
+        everything = range(len(self.params))
+        if self.skips.due(self.buckets):
+            self.skips.agree(self.buckets, set(everything))
+        self.phase = Phase.REDUCING
+        if send_local:
+            self._mark_ready_unused(everything)
+        else:
+            for i in everything:
+                self._fires_left[i] = 0
+                self._bucket_of[i].mark_missing(self._slot_of[i])
+            self._launch_ready_buckets()
+        self._finalize(shadow=True, send_local=send_local)
 
     # ----------------------------------------------------------------- errors
     def _raise_ready_twice(self, i: int) -> None:

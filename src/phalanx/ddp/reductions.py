@@ -19,6 +19,8 @@ import torch.distributed as dist
 
 from phalanx.ddp.buckets import Bucket
 from phalanx.ddp.comm_hooks import CommHook, GradBucket
+from phalanx.ddp.comm_stats import stats_of
+from phalanx.ddp.stats import Collective, Traffic, ring_wire_bytes
 
 
 class BucketReduction(ABC):
@@ -48,6 +50,17 @@ class BucketReduction(ABC):
         except for the parameters in `skip` (reducer indices: unused on every rank)."""
         bucket.write_back(skip)
 
+    def traffic(self, bucket: Bucket, handle: Any, world_size: int) -> Traffic:
+        """What this launch handed to collectives, asked once `finish` returned (counters).
+
+        Default: one all-reduce of the bucket's gradients.
+        """
+        return Traffic.of(Collective.ALL_REDUCE, world_size, gradient_bytes=bucket.grad_bytes)
+
+    def future(self, handle: Any) -> torch.futures.Future[Any] | None:
+        """A future completed with the collective, for the timeline (None: unknown)."""
+        return None
+
 
 class AllReduce(BucketReduction):
     """The default: average the whole buffer with one async all-reduce (torch DDP's path)."""
@@ -64,6 +77,12 @@ class AllReduce(BucketReduction):
     def slot_scale(self) -> torch.Tensor:
         return self._inverse_world
 
+    def set_divisor(self, divisor: int) -> None:
+        """Average over `divisor` ranks from now on (Join: the ranks still training)."""
+        if divisor != self._world_size:
+            self._world_size = divisor
+            self._inverse_world.fill_(1.0 / divisor)  # in place: the buckets hold this tensor
+
     def launch(self, bucket: Bucket) -> Any:
         if not bucket.scaled:
             # Raw sums in the slots (gradient_as_bucket_view accumulates in place;
@@ -74,6 +93,16 @@ class AllReduce(BucketReduction):
 
     def finish(self, bucket: Bucket, handle: Any) -> None:
         handle.wait()
+
+    def traffic(self, bucket: Bucket, handle: Any, world_size: int) -> Traffic:
+        flags = bucket.flags.numel() * bucket.flags.element_size()
+        return Traffic.of(
+            Collective.ALL_REDUCE, world_size, gradient_bytes=bucket.grad_bytes, other_bytes=flags
+        )
+
+    def future(self, handle: Any) -> torch.futures.Future[Any]:
+        future: torch.futures.Future[Any] = handle.get_future()
+        return future
 
 
 class CommHookReduction(BucketReduction):
@@ -95,6 +124,9 @@ class CommHookReduction(BucketReduction):
         self.hook = hook
         self.state = state
         self._previous: torch.futures.Future[Any] | None = None
+        self._hook_stats = stats_of(state)
+        """The hook's own counters when its state is a HookState (what it really sent)."""
+        self._counted = (0, 0)  # (sent_bytes, collectives) of _hook_stats already booked
 
     def launch(self, bucket: Bucket) -> Any:
         grad_bucket = GradBucket(
@@ -132,3 +164,20 @@ class CommHookReduction(BucketReduction):
             result = result[0]
         if result is not bucket.grads:
             bucket.grads.copy_(result)
+
+    def traffic(self, bucket: Bucket, handle: Any, world_size: int) -> Traffic:
+        """What the hook counted in its `HookState.stats` since the last bucket was booked
+        (its chained collectives are done once the bucket is); a hook without one (torch's
+        own, a process group as state) is booked as an all-reduce of the bucket."""
+        stats = self._hook_stats
+        if stats is None:
+            plain = super().traffic(bucket, handle, world_size)
+            return Traffic(plain.collectives, plain.gradient_bytes, 0, plain.wire_bytes, "bucket")
+        sent, calls = stats.sent_bytes - self._counted[0], stats.collectives - self._counted[1]
+        self._counted = (stats.sent_bytes, stats.collectives)
+        wire = ring_wire_bytes(Collective.ALL_REDUCE, sent, world_size)
+        return Traffic(calls, sent, 0, wire, "hook")
+
+    def future(self, handle: Any) -> torch.futures.Future[Any]:
+        future: torch.futures.Future[Any] = handle
+        return future

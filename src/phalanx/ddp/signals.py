@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from phalanx.ddp.stats import Collective, ReducerStats, Traffic
+
 
 @dataclass(frozen=True)
 class StepOutcome:
@@ -32,15 +34,15 @@ class StepOutcome:
     """Ranks that missed gradients (their own error names the parameters)."""
     used_counts: list[int] | None
     """Per parameter, how many ranks gave it a gradient; None when not tracked."""
-    collectives: int
-    """Collectives this exchange issued (0 when everything rode in a bucket)."""
 
 
 class StepSignals:
     """The missing-gradient flags and the used map: laid out, raised and exchanged here only."""
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, stats: ReducerStats) -> None:
         self.group = group
+        self.stats = stats
+        """Where what is sent here is counted (the reducer's counters)."""
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.device = device
@@ -56,7 +58,15 @@ class StepSignals:
         """Which of this rank's `mine` are true on every rank (one small all-reduce)."""
         votes = torch.tensor(mine, dtype=torch.int32).to(self.device)
         dist.all_reduce(votes, group=self.group)
+        self._count(votes)
         return [n == self.world_size for n in votes.tolist()]
+
+    def agree_max(self, mine: int) -> int:
+        """The largest of every rank's `mine` (one small all-reduce)."""
+        value = torch.tensor([mine], dtype=torch.int64).to(self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
+        self._count(value)
+        return int(value.item())
 
     def exchange(self, carrier: torch.Tensor | None, used: bytearray | None) -> StepOutcome:
         """After every bucket finished: send what did not ride in a bucket, read everything.
@@ -76,6 +86,7 @@ class StepSignals:
         if parts:
             message = torch.cat(parts).to(self.device)
             dist.all_reduce(message, group=self.group)
+            self._count(message)
             counts = message.tolist()
         if carrier is None:
             flags, counts = counts[: self.world_size], counts[self.world_size :]
@@ -86,5 +97,8 @@ class StepSignals:
         return StepOutcome(
             failed_ranks=[r for r, f in enumerate(flags) if f != 0],
             used_counts=counts if used is not None else None,
-            collectives=1 if parts else 0,
         )
+
+    def _count(self, message: torch.Tensor) -> None:
+        nbytes = message.numel() * message.element_size()
+        self.stats.add(Traffic.of(Collective.ALL_REDUCE, self.world_size, other_bytes=nbytes))

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from phalanx.ddp.stats import Collective, Traffic
 from phalanx.errors import ConfigurationError
 
 # Broadcast in chunks of this size: large enough for few calls, small enough
@@ -79,12 +80,16 @@ def _raise_first_difference(kind: str, everyone: list[Signature | None]) -> None
 
 def broadcast_coalesced(
     tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, src: int = 0
-) -> None:
-    """Copy `src`'s values into `tensors` on every rank with few, large broadcasts."""
+) -> Traffic:
+    """Copy `src`'s values into `tensors` on every rank with few, large broadcasts.
+
+    `src` is a rank of `group`. Returns what was sent, for the counters.
+    """
     by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
         by_kind.setdefault((t.device, t.dtype), []).append(t)
     global_src = dist.get_global_rank(group, src)
+    calls = 0
     for members in by_kind.values():
         chunk: list[torch.Tensor] = []
         size = 0
@@ -93,16 +98,20 @@ def broadcast_coalesced(
             size += t.numel() * t.element_size()
             if size >= BROADCAST_CHUNK_BYTES:
                 _broadcast_chunk(chunk, group, global_src)
-                chunk, size = [], 0
+                chunk, size, calls = [], 0, calls + 1
         if chunk:
             _broadcast_chunk(chunk, group, global_src)
+            calls += 1
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    world_size = dist.get_world_size(group)
+    return Traffic.of(Collective.BROADCAST, world_size, other_bytes=nbytes, collectives=calls)
 
 
 def _broadcast_chunk(chunk: list[torch.Tensor], group: dist.ProcessGroup, src: int) -> None:
     with torch.no_grad():
         flat = torch.cat([t.reshape(-1) for t in chunk])
         dist.broadcast(flat, src=src, group=group)
-        if dist.get_rank() == src:
+        if dist.get_rank() == src:  # `src` is a global rank here
             return
         values = torch.split(flat, [t.numel() for t in chunk])
         torch._foreach_copy_(chunk, [v.view_as(t) for v, t in zip(values, chunk)])

@@ -79,16 +79,6 @@ class TorchSurface:
 
     # ------------------------------------------------------------ refused
     # Any arguments: whatever a caller passes, it gets the reason, not a TypeError.
-    def join(self, *args: Any, **kwargs: Any) -> NoReturn:
-        _refuse(
-            "join()",
-            "uneven inputs across ranks are not handled yet — give every rank the same "
-            "number of batches (phalanx.DistributedSampler pads, or drop_last=True)",
-        )
-
-    def join_hook(self, *args: Any, **kwargs: Any) -> NoReturn:
-        _refuse("join_hook()", "it serves join(), and uneven inputs are not handled yet")
-
     def _register_fused_optim(self, *args: Any, **kwargs: Any) -> NoReturn:
         _refuse(
             "_register_fused_optim()",

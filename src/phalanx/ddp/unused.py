@@ -15,12 +15,16 @@ torch DDP, instead of a meaningless average of zeros.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from phalanx.nested import iter_tensors
+
+if TYPE_CHECKING:
+    from phalanx.ddp.buckets import Bucket
+    from phalanx.ddp.signals import StepSignals
 
 
 def reachable_leaves(outputs: Any) -> set[int]:
@@ -57,6 +61,9 @@ class UnusedParameters:
         """This iteration's unused parameters (indices), sorted."""
         self.used = bytearray(len(params))
         """1 where the parameter got a gradient since the last reduction (written by the hook)."""
+        self.last_used = bytearray(len(params))
+        """1 where some rank used the parameter in the last reduction this rank took part
+        in, or in one it shadowed since (see `remember`)."""
         self._saved: dict[int, torch.Tensor] = {}
 
     def search(self, outputs: Any) -> None:
@@ -81,11 +88,11 @@ class UnusedParameters:
         value must come back."""
         self._saved[i] = grad.clone()
 
-    def unused_everywhere(self, used_counts: list[int] | None) -> set[int]:
-        """Of this rank's unused parameters, those that no rank gave a gradient."""
+    def unused_everywhere(self, used_counts: list[int] | None, here: Iterable[int]) -> set[int]:
+        """Of this rank's unused parameters (`here`), those that no rank gave a gradient."""
         if used_counts is None:
             return set()
-        return {i for i in self.now if used_counts[i] == 0}
+        return {i for i in here if used_counts[i] == 0}
 
     def restore_saved(self, slot_of: Callable[[int], torch.Tensor], unused: set[int]) -> None:
         """Put back the local gradient of every saved parameter that no rank used."""
@@ -93,6 +100,50 @@ class UnusedParameters:
             if i in unused:
                 slot_of(i).copy_(saved)
 
+    def remember(self, used_counts: list[int], shadowed: bool) -> None:
+        """Keep which parameters some rank used, for the used map a rank out of batches
+        sends under Join. torch's joined rank all-reduces its device-side used map in
+        place, which still holds the counts of its last real iteration and then grows
+        with every shadowed one: a parameter used then counts as used in every
+        iteration it shadows. Parity with torch's Join needs the same map."""
+        for i, count in enumerate(used_counts):
+            if count:
+                self.last_used[i] = 1
+            elif not shadowed:
+                self.last_used[i] = 0
+
     def end_iteration(self) -> None:
         self.used[:] = bytes(len(self.used))
         self._saved.clear()
+
+
+class BucketSkips:
+    """skip_all_reduce_unused_params: the buckets that no rank uses this time, agreed.
+
+    torch skips the buckets unused on *this* rank and hangs if another rank
+    used them; agreeing first (one small all-reduce after forward) skips only
+    what is unused everywhere, so a rank that differs costs bandwidth, not a
+    deadlock. Under static_graph the set never changes: agreed once per bucket
+    layout.
+    """
+
+    def __init__(self, enabled: bool, unused: UnusedParameters, signals: StepSignals) -> None:
+        self.enabled = enabled
+        self.unused = unused
+        self.signals = signals
+        self.skipped: frozenset[int] = frozenset()
+        """Bucket indices not sent this iteration."""
+        self._agreed_for: list[Bucket] | None = None
+
+    def due(self, buckets: list[Bucket]) -> bool:
+        """Whether this iteration agrees on the skipped buckets (the same on every rank)."""
+        if not self.enabled or not self.unused.tracked:
+            return False
+        return not (self.unused.static_graph and self._agreed_for is buckets)
+
+    def agree(self, buckets: list[Bucket], unused_here: set[int]) -> None:
+        """One small all-reduce: which buckets hold only parameters unused on every rank."""
+        mine = [all(i in unused_here for i in b.param_indices) for b in buckets]
+        everywhere = self.signals.agree(mine)
+        self.skipped = frozenset(k for k, skip in enumerate(everywhere) if skip)
+        self._agreed_for = buckets

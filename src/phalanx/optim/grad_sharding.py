@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from phalanx.ddp.buckets import Bucket
 from phalanx.ddp.reductions import BucketReduction
+from phalanx.ddp.stats import Collective, Traffic
 from phalanx.optim.sharding import Piece, ShardedFlat, reduce_scatter_flat
 
 
@@ -60,6 +61,12 @@ class ReduceScatter(BucketReduction):
         work, received, _send = handle
         work.wait()
         self._outputs[bucket.index] = received
+
+    def traffic(self, bucket: Bucket, handle: Any, world_size: int) -> Traffic:
+        """One reduce-scatter of the laid-out bucket (padding included: it is sent)."""
+        _work, _received, send = handle
+        nbytes = send.numel() * send.element_size()
+        return Traffic.of(Collective.REDUCE_SCATTER, world_size, gradient_bytes=nbytes)
 
     def write_back(self, bucket: Bucket, skip: set[int]) -> None:
         """Each piece of the output becomes (or adds to) its parameter's shard gradient."""

@@ -128,8 +128,13 @@ class TrainingArguments(Config):
     """Search the graph each step for parameters that got no gradient. None means False:
     the search costs time, and the reducer names any unused parameter if you need it.
     Do not use with gradient_checkpointing."""
-    ddp_bucket_cap_mb: float | None = None
-    """Size of the gradient buckets all-reduced together, in MiB; None means DDP's 25."""
+    ddp_bucket_cap_mb: float | Literal["auto"] | None = None
+    """Size of the gradient buckets all-reduced together, in MiB; None means DDP's 25.
+    "auto": measured on the job during its first steps (docs/ddp.md)."""
+    even_batches: bool = True
+    """accelerate's name. True: the sampler pads so that every rank gets the same number of
+    batches. False: no padding; a rank out of batches takes part in the others' remaining
+    steps with no batch of its own (phalanx.Join), its optimizer stepping with theirs."""
     ddp_broadcast_buffers: bool | None = None
     """Broadcast rank 0's buffers (e.g. BatchNorm statistics) before each forward.
     None means True, or False with gradient_checkpointing (it must be False with it)."""
@@ -212,6 +217,7 @@ def _require(ok: bool, message: str) -> None:
 def _check_values(args: TrainingArguments) -> None:
     _check_run_length(args)
     _check_batches(args)
+    _check_even_batches(args)
     _check_optimizer(args)
     _check_reporting(args)
     _check_ddp(args)
@@ -249,6 +255,14 @@ def _check_batches(args: TrainingArguments) -> None:
         args.dataloader_num_workers >= 0,
         f"dataloader_num_workers={args.dataloader_num_workers} must be >= 0 — 0 loads batches "
         "in the training process",
+    )
+
+
+def _check_even_batches(args: TrainingArguments) -> None:
+    _require(
+        args.even_batches or args.zero_stage in (0, 1),
+        f"even_batches=False with zero_stage={args.zero_stage}: a rank out of batches holds "
+        "no full gradients to shard — use even_batches=True (padding), or zero_stage 0 or 1",
     )
 
 
@@ -302,7 +316,7 @@ def _check_ddp(args: TrainingArguments) -> None:
     )
     cap = args.ddp_bucket_cap_mb
     _require(
-        cap is None or (math.isfinite(cap) and cap > 0),
+        cap is None or cap == "auto" or (math.isfinite(cap) and cap > 0),
         f"ddp_bucket_cap_mb={cap} must be > 0 MiB — the default is 25",
     )
     _require(

@@ -20,7 +20,10 @@ from typing import Any, ClassVar, Literal, Union, get_args, get_origin, get_type
 
 from phalanx.errors import ConfigurationError
 
-SUPPORTED_KINDS = "int, float, bool, str, Literal[...] of str or of int, X | None, list[X]"
+SUPPORTED_KINDS = (
+    "int, float, bool, str, Literal[...] of str or of int, float | Literal[...] of str, "
+    "X | None, list[X]"
+)
 # What the command line (and a string for a list field) reads as None or an empty list.
 NONE_WORDS = ("none", "null")
 _SCALARS = (int, float, bool, str)
@@ -42,6 +45,8 @@ class FieldType:
     """The annotation is `X | None`."""
     is_list: bool = False
     """The annotation is `list[X]` (or `list[X] | None`)."""
+    words: tuple[str, ...] = ()
+    """Names a number field also takes: `float | Literal["auto"]` is a float or "auto"."""
 
     # ------------------------------------------------------------ values
 
@@ -63,6 +68,8 @@ class FieldType:
         return value
 
     def _normalize_item(self, value: Any) -> Any:
+        if self.words and isinstance(value, str):
+            return next((w for w in self.words if w == value.strip().lower()), value)
         if self.scalar is float and isinstance(value, int) and not isinstance(value, bool):
             return float(value)
         if self.scalar is str and isinstance(value, os.PathLike):
@@ -95,6 +102,8 @@ class FieldType:
 
     def _is_item(self, value: Any) -> bool:
         # bool is an int to Python, but True is no batch size (and no ZeRO stage).
+        if isinstance(value, str) and value in self.words:
+            return True
         return isinstance(value, self.scalar) and (
             self.scalar is bool or not isinstance(value, bool)
         )
@@ -109,7 +118,7 @@ class FieldType:
         elif self.scalar is bool:
             alternatives = ["True", "False"]
         else:
-            alternatives = [_ONE[self.scalar]]
+            alternatives = [_ONE[self.scalar], *(repr(w) for w in self.words)]
         if self.optional:
             alternatives.append("None")
         if len(alternatives) == 1:
@@ -155,7 +164,13 @@ class FieldType:
             return self._choose
         if self.scalar is bool:
             return _read_bool
+        if self.words:
+            return self._number_or_word
         return self.scalar
+
+    def _number_or_word(self, raw: str) -> Any:
+        word = raw.strip().lower()
+        return word if word in self.words else self.scalar(raw)
 
     def _choose(self, raw: str) -> Any:
         for choice in self.choices:
@@ -217,6 +232,9 @@ def field_type(owner: type, name: str, hint: Any) -> FieldType:
     item = get_args(inner)[0] if is_list else inner
     if item in _SCALARS:
         return FieldType(name, item, (), optional, is_list)
+    words = _number_or_words(inner)
+    if words is not None:
+        return FieldType(name, words[0], (), optional, False, words[1])
     if get_origin(item) is Literal:
         choices = get_args(item)
         for scalar in (str, int):
@@ -228,12 +246,26 @@ def field_type(owner: type, name: str, hint: Any) -> FieldType:
     )
 
 
+def _number_or_words(hint: Any) -> tuple[type, tuple[str, ...]] | None:
+    """`float | Literal["auto"]` -> (float, ("auto",)); anything else -> None."""
+    if get_origin(hint) not in (Union, types.UnionType):
+        return None
+    args = get_args(hint)
+    numbers = [a for a in args if a in (int, float)]
+    literals = [a for a in args if get_origin(a) is Literal]
+    if len(numbers) != 1 or len(literals) != 1 or len(args) != 2:
+        return None
+    words = get_args(literals[0])
+    if not all(isinstance(w, str) for w in words):
+        return None
+    return numbers[0], tuple(words)
+
+
 def _strip_none(hint: Any) -> tuple[Any, bool]:
     """`X | None` -> (X, True); any other hint -> (hint, False)."""
-    if get_origin(hint) in (Union, types.UnionType):
-        rest = [arg for arg in get_args(hint) if arg is not type(None)]
-        if len(rest) == 1 and len(get_args(hint)) == 2:
-            return rest[0], True
+    if get_origin(hint) in (Union, types.UnionType) and type(None) in get_args(hint):
+        rest = tuple(arg for arg in get_args(hint) if arg is not type(None))
+        return (rest[0] if len(rest) == 1 else Union[rest]), True  # noqa: UP007
     return hint, False
 
 

@@ -28,6 +28,7 @@ from torch.optim import Optimizer
 from torch.utils.data import Dataset
 
 from phalanx.data.sampler import DistributedSampler
+from phalanx.ddp.join import Join, Shadowed
 from phalanx.ddp.module import DistributedDataParallel
 from phalanx.diagnostics import progress
 from phalanx.diagnostics import timeline as timelines
@@ -107,6 +108,7 @@ class Trainer:
         self.state = TrainState()
         self._keyword: bool | None = None
         self._run: StepWindow | None = None
+        self._sent_mark = (0, 0)  # (bytes, collectives) sent at the last log
         self._loss_before = 0.0
         self.sampler: DistributedSampler | None = None
         self.world, self._owns_group = join_world(self.args)
@@ -152,6 +154,7 @@ class Trainer:
             rank=self.world.rank,
             shuffle=True,
             seed=args.seed,
+            pad=args.even_batches,
         )
         # Its own generator: making an iterator must not draw from the global RNG,
         # or a resumed run (which makes one mid-epoch) would shift the dropout masks.
@@ -160,6 +163,9 @@ class Trainer:
             dataset, self.sampler, args, self.collate_fn, self._loader_generator
         )
         self.micro_batches_per_epoch = len(self.train_loader)
+        if not args.even_batches:  # the longest rank's epoch: every rank counts the same steps
+            lengths: list[int] = self.world.all_gather_object(len(self.train_loader))
+            self.micro_batches_per_epoch = max(lengths)
         steps_per_epoch = math.ceil(self.micro_batches_per_epoch / args.gradient_accumulation_steps)
         self.max_steps = (
             args.max_steps
@@ -260,6 +266,7 @@ class Trainer:
     def _loop(self) -> StepWindow:
         run = StepWindow(self._comm_wait())
         window = StepWindow(self._comm_wait())
+        self._sent_mark = self._comm_sent()
         self._run, self._loss_before = run, self.state.loss_sum
         while self.state.global_step < self.max_steps:
             finished_epoch = self._train_epoch(run, window)
@@ -277,7 +284,23 @@ class Trainer:
         return iter(self.train_loader)
 
     def _train_epoch(self, run: StepWindow, window: StepWindow) -> bool:
-        """Train from the current position to the end of the epoch or max_steps."""
+        """Train from the current position to the end of the epoch or max_steps; with
+        even_batches=False, under Join, and out of batches, shadow the others' steps."""
+        if self.args.even_batches or not isinstance(self.wrapped_model, DistributedDataParallel):
+            return self._train_batches(run, window)
+        with Join([self.wrapped_model]) as join:
+            finished = self._train_batches(run, window)
+            while finished and self.state.global_step < self.max_steps:
+                shadowed = join.shadow_round(send_local=True)
+                if shadowed is Shadowed.NOTHING_LEFT:
+                    break
+                if shadowed is Shadowed.REDUCED:  # the others step: so does our optimizer
+                    # No loss of our own: the log's mean repeats this rank's last one.
+                    last = run.last_loss if run.last_loss is not None else torch.zeros(())
+                    self._finish_step(last, run, window)
+        return finished
+
+    def _train_batches(self, run: StepWindow, window: StepWindow) -> bool:
         accumulation = self.args.gradient_accumulation_steps
         losses: list[Tensor] = []
         for batch in self._epoch_batches():
@@ -341,10 +364,22 @@ class Trainer:
             return self.wrapped_model.reducer.stats.comm_wait_s
         return 0.0
 
+    def _comm_sent(self) -> tuple[int, int]:
+        """(bytes, collectives) this rank's DDP handed to collectives so far (ReducerStats)."""
+        if isinstance(self.wrapped_model, DistributedDataParallel):
+            stats = self.wrapped_model.reducer.stats
+            return stats.bytes_sent, stats.collectives
+        return 0, 0
+
     def _log(self, window: StepWindow) -> None:
         """Reduce the window over ranks (every rank calls this), log it on rank 0, reset it."""
+        steps = max(1, window.steps)
         reduced = window.reduce(self.world, self._comm_wait())
         metrics = {k: v for k, v in reduced.items() if k not in ("last_loss", "window_s")}
+        sent, calls = self._comm_sent()
+        metrics["comm_bytes_per_step"] = (sent - self._sent_mark[0]) / steps
+        metrics["collectives_per_step"] = (calls - self._sent_mark[1]) / steps
+        self._sent_mark = (sent, calls)
         metrics["lr"] = float(self.scheduler.get_last_lr()[0])
         metrics["epoch"] = self.state.epoch + self.state.batches_done / self.micro_batches_per_epoch
         self._emit(metrics)
