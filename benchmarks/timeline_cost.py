@@ -53,6 +53,7 @@ class Copy:
         self.optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         self.done = 0
         self.times: list[float] = []
+        self.cpu_times: list[float] = []  # the whole process's CPU seconds, gloo's threads too
         self.plain = not hasattr(model, "reducer")  # compute alone: we record its spans
 
     def step(self) -> None:
@@ -68,9 +69,10 @@ class Copy:
         self.done += 1
 
     def timed_step(self) -> None:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         self.step()
         self.times.append(time.perf_counter() - start)
+        self.cpu_times.append(time.process_time() - cpu)
 
 
 def run_model(
@@ -101,7 +103,10 @@ def run_model(
             dist.barrier()
             for _ in range(size):
                 copies[variant].timed_step()
-    result: dict[str, Any] = {"times": {v: c.times for v, c in copies.items()}}
+    result: dict[str, Any] = {
+        "times": {v: c.times for v, c in copies.items()},
+        "cpu_times": {v: c.cpu_times for v, c in copies.items()},
+    }
     for variant in ("compute", "timeline"):
         tl = copies[variant].timeline
         assert tl is not None
@@ -125,19 +130,51 @@ def run_rank(rank: int, world: int, cfg: argparse.Namespace) -> dict[str, Any]:
         return {name: run_model(name, cfg, rank, world, box[0]) for name in cfg.models}
 
 
+def recording_us_per_step(buckets: int, steps: int = 20_000) -> float:
+    """The timeline's own work per step, timed directly: what the end-to-end ratio cannot
+    resolve on a busy machine. One step: a forward span, backward start, `buckets` flights
+    (each with a completion callback on an already completed future), the final wait and
+    the optimizer span."""
+    done: torch.futures.Future[None] = torch.futures.Future()
+    done.set_result(None)
+    with tempfile.TemporaryDirectory() as tmp:
+        tl = timelines.Timeline(Path(tmp) / "t.json", 0, 1)
+        start = time.process_time()  # CPU time: other jobs on the machine do not count
+        for _ in range(steps):
+            with tl.forward(32):
+                pass
+            tl.backward_started()
+            for k in range(buckets):
+                tl.bucket_launched(k, 1 << 20, done)
+            now = time.perf_counter_ns()
+            tl.backward_waited(now, now)
+            with tl.span("optimizer step"):
+                pass
+            if len(tl.spans) > 100_000:  # stay under the span cap
+                tl.spans.clear()
+                tl.steps.clear()
+        return (time.process_time() - start) / steps * 1e6
+
+
 def summarise(name: str, ranks: list[dict[str, Any]], cfg: argparse.Namespace) -> dict[str, Any]:
     per = [r[name] for r in ranks]
     walls = {v: slowest_rank_ms(per, "times", v) for v in VARIANTS}
     paired = round_ratios(walls["timeline"], walls["phalanx"], round_sizes(cfg.steps, cfg.rounds))
     med = {v: statistics.median(ms) for v, ms in walls.items()}
+    cpu = {v: statistics.median(slowest_rank_ms(per, "cpu_times", v)) for v in VARIANTS}
     return {
         "step_ms": med,
+        "cpu_ms": cpu,
+        "timeline_over_phalanx_cpu": cpu["timeline"] / cpu["phalanx"],
         "timeline_over_phalanx": med["timeline"] / med["phalanx"],
         "timeline_over_phalanx_paired": statistics.median(paired),
         "timeline_over_phalanx_paired_ci90": bootstrap_ci(paired),
         "compute": per[0]["compute_breakdown"],
         "ddp": per[0]["timeline_breakdown"],
         "buckets_alone_ms": per[0]["alone_ms"],
+        "recording_us_per_step": recording_us_per_step(
+            per[0]["timeline_breakdown"]["buckets_per_step"]
+        ),
     }
 
 
@@ -150,6 +187,12 @@ def format_report(out: dict[str, dict[str, Any]]) -> str:
             f"{name}: step ms compute {med['compute']:.2f}  phalanx {med['phalanx']:.2f}  "
             f"phalanx+timeline {med['timeline']:.2f}  cost x{s['timeline_over_phalanx']:.3f} "
             f"(paired {s['timeline_over_phalanx_paired']:.3f} [{lo:.3f}, {hi:.3f}])"
+        )
+        rec, cpu = s["recording_us_per_step"], s["cpu_ms"]
+        lines.append(
+            f"  CPU ms per step: phalanx {cpu['phalanx']:.2f}, +timeline {cpu['timeline']:.2f} "
+            f"(x{s['timeline_over_phalanx_cpu']:.3f}); recording itself {rec:.1f} CPU us per "
+            f"step = {rec / 10 / cpu['phalanx']:.3f}% of phalanx's CPU per step"
         )
         for label, b in (("compute alone", s["compute"]), ("phalanx DDP", s["ddp"])):
             parts = "  ".join(f"{k} {v:.2f}" for k, v in b["parts_ms"].items())

@@ -28,7 +28,7 @@ def plot_breakdown(results: list[WorldResult], path: Path) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return "no PNG: matplotlib is missing (pip install 'phalanx[bench]')"
-    fig, ax = plt.subplots(figsize=(1.8 + 1.4 * len(results), 4.2))
+    fig, ax = plt.subplots(figsize=(3.6 + 1.4 * len(results), 4.2))
     labels = [f"world {r.world_size}" for r in results]
     bottom = [0.0] * len(results)
     for part in PARTS:
@@ -39,12 +39,13 @@ def plot_breakdown(results: list[WorldResult], path: Path) -> str:
     for x, r in enumerate(results):
         eff = f"\n{r.efficiency:.0%} eff." if r.efficiency is not None else ""
         hidden = f"\nhidden {r.hidden_ms:.1f} ms" if r.world_size > 1 else ""
-        ax.annotate(f"{r.step_ms:.1f} ms{eff}{hidden}", (x, r.step_ms), ha="center",
+        top = max(r.step_ms, bottom[x])  # medians of the parts may sum past the median step
+        ax.annotate(f"{r.step_ms:.1f} ms{eff}{hidden}", (x, top), ha="center",
                     va="bottom", fontsize=8)  # fmt: skip
     ax.set_ylabel("ms per step (median)")
-    ax.set_ylim(0, max(r.step_ms for r in results) * 1.35)
+    ax.set_ylim(0, max(max(r.step_ms, b) for r, b in zip(results, bottom)) * 1.35)
     ax.set_title("phalanx bench: step time by world size", fontsize=10)
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
