@@ -62,6 +62,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--n-head", type=int, default=N_HEAD)
     parser.add_argument("--n-embd", type=int, default=N_EMBD)
     parser.add_argument("--corpus-bytes", type=int, default=CORPUS_BYTES)
+    parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP's bucket size")
     parser.add_argument("--eval-interval", type=int, default=EVAL_INTERVAL)
     parser.add_argument("--eval-windows", type=int, default=EVAL_WINDOWS)
     parser.add_argument("--sample-chars", type=int, default=300)
@@ -238,7 +239,7 @@ def main() -> None:
     loader = DataLoader(train, batch_size=per_rank_batch, sampler=sampler, drop_last=True)
 
     net = CharGPT(args.block_size, args.n_layer, args.n_head, args.n_embd).to(world.device)
-    model = phalanx.DistributedDataParallel(net)
+    model = phalanx.DistributedDataParallel(net, bucket_cap_mb=args.bucket_cap_mb)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     tokens_per_step = per_rank_batch * args.block_size * world.world_size
     if world.is_main:

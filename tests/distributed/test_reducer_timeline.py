@@ -44,7 +44,7 @@ def test_bucket_flights_lie_in_backward_and_the_wait_is_recorded(tmp_path: Path)
     for o in outs:
         got = o.value
         assert got["timeline"], got
-        assert got["names"] == ["backward", "bucket", "wait"], got
+        assert got["names"] == ["backward", "bucket", "forward", "wait"], got  # forward: DDP
         assert got["comm_tracks"] == ["comm"], got
         assert len(got["steps"]) == 3, got
         for step in got["steps"][1:]:  # after the rebuild: several buckets per step

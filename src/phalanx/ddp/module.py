@@ -28,9 +28,10 @@ from phalanx.ddp.reducer import Reducer
 from phalanx.ddp.reductions import AllReduce, CommHookReduction
 from phalanx.ddp.sync import broadcast_coalesced, verify_same_state
 from phalanx.ddp.torch_surface import TorchSurface
-from phalanx.diagnostics import timeline
+from phalanx.diagnostics import timeline as timelines
+from phalanx.diagnostics.timeline import Timeline
 from phalanx.errors import ConfigurationError, ReducerError
-from phalanx.nested import map_tensors
+from phalanx.nested import iter_tensors, map_tensors
 from phalanx.runtime.exit import register_exit_hook
 
 __all__ = ["DEFAULT_BUCKET_CAP_MB", "DistributedDataParallel", "reducer_of"]
@@ -144,6 +145,7 @@ class DistributedDataParallel(TorchSurface, nn.Module, Joinable):
         # A script converted from torch never calls phalanx.init(), which installs this.
         register_exit_hook()
         self._attach_reducer()
+        self.timeline = timelines.from_env(dist.get_rank(), dist.get_world_size())
 
     def _managed_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """The module's parameters DDP synchronises: all but the ignored ones."""
@@ -168,9 +170,8 @@ class DistributedDataParallel(TorchSurface, nn.Module, Joinable):
             batched_copy=self.batched_grad_copy,
             tune_bucket_size=self._tune_bucket_size,
         )
-        self.reducer.timeline = timeline.for_rank(
-            dist.get_rank(self.process_group), self.world_size
-        )
+        # A reducer made again (unpickling) records where the wrapper's timeline does.
+        self.reducer.timeline = getattr(self, "_timeline", None)
         for _, p in trainable:
             _REDUCER_OF[id(p)] = (weakref.ref(p), weakref.ref(self.reducer))
 
@@ -204,7 +205,7 @@ class DistributedDataParallel(TorchSurface, nn.Module, Joinable):
                 "pickled (a group cannot travel) — copy or save model.module, and wrap it again"
             )
         state = dict(self.__dict__)
-        del state["process_group"], state["reducer"]
+        del state["process_group"], state["reducer"], state["_timeline"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -221,9 +222,31 @@ class DistributedDataParallel(TorchSurface, nn.Module, Joinable):
         super().__setstate__(state)
         self.process_group = arguments.world_group()
         self._attach_reducer()
+        self.timeline = timelines.from_env(dist.get_rank(), dist.get_world_size())
+
+    @property
+    def timeline(self) -> Timeline | None:
+        """Where forward, backward and bucket flights are recorded (PHALANX_TIMELINE)."""
+        return self._timeline
+
+    @timeline.setter
+    def timeline(self, timeline: Timeline | None) -> None:
+        self._timeline = timeline
+        self.reducer.timeline = timeline
 
     # ------------------------------------------------------------------ forward
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self._timeline is not None and torch.is_grad_enabled():
+            with self._timeline.forward(self._batch_size(inputs, kwargs)):
+                return self._forward(*inputs, **kwargs)
+        return self._forward(*inputs, **kwargs)
+
+    def _batch_size(self, inputs: Any, kwargs: Any) -> int:
+        """Samples in this forward, for the timeline: the first input tensor's `dim` size."""
+        first = next(iter_tensors((inputs, kwargs)), None)
+        return int(first.shape[self.dim]) if first is not None and first.dim() > self.dim else 1
+
+    def _forward(self, *inputs: Any, **kwargs: Any) -> Any:
         self._before_forward()
         if self.device_ids is not None:
             device = self.device_ids[0]

@@ -15,7 +15,12 @@ explain a step's cost:
   backward.
 
 Recording costs a `perf_counter_ns` and a tuple per span; when the timeline
-is off, every hook is a check of one attribute that is None.
+is off, every hook is a check of one attribute that is None
+(benchmarks/timeline_cost.py measures both).
+
+One timeline per process (`start`): the DDP wrapper, its reducer and the
+Trainer all write into it, and one exit hook writes it, as the process has one
+trace file. Imports no torch: `phalanx bench` reads what it writes.
 """
 
 from __future__ import annotations
@@ -26,14 +31,20 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 ENV = "PHALANX_TIMELINE"
+STOP_ENV = "PHALANX_BENCH_STEPS"
+"""Set by `phalanx bench`: the script ends (SystemExit(0)) at the first forward after
+this many synced steps, on every rank at the same step."""
 # Rank 0 waits this long at exit for the other ranks' files before merging what it has.
 _MERGE_WAIT_S = 20.0
+# About 20 spans per step: 200k spans keep the first ~10k steps (tens of MB) of a long
+# run and then stop recording, rather than grow without bound.
+MAX_SPANS = 200_000
 
 
 @dataclass
@@ -46,6 +57,8 @@ class StepRecord:
     exposed_ns: int = 0
     flights: list[tuple[int, int, int]] = field(default_factory=list)
     """(launch, completion, bytes) of each bucket."""
+    samples: int = 0
+    """Samples through the training forwards of this step (their first input's batch dim)."""
 
     def hidden_ns(self) -> int:
         start, end = self.backward
@@ -55,20 +68,26 @@ class StepRecord:
 class Timeline:
     """This rank's spans; `write` dumps them, and rank 0's `merge` makes the trace."""
 
-    def __init__(self, path: str | Path, rank: int, world_size: int) -> None:
+    def __init__(
+        self, path: str | Path, rank: int, world_size: int, stop_after: int | None = None
+    ) -> None:
         self.path = Path(path)
         self.rank = rank
         self.world_size = world_size
+        self.stop_after = stop_after
+        """End the script at the first forward after this many steps (`phalanx bench`)."""
         self.origin_ns = time.time_ns() - time.perf_counter_ns()  # wall clock of perf 0
         self.spans: list[tuple[str, str, int, int, dict[str, Any]]] = []
         self.steps: list[StepRecord] = []
         self._lock = threading.Lock()  # completion callbacks run on the communication thread
         self._current: StepRecord | None = None
+        self._samples = 0  # samples of the forwards since the last step ended
 
     # --------------------------------------------------------------- recording
     def add(self, name: str, track: str, start_ns: int, end_ns: int, **args: Any) -> None:
         with self._lock:
-            self.spans.append((name, track, start_ns, end_ns - start_ns, args))
+            if len(self.spans) < MAX_SPANS:
+                self.spans.append((name, track, start_ns, end_ns - start_ns, args))
 
     @contextmanager
     def span(self, name: str, track: str = "compute", **args: Any) -> Iterator[None]:
@@ -78,8 +97,32 @@ class Timeline:
         finally:
             self.add(name, track, start, time.perf_counter_ns(), **args)
 
+    @contextmanager
+    def forward(self, samples: int) -> Iterator[None]:
+        """A training forward of `samples` samples; under `phalanx bench`, maybe the end."""
+        if self.stop_after is not None and len(self.steps) >= self.stop_after:
+            raise BenchStop(len(self.steps))
+        self._samples += samples
+        with self.span("forward", samples=samples):
+            yield
+
+    @contextmanager
+    def local_backward(self, sync: bool) -> Iterator[None]:
+        """A backward with no reducer (a one-rank Trainer): a step with nothing to wait for."""
+        if not sync:
+            with self.span("backward (accumulate)"):
+                yield
+            return
+        self.backward_started()
+        try:
+            yield
+        finally:
+            end = time.perf_counter_ns()
+            self.backward_waited(end, end)
+
     def backward_started(self) -> None:
         self._current = StepRecord(len(self.steps), (time.perf_counter_ns(), 0))
+        self._current.samples, self._samples = self._samples, 0
 
     def bucket_launched(self, index: int, nbytes: int, future: Any) -> None:
         """Record a bucket's flight; `future` (or None) says when its collective completed."""
@@ -118,6 +161,7 @@ class Timeline:
         data = {
             "rank": self.rank,
             "origin_ns": self.origin_ns,
+            "truncated": len(self.spans) >= MAX_SPANS,
             "spans": self.spans,
             "steps": [
                 {
@@ -126,6 +170,7 @@ class Timeline:
                     "hidden_ms": s.hidden_ns() / 1e6,
                     "bytes": sum(b for *_, b in s.flights),
                     "backward_ms": (s.backward[1] - s.backward[0]) / 1e6,
+                    "samples": s.samples,
                 }
                 for s in self.steps
             ],
@@ -178,29 +223,56 @@ def _meta(rank: int, tid: int, name: str) -> dict[str, Any]:
     return {"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": name}}
 
 
-def from_env(rank: int, world_size: int) -> Timeline | None:
-    """The timeline `PHALANX_TIMELINE` asks for, written (and merged by rank 0) at exit."""
-    path = os.environ.get(ENV)
-    if not path:
-        return None
-    timeline = Timeline(path, rank, world_size)
-    atexit.register(_finish, timeline)
+def span_of(timeline: Timeline | None, name: str) -> AbstractContextManager[None]:
+    """`timeline.span(name)`, or nothing when the timeline is off."""
+    return nullcontext() if timeline is None else timeline.span(name)
+
+
+def forward_of(timeline: Timeline | None, samples: int) -> AbstractContextManager[None]:
+    return nullcontext() if timeline is None else timeline.forward(samples)
+
+
+def local_backward_of(timeline: Timeline | None, sync: bool) -> AbstractContextManager[None]:
+    return nullcontext() if timeline is None else timeline.local_backward(sync)
+
+
+class BenchStop(SystemExit):
+    """`phalanx bench` has its steps: the script ends here, cleanly, on every rank.
+
+    Raised from the first training forward after `stop_after` synced steps.
+    Every rank counts the same synced steps, so every rank stops at the same
+    forward, between collectives; the exit hook then writes the timeline.
+    """
+
+    def __init__(self, steps: int) -> None:
+        super().__init__(0)
+        self.steps = steps
+
+
+# The one timeline of this process, by path. Process-wide on purpose: every recorder in the
+# process (DDP wrappers, their reducers, the Trainer) writes into one file at exit.
+_ACTIVE: dict[Path, Timeline] = {}
+
+
+def start(path: str | Path, rank: int, world_size: int) -> Timeline:
+    """This process's timeline at `path` (made on first call), written and merged at exit."""
+    key = Path(path).resolve()
+    timeline = _ACTIVE.get(key)
+    if timeline is None:
+        stop = os.environ.get(STOP_ENV)
+        timeline = Timeline(path, rank, world_size, int(stop) if stop else None)
+        _ACTIVE[key] = timeline
+        atexit.register(_finish, timeline)
     return timeline
+
+
+def from_env(rank: int, world_size: int) -> Timeline | None:
+    """The timeline `PHALANX_TIMELINE` asks for, or None when it is unset."""
+    path = os.environ.get(ENV)
+    return start(path, rank, world_size) if path else None
 
 
 def _finish(timeline: Timeline) -> None:
     timeline.write()
     if timeline.rank == 0:
         merge(timeline.path, timeline.world_size)
-
-
-_active: Timeline | None = None  # one per process, like progress's record
-
-
-def for_rank(rank: int, world_size: int) -> Timeline | None:
-    """This process's timeline if `PHALANX_TIMELINE` asks for one: made once, shared by
-    every wrapper (the reducer records into it), written at exit."""
-    global _active
-    if _active is None:
-        _active = from_env(rank, world_size)
-    return _active

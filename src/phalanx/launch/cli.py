@@ -16,6 +16,7 @@ from pathlib import Path
 
 from phalanx.errors import ConfigurationError, PhalanxError, UsageError
 from phalanx.launch.agent import Agent
+from phalanx.launch.bench import bench_main
 from phalanx.launch.config import LaunchConfig, parse_nnodes, parse_nproc, parse_signals
 from phalanx.launch.consolidate_cmd import consolidate_main
 from phalanx.launch.flags import build_parser
@@ -37,6 +38,7 @@ TOP_USAGE = """usage: phalanx <command> [args]
 commands:
   launch       start one worker process per device: phalanx launch --nproc-per-node 4 train.py
   consolidate  any checkpoint as one plain file: phalanx consolidate runs/a/checkpoint-200 out.pt
+  bench        measure a script at several world sizes: phalanx bench --nproc 1,2 train.py
 
 run 'phalanx launch --help' for its flags"""
 
@@ -172,9 +174,11 @@ def main(argv: list[str] | None = None) -> int:
             return 128 + signal.SIGINT
     if args[0] == "consolidate":
         return consolidate_main(args[1:])
+    if args[0] == "bench":
+        return bench_main(args[1:])
     print(
-        f"phalanx: error: unknown command {args[0]!r} — the commands are 'launch' and "
-        "'consolidate', e.g. phalanx launch --nproc-per-node 2 train.py",
+        f"phalanx: error: unknown command {args[0]!r} — the commands are 'launch', "
+        "'consolidate' and 'bench', e.g. phalanx launch --nproc-per-node 2 train.py",
         file=sys.stderr,
     )
     return USAGE_EXIT

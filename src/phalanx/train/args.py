@@ -114,6 +114,10 @@ class TrainingArguments(Config):
     tensorboard package); an empty list logs nowhere."""
     disable_tqdm: bool = False
     """Hide the progress bar (it is only ever shown on rank 0)."""
+    timeline: str | None = None
+    """Record a timeline (forward, backward, each bucket's flight, the optimizer step,
+    checkpoint saves) and write it at exit to this path as one Chrome trace; None reads
+    PHALANX_TIMELINE. See docs/performance.md."""
 
     # ----------------------------------------------------------- faults
     on_nonfinite_grad: NonFiniteAction = "stop"

@@ -19,6 +19,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from phalanx import zero3
 from phalanx.ddp.module import DistributedDataParallel
+from phalanx.diagnostics import timeline as timelines
 from phalanx.optim.zero import ZeroRedundancyOptimizer
 from phalanx.runtime import World
 from phalanx.train.args import TrainingArguments
@@ -34,6 +35,7 @@ from phalanx.train.batches import (
 from phalanx.train.nonfinite import NonFiniteGuard
 
 if TYPE_CHECKING:
+    from phalanx.diagnostics.timeline import Timeline
     from phalanx.train.trainer_state import TrainState
 
 
@@ -117,6 +119,7 @@ class StepRunner:
         args: TrainingArguments,
         world: World,
         guard: NonFiniteGuard,
+        timeline: Timeline | None = None,
     ) -> None:
         self.model = model
         self.wrapped_model = wrapped_model
@@ -126,6 +129,9 @@ class StepRunner:
         self.args = args
         self.world = world
         self.guard = guard
+        self.timeline = timeline
+        """Where the optimizer step is recorded, and forward and backward too when the model
+        is not wrapped (DDP and its reducer record their own); None: off."""
         self._keyword: bool | None = None
         """Whether a batch is spread into keyword arguments; found at the first batch."""
         self.shadow: Callable[[], None] | None = None
@@ -149,14 +155,15 @@ class StepRunner:
             self.shadow()
         loss = torch.stack(losses).sum() if losses else torch.zeros((), device=self.world.device)
         check = None if self.guard.action == "off" else self._check(loss, state)
-        grad_norm, stepped = optimizer_step(
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            self.scaler,
-            self.args.max_grad_norm,
-            check,
-        )
+        with timelines.span_of(self.timeline, "optimizer step"):
+            grad_norm, stepped = optimizer_step(
+                self.model,
+                self.optimizer,
+                self.scheduler,
+                self.scaler,
+                self.args.max_grad_norm,
+                check,
+            )
         return StepResult(loss, grad_norm, stepped, sum(sizes))
 
     def _check(self, loss: Tensor, state: TrainState) -> StepCheck:
@@ -167,14 +174,17 @@ class StepRunner:
         batch = to_device(batch, self.world.device)
         if self._keyword is None:
             self._keyword = takes_keyword_batch(self.model, batch)
-        skip_sync = not sync and isinstance(self.wrapped_model, DistributedDataParallel)
-        with self.wrapped_model.no_sync() if skip_sync else nullcontext():  # type: ignore[operator]
-            with autocast_for(self.args, self.world.device):
+        wrapped = isinstance(self.wrapped_model, DistributedDataParallel)
+        timeline = None if wrapped else self.timeline
+        with self.wrapped_model.no_sync() if wrapped and not sync else nullcontext():  # type: ignore[operator]
+            forward = timelines.forward_of(timeline, batch_size(batch))
+            with autocast_for(self.args, self.world.device), forward:
                 outputs = call_model(self.wrapped_model, batch, self._keyword)
                 loss = require_loss(outputs, batch, loss_fn)
             weighted = loss.float() * weight
             scaled = self.scaler.scale(weighted) if self.scaler is not None else weighted
-            scaled.backward()
+            with timelines.local_backward_of(timeline, sync):
+                scaled.backward()
         return weighted.detach()
 
 

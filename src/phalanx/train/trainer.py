@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -31,6 +32,7 @@ from phalanx.data.sampler import DistributedSampler
 from phalanx.ddp.join import Join, Shadowed
 from phalanx.ddp.module import DistributedDataParallel
 from phalanx.diagnostics import progress
+from phalanx.diagnostics import timeline as timelines
 from phalanx.diagnostics.replicas import check_replicas
 from phalanx.errors import ConfigurationError
 from phalanx.train.args import TrainingArguments
@@ -113,6 +115,11 @@ class Trainer:
         self.world, self._owns_group = join_world(self.args)
         """Rank, world size, device, and the group: one of one rank for a plain process."""
         self._report = RunReport(self.world, self.args)
+        path = self.args.timeline or os.environ.get(timelines.ENV)
+        self.timeline = (
+            timelines.start(path, self.world.rank, self.world.world_size) if path else None
+        )
+        """The process's timeline (phalanx.diagnostics.timeline), or None when off."""
         self._closed = False
         try:
             self._setup_model(model, optimizer)
@@ -128,6 +135,8 @@ class Trainer:
         """The unwrapped module: what you save, export, or evaluate yourself."""
         self.wrapped_model: nn.Module = wrap_model(self.model, self.args, self.world)
         """What the loop calls: phalanx DDP with more than one rank, else the model itself."""
+        if isinstance(self.wrapped_model, DistributedDataParallel):
+            self.wrapped_model.timeline = self.timeline
         if optimizer is not None:
             check_user_optimizer(optimizer, self.args)
         self.optimizer = (
@@ -181,6 +190,7 @@ class Trainer:
             args,
             self.world,
             self._guard,
+            self.timeline,
         )
         self._make_entries()
 
@@ -243,7 +253,8 @@ class Trainer:
             self._report.say(f"already at max_steps ({self.max_steps}) — nothing to do")
             return TrainOutput(self.state.global_step, self._mean_loss(), 0.0, 0.0, resumed_from)
         keep_until = self.state.global_step if resumed_from is not None else 0
-        self._report.open(self.max_steps, self.state.global_step, keep_until)
+        with timelines.span_of(self.timeline, "open run (barrier)"):
+            self._report.open(self.max_steps, self.state.global_step, keep_until)
         self._rng.restore()  # last, so nothing above can shift the dropout masks
         self._saved_step = self.state.global_step if self._resumed_here(resumed_from) else None
         try:
@@ -402,7 +413,8 @@ class Trainer:
         window.reset(self._comm_wait())
 
     def _emit(self, metrics: dict[str, float]) -> None:
-        self._report.emit(self.state.global_step, metrics)
+        with timelines.span_of(self.timeline, "log (barrier)"):
+            self._report.emit(self.state.global_step, metrics)
 
     def _sync_loss(self) -> dict[str, float]:
         """Collective: fold this call's step losses into state.loss_sum; the run's summary."""
@@ -481,7 +493,8 @@ class Trainer:
         check_parameters(self.model, self.world, step)  # never a NaN checkpoint over good ones
         self._sync_loss()
         notes = {"args.json": json.dumps(self.args.to_dict(), indent=1).encode()}
-        saved = self._checkpointer.save(self.checkpoint_states(), step, notes)
+        with timelines.span_of(self.timeline, "checkpoint save"):
+            saved = self._checkpointer.save(self.checkpoint_states(), step, notes)
         self._saved_step = step
         self._report.say(
             f"saved {saved.path.name} ({human_size(saved.bytes)}, {saved.seconds:.2f} s)"

@@ -1,0 +1,101 @@
+"""The timeline in real ranks: the Trainer's spans, DDP's wiring, and nothing when off."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from phalanx.diagnostics import timeline as timelines
+from phalanx.train import Trainer, TrainingArguments
+from tests.harness import run_workers
+
+STEPS = 4
+
+
+class _Regression(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 1))
+
+    def forward(self, batch: list[torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+
+def _train_with_timeline(rank: int, world: int, out: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
+    path = Path(out) / f"trace-w{world}.json"
+    args = TrainingArguments(
+        output_dir=str(Path(out) / f"run-w{world}"), max_steps=STEPS, save_steps=2,
+        per_device_train_batch_size=4, gradient_accumulation_steps=2, report_to=[],
+        disable_tqdm=True, ddp_backend="gloo", timeline=str(path),
+    )  # fmt: skip
+    trainer = Trainer(_Regression(), args, train_dataset=data)
+    trainer.train()
+    assert trainer.timeline is not None
+    trainer.timeline.write()
+    if rank != 0:
+        return {}
+    trace = timelines.merge(path, world, wait_s=30)
+    spans = [(e["pid"], e["tid"], e["name"]) for e in trace["traceEvents"] if e["ph"] == "X"]
+    return {"spans": spans, "steps": trace["phalanx"]["steps"]}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [1, 2])
+def test_trainer_records_every_phase_of_its_steps(tmp_path: Path, world: int) -> None:
+    outs = run_workers(_train_with_timeline, world, str(tmp_path), init_pg=False)
+    spans, steps = outs[0].value["spans"], outs[0].value["steps"]
+    for rank in range(world):
+        names = [name for pid, _, name in spans if pid == rank]
+        # Two micro-batches per step: two forwards, one synced backward and wait per step.
+        assert names.count("forward") == 2 * STEPS
+        assert names.count("backward") == STEPS
+        assert names.count("wait for buckets") == STEPS
+        assert names.count("optimizer step") == STEPS
+        assert names.count("checkpoint save") == 2  # steps 2 and 4
+        assert len(steps[str(rank)]) == STEPS
+        assert all(s["samples"] == 8 for s in steps[str(rank)])  # 2 micro-batches of 4
+    comm = [name for _, tid, name in spans if tid == 1]
+    if world == 1:
+        assert comm == []  # no DDP in a world of one: nothing to send
+    else:
+        assert len(comm) >= world * STEPS and all(n.startswith("bucket ") for n in comm)
+        assert all(s["bytes"] > 0 for r in steps.values() for s in r)
+
+
+def _ddp_timeline(rank: int, world: int, out: str) -> dict[str, Any]:
+    from phalanx.ddp.module import DistributedDataParallel
+
+    off = DistributedDataParallel(nn.Linear(4, 4))
+    os.environ[timelines.ENV] = str(Path(out) / "ddp.json")
+    on = DistributedDataParallel(nn.Linear(4, 4))
+    again = DistributedDataParallel(nn.Linear(4, 4))
+    for model in (off, on):
+        model(torch.randn(3, 4)).sum().backward()
+    with torch.no_grad():
+        on(torch.randn(5, 4))  # not training: no forward span, no step
+    timeline = on.timeline
+    assert timeline is not None
+    return {
+        "off": off.timeline is None and off.reducer.timeline is None,
+        "shared": again.timeline is timeline and on.reducer.timeline is timeline,
+        "spans": [name for name, *_ in timeline.spans],
+        "samples": [s.samples for s in timeline.steps],
+    }
+
+
+@pytest.mark.timeout(60)
+def test_ddp_picks_the_env_timeline_at_construction_and_only_then(tmp_path: Path) -> None:
+    for out in run_workers(_ddp_timeline, 2, str(tmp_path)):
+        assert out.value["off"] and out.value["shared"]
+        assert out.value["spans"].count("forward") == 1
+        assert out.value["spans"].count("backward") == 1
+        assert out.value["samples"] == [3]

@@ -1,0 +1,127 @@
+"""`phalanx bench`'s arithmetic and advice on made-up timelines, without processes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from phalanx.launch.bench_advice import recommend
+from phalanx.launch.bench_report import WorldResult, analyze_trace, attach_probe, set_efficiency
+
+MB = 1 << 20
+
+
+def _x(rank: int, tid: int, name: str, ts: float, dur: float, **args: Any) -> dict[str, Any]:
+    return {"name": name, "ph": "X", "pid": rank, "tid": tid, "ts": ts, "dur": dur, "args": args}
+
+
+def _trace(steps: int, period_us: float = 10_000) -> dict[str, Any]:
+    """One rank; each step: forward 2 ms, backward 4 ms (two buckets), wait 1 ms, opt 1 ms."""
+    events, records = [], []
+    for k in range(steps):
+        t = k * period_us
+        events += [
+            _x(0, 0, "forward", t, 2000, samples=16),
+            _x(0, 0, "backward", t + 2000, 4000),
+            _x(0, 1, "bucket 0", t + 3000, 2000, bytes=MB),  # inside backward
+            _x(0, 1, "bucket 1", t + 4000, 3000, bytes=MB),  # overlaps the first
+            _x(0, 0, "wait for buckets", t + 6000, 1000),
+            _x(0, 0, "optimizer step", t + 7000, 1000),
+        ]
+        records.append({"samples": 16, "hidden_ms": 3.0, "bytes": 2 * MB})
+    return {"traceEvents": events, "phalanx": {"ranks": [0], "steps": {"0": records}}}
+
+
+def test_a_step_runs_from_one_final_wait_to_the_next_and_splits_into_its_spans() -> None:
+    result = analyze_trace(_trace(5), warmup=1)
+    assert result.steps == 4 and result.step_ms == pytest.approx(10.0)
+    # The optimizer step after wait k belongs to step k + 1: every period holds one of each.
+    assert result.parts_ms == pytest.approx(
+        {"forward": 2.0, "backward": 4.0, "exposed": 1.0, "optimizer": 1.0, "other": 2.0}
+    )
+    assert result.comm_busy_ms == pytest.approx(4.0)  # union of [3, 5] and [4, 7] ms
+    assert result.bucket_bytes == [MB, MB] and result.bytes_per_step == 2 * MB
+    assert result.throughput == pytest.approx(1600.0)  # 16 samples per 10 ms
+    assert result.achieved_gbps == pytest.approx(2 * MB / 4.0 / 1e6)
+
+
+def test_too_few_steps_is_an_error_bench_can_name() -> None:
+    with pytest.raises(ValueError):
+        analyze_trace(_trace(2), warmup=3)
+
+
+def test_probe_times_the_same_buckets_alone_and_efficiency_is_per_rank_throughput() -> None:
+    result = analyze_trace(_trace(4), warmup=1)
+    attach_probe(result, {"sizes": [{"bytes": MB, "ms": 0.5}, {"bytes": 4 * MB, "ms": 1.0}]})
+    assert result.probe_alone_ms == pytest.approx(1.0)
+    one = _result(1, step=10.0, exposed=0.0)
+    two = _result(2, step=10.0, exposed=0.0)
+    set_efficiency([one, two])
+    assert two.efficiency == pytest.approx(0.5)  # same throughput from twice the ranks
+
+
+def _result(world: int, step: float, exposed: float, **kw: Any) -> WorldResult:
+    compute = (step - exposed) / 3
+    fields: dict[str, Any] = {
+        "world_size": world, "steps": 10, "step_ms": step, "samples_per_step": 64,
+        "parts_ms": {"forward": compute, "backward": compute, "exposed": exposed,
+                     "optimizer": compute, "other": 0.0},
+        "hidden_ms": 0.0, "comm_busy_ms": exposed, "bytes_per_step": 32 * MB,
+        "buckets_per_step": 2, "bucket_bytes": [7 * MB, 25 * MB],
+    }  # fmt: skip
+    fields.update(kw)
+    return WorldResult(**fields)
+
+
+_CURVE = [
+    {"bytes": b * MB, "ms": ms, "gbps": b * MB / ms / 1e6}
+    for b, ms in ((1, 4.0), (4, 5.0), (16, 8.0), (64, 30.0))
+]
+
+
+def _advice(results: list[WorldResult]) -> str:
+    return " | ".join(a.advice for a in recommend(results))
+
+
+def test_little_exposed_communication_means_scale_out_freely() -> None:
+    assert "scale out freely" in _advice([_result(1, 10, 0), _result(2, 5.2, 0.2)])
+
+
+def test_compute_slower_per_sample_at_more_ranks_is_called_contention() -> None:
+    # Same global batch: world 2 should compute half as long per rank, not as long.
+    advice = _advice([_result(1, 10, 0), _result(2, 10, 0.2)])
+    assert "will not help" in advice and "scale out freely" not in advice
+
+
+def test_one_big_bucket_gets_smaller_buckets_from_the_probe_curve() -> None:
+    top = _result(2, 5.0, 2.0, buckets_per_step=1, bucket_bytes=[64 * MB],
+                  bytes_per_step=64 * MB, probe_sizes=_CURVE)  # fmt: skip
+    # 16 MB reaches 2.1 GB/s, the best is 2.2 (64 MB): >= 80% -> 16 MB.
+    assert "smaller buckets: bucket_cap_mb=16" in _advice([_result(1, 6, 0), top])
+
+
+def test_many_small_buckets_get_larger_ones() -> None:
+    top = _result(2, 5.0, 2.0, buckets_per_step=32, bucket_bytes=[MB] * 32, probe_sizes=_CURVE)
+    assert "larger buckets: bucket_cap_mb=16" in _advice([_result(1, 6, 0), top])
+
+
+def test_a_collective_slower_in_training_than_alone_is_shown_with_both_speeds() -> None:
+    top = _result(2, 5.0, 2.0, comm_busy_ms=20.0, probe_alone_ms=8.0)
+    advice = recommend([_result(1, 6, 0), top])
+    slow = [a for a in advice if "room" in a.advice]
+    assert slow and "alone" in slow[0].reason and "20.0 ms" in slow[0].reason
+
+
+def test_compression_is_advised_only_where_half_the_bytes_go_faster() -> None:
+    curve = [{"bytes": b * MB, "ms": ms, "gbps": 0.0} for b, ms in ((1, 1.0), (64, 64.0))]
+    bound = _result(2, 5.0, 2.0, probe_sizes=curve)  # bandwidth-bound: half the time
+    assert "compression hook" in _advice([_result(1, 6, 0), bound])
+    flat = [{"bytes": b * MB, "ms": 10.0, "gbps": 0.0} for b in (1, 64)]
+    latency = _result(2, 5.0, 2.0, probe_sizes=flat)  # latency-bound: no gain
+    assert "compression hook" not in _advice([_result(1, 6, 0), latency])
+
+
+def test_accumulation_is_sized_to_bring_exposed_time_under_five_percent_of_compute() -> None:
+    top = _result(2, 7.0, 1.0)  # compute 6 ms: 1 / (0.05 * 6) -> 4 micro-batches
+    assert "gradient_accumulation_steps=4" in _advice([_result(1, 12, 0), top])
