@@ -93,7 +93,10 @@ def _context() -> Any:
     would import it again (about 3 s for two ranks on two cores, for every test). The
     server is a clean process (no threads, no process group), so each fork starts clean."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "tests.harness"])
+    # phalanx.ddp.module pulls in torch._dynamo (torch.compiler.disable): seconds per rank.
+    ctx.set_forkserver_preload(
+        ["torch", "torch.distributed", "phalanx.ddp.module", "tests.harness"]
+    )
     return ctx
 
 
