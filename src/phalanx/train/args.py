@@ -32,6 +32,8 @@ from phalanx.train.schedules import ScheduleName
 
 DEFAULT_REPORT_TO: tuple[Reporter, ...] = ("console", "jsonl")
 ZeroStage = Literal[0, 1, 2, 3]
+CommHookName = Literal["allreduce", "fp16", "bf16", "powersgd"]
+SyncMethod = Literal["ddp", "local_sgd", "diloco"]
 _Args = TypeVar("_Args", bound="TrainingArguments")
 
 
@@ -159,6 +161,30 @@ class TrainingArguments(Config):
     """Broadcast rank 0's buffers (e.g. BatchNorm statistics) before each forward.
     None means True, or False with gradient_checkpointing (it must be False with it)."""
 
+    ddp_comm_hook: CommHookName | None = None
+    """How DDP's buckets travel (phalanx.comm_hooks): "fp16"/"bf16" halve the bytes,
+    "powersgd" sends low-rank factors with error feedback (its state is checkpointed per
+    rank), "allreduce" is the default path as a hook; None uses the reducer's own
+    all-reduce. Not with zero_stage 2 or 3, nor with sync_method other than "ddp"."""
+    powersgd_rank: int = 1
+    """With ddp_comm_hook="powersgd": the rank of the low-rank approximation (1 to 4 is typical)."""
+    powersgd_start_iter: int = 1000
+    """With ddp_comm_hook="powersgd": steps of plain all-reduce before compressing (>= 2)."""
+
+    # ----------------------------------------------------------- synchronisation
+    sync_method: SyncMethod = "ddp"
+    """How the replicas stay together: "ddp" all-reduces gradients every step; "local_sgd"
+    (phalanx.LocalSGD) steps each rank on its own and averages the parameters every
+    sync_every steps; "diloco" (phalanx.DiLoCo) makes an outer optimizer step on the
+    averaged parameter change every sync_every steps. The last two do not wrap the model in
+    DDP; their per-rank state is checkpointed, and the replicas are synced at max_steps."""
+    sync_every: int = 8
+    """With sync_method "local_sgd" or "diloco": inner optimizer steps between two syncs."""
+    diloco_outer_lr: float = 0.7
+    """With sync_method="diloco": the outer SGD's learning rate (the paper's 0.7)."""
+    diloco_outer_momentum: float = 0.9
+    """With sync_method="diloco": the outer SGD's Nesterov momentum (the paper's 0.9)."""
+
     def __post_init__(self) -> None:
         check_fields(self)  # types from the annotations, before any value check reads them
         if self.ddp_backend is not None:
@@ -241,6 +267,7 @@ def _check_values(args: TrainingArguments) -> None:
     _check_optimizer(args)
     _check_reporting(args)
     _check_ddp(args)
+    _check_sync(args)
 
 
 def _check_run_length(args: TrainingArguments) -> None:
@@ -355,8 +382,59 @@ def _check_ddp(args: TrainingArguments) -> None:
     )
 
 
+def _check_sync(args: TrainingArguments) -> None:
+    _require(
+        args.powersgd_rank >= 1,
+        f"powersgd_rank={args.powersgd_rank} must be >= 1 — 1 to 4 is typical",
+    )
+    _require(
+        args.powersgd_start_iter >= 2,
+        f"powersgd_start_iter={args.powersgd_start_iter} must be >= 2 — DDP rebuilds its "
+        "buckets after the first step, which PowerSGD's memory must not straddle",
+    )
+    _require(
+        args.sync_every >= 1,
+        f"sync_every={args.sync_every} must be >= 1 — it counts optimizer steps between syncs",
+    )
+    for name in ("diloco_outer_lr", "diloco_outer_momentum"):
+        value = getattr(args, name)
+        _require(
+            math.isfinite(value) and value >= 0,
+            f"{name}={value} must be a finite number >= 0 — the paper uses 0.7 and 0.9",
+        )
+
+
+def _check_comm_combinations(args: TrainingArguments) -> None:
+    """Hooks and local synchronisation replace DDP's all-reduce: refuse what then breaks."""
+    hook, method = args.ddp_comm_hook, args.sync_method
+    _require(
+        hook is None or args.zero_stage in (0, 1),
+        f"ddp_comm_hook={hook!r} does not work with zero_stage={args.zero_stage} — ZeRO "
+        "reduce-scatters (stage 2) or shards the model (stage 3) itself; use zero_stage 0 or "
+        "1, or drop ddp_comm_hook",
+    )
+    if method == "ddp":
+        return
+    refused = [
+        (hook is not None, f"ddp_comm_hook={hook!r} (there is no DDP to hook)"),
+        (
+            args.zero_stage > 0,
+            f"zero_stage={args.zero_stage} (its shards need every step's gradients reduced)",
+        ),
+        (args.fp16, "fp16 (each rank's GradScaler would skip steps on its own)"),
+        (not args.even_batches, "even_batches=False (a rank out of data would miss a sync)"),
+    ]
+    for bad, what in refused:
+        _require(
+            not bad,
+            f"sync_method={method!r} does not work with {what} — use sync_method='ddp', or "
+            "drop that option",
+        )
+
+
 def _check_combinations(args: TrainingArguments) -> None:
     """The documents' warnings, made errors: each combination gives wrong results or crashes."""
+    _check_comm_combinations(args)
     _require(
         not (args.bf16 and args.fp16),
         "bf16 and fp16 are both set — choose one precision (bf16 needs no loss scaling)",
