@@ -24,8 +24,8 @@ from typing import Any, Literal, TypeVar
 
 from phalanx.ddp.module import DEFAULT_BUCKET_CAP_MB
 from phalanx.ddp.options import DDPOptions
-from phalanx.errors import ConfigurationError
-from phalanx.train.fields import Config, check_fields
+from phalanx.train.comm_checks import check_comm_combinations, check_sync
+from phalanx.train.fields import Config, check_fields, require
 from phalanx.train.metrics import Reporter
 from phalanx.train.nonfinite import NonFiniteAction
 from phalanx.train.schedules import ScheduleName
@@ -255,11 +255,6 @@ class TrainingArguments(Config):
 # --------------------------------------------------------------------- validation
 
 
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigurationError(message)
-
-
 def _check_values(args: TrainingArguments) -> None:
     _check_run_length(args)
     _check_batches(args)
@@ -267,21 +262,21 @@ def _check_values(args: TrainingArguments) -> None:
     _check_optimizer(args)
     _check_reporting(args)
     _check_ddp(args)
-    _check_sync(args)
+    check_sync(args)
 
 
 def _check_run_length(args: TrainingArguments) -> None:
-    _require(args.output_dir.strip() != "", "output_dir is empty — name a directory to write to")
-    _require(
+    require(args.output_dir.strip() != "", "output_dir is empty — name a directory to write to")
+    require(
         0 <= args.seed < 2**32,
         f"seed={args.seed} is outside [0, 2**32) — NumPy cannot take it; pick a smaller seed",
     )
-    _require(
+    require(
         math.isfinite(args.num_train_epochs) and args.num_train_epochs > 0,
         f"num_train_epochs={args.num_train_epochs} must be > 0 — pass how many passes over "
         "the data to make, or set max_steps",
     )
-    _require(
+    require(
         args.max_steps == -1 or args.max_steps > 0,
         f"max_steps={args.max_steps} trains nothing — pass a positive number of optimizer "
         "steps, or -1 to train for num_train_epochs",
@@ -294,11 +289,11 @@ def _check_batches(args: TrainingArguments) -> None:
         "per_device_eval_batch_size",
         "gradient_accumulation_steps",
     ):
-        _require(
+        require(
             getattr(args, name) >= 1,
             f"{name}={getattr(args, name)} must be >= 1 — it counts samples (or micro-batches)",
         )
-    _require(
+    require(
         args.dataloader_num_workers >= 0,
         f"dataloader_num_workers={args.dataloader_num_workers} must be >= 0 — 0 loads batches "
         "in the training process",
@@ -306,7 +301,7 @@ def _check_batches(args: TrainingArguments) -> None:
 
 
 def _check_even_batches(args: TrainingArguments) -> None:
-    _require(
+    require(
         args.even_batches or args.zero_stage in (0, 1),
         f"even_batches=False with zero_stage={args.zero_stage}: a rank out of batches holds "
         "no full gradients to shard — use even_batches=True (padding), or zero_stage 0 or 1",
@@ -316,44 +311,44 @@ def _check_even_batches(args: TrainingArguments) -> None:
 def _check_optimizer(args: TrainingArguments) -> None:
     for name in ("learning_rate", "weight_decay", "max_grad_norm"):
         value = getattr(args, name)
-        _require(
+        require(
             math.isfinite(value) and value >= 0,
             f"{name}={value} must be a finite number >= 0 — pass 0 or more"
             + (" (0 turns clipping off)" if name == "max_grad_norm" else ""),
         )
-    _require(
+    require(
         args.warmup_steps >= 0,
         f"warmup_steps={args.warmup_steps} must be >= 0 — 0 starts at the full learning rate",
     )
 
 
 def _check_reporting(args: TrainingArguments) -> None:
-    _require(
+    require(
         args.logging_steps >= 1,
         f"logging_steps={args.logging_steps} must be >= 1 — it is how many steps lie "
         "between two log lines",
     )
     for name in ("eval_steps", "save_steps"):
-        _require(
+        require(
             getattr(args, name) >= 0,
             f"{name}={getattr(args, name)} must be >= 0 — 0 turns it off",
         )
-    _require(
+    require(
         args.max_consecutive_skips >= 1,
         f"max_consecutive_skips={args.max_consecutive_skips} must be >= 1 — it is how many "
         "non-finite steps in a row are skipped before the run stops",
     )
-    _require(
+    require(
         args.replica_check_steps >= 0,
         f"replica_check_steps={args.replica_check_steps} must be >= 0 — 0 turns it off",
     )
     limit = args.save_total_limit
-    _require(
+    require(
         limit is None or limit >= 1,
         f"save_total_limit={limit} would delete every checkpoint — pass >= 1, or None to keep all",
     )
     if "tensorboard" in args.report_to:
-        _require(
+        require(
             importlib.util.find_spec("tensorboard") is not None,
             'report_to includes "tensorboard" but the tensorboard package is not installed — '
             "pip install tensorboard, or drop it from report_to",
@@ -361,99 +356,49 @@ def _check_reporting(args: TrainingArguments) -> None:
 
 
 def _check_ddp(args: TrainingArguments) -> None:
-    _require(
+    require(
         args.ddp_backend is None or args.ddp_backend != "",
         "ddp_backend is empty — name a backend such as 'gloo' or 'nccl', or pass None",
     )
-    _require(
+    require(
         math.isfinite(args.ddp_timeout) and args.ddp_timeout > 0,
         f"ddp_timeout={args.ddp_timeout} must be a finite number of seconds > 0 — it bounds how "
         "long a collective may block before the job fails instead of hanging (default 1800)",
     )
     cap = args.ddp_bucket_cap_mb
-    _require(
+    require(
         cap is None or cap == "auto" or (math.isfinite(cap) and cap > 0),
         f"ddp_bucket_cap_mb={cap} must be > 0 MiB — the default is 25",
     )
-    _require(
+    require(
         args.zero3_units is None or args.zero_stage == 3,
         f"zero3_units={args.zero3_units} only means something with zero_stage=3 — set "
         "zero_stage=3, or drop zero3_units",
     )
 
 
-def _check_sync(args: TrainingArguments) -> None:
-    _require(
-        args.powersgd_rank >= 1,
-        f"powersgd_rank={args.powersgd_rank} must be >= 1 — 1 to 4 is typical",
-    )
-    _require(
-        args.powersgd_start_iter >= 2,
-        f"powersgd_start_iter={args.powersgd_start_iter} must be >= 2 — DDP rebuilds its "
-        "buckets after the first step, which PowerSGD's memory must not straddle",
-    )
-    _require(
-        args.sync_every >= 1,
-        f"sync_every={args.sync_every} must be >= 1 — it counts optimizer steps between syncs",
-    )
-    for name in ("diloco_outer_lr", "diloco_outer_momentum"):
-        value = getattr(args, name)
-        _require(
-            math.isfinite(value) and value >= 0,
-            f"{name}={value} must be a finite number >= 0 — the paper uses 0.7 and 0.9",
-        )
-
-
-def _check_comm_combinations(args: TrainingArguments) -> None:
-    """Hooks and local synchronisation replace DDP's all-reduce: refuse what then breaks."""
-    hook, method = args.ddp_comm_hook, args.sync_method
-    _require(
-        hook is None or args.zero_stage in (0, 1),
-        f"ddp_comm_hook={hook!r} does not work with zero_stage={args.zero_stage} — ZeRO "
-        "reduce-scatters (stage 2) or shards the model (stage 3) itself; use zero_stage 0 or "
-        "1, or drop ddp_comm_hook",
-    )
-    if method == "ddp":
-        return
-    refused = [
-        (hook is not None, f"ddp_comm_hook={hook!r} (there is no DDP to hook)"),
-        (
-            args.zero_stage > 0,
-            f"zero_stage={args.zero_stage} (its shards need every step's gradients reduced)",
-        ),
-        (args.fp16, "fp16 (each rank's GradScaler would skip steps on its own)"),
-        (not args.even_batches, "even_batches=False (a rank out of data would miss a sync)"),
-    ]
-    for bad, what in refused:
-        _require(
-            not bad,
-            f"sync_method={method!r} does not work with {what} — use sync_method='ddp', or "
-            "drop that option",
-        )
-
-
 def _check_combinations(args: TrainingArguments) -> None:
     """The documents' warnings, made errors: each combination gives wrong results or crashes."""
-    _check_comm_combinations(args)
-    _require(
+    check_comm_combinations(args)
+    require(
         not (args.bf16 and args.fp16),
         "bf16 and fp16 are both set — choose one precision (bf16 needs no loss scaling)",
     )
-    _require(
+    require(
         not (args.fp16 and args.zero_stage > 0),
         f"fp16 does not work with zero_stage={args.zero_stage} — the GradScaler unscales and "
         "checks whole gradients, which ZeRO cuts between ranks; use bf16=True (no loss scaling)",
     )
     if not args.gradient_checkpointing:
         return
-    _require(
+    require(
         args.ddp_find_unused_parameters is not True,
         "ddp_find_unused_parameters=True does not work with gradient_checkpointing — "
         "checkpointing drops activations and recomputes them in backward, so the graph "
         "searched after forward is not the one backward runs, and parameters get marked "
         "ready twice; leave ddp_find_unused_parameters unset",
     )
-    _require(
+    require(
         args.ddp_broadcast_buffers is not True,
         "ddp_broadcast_buffers=True does not work with gradient_checkpointing — the "
         "broadcast rewrites buffers in place between forward and the recomputation in "
