@@ -24,14 +24,16 @@ from typing import Any, Literal, TypeVar
 
 from phalanx.ddp.module import DEFAULT_BUCKET_CAP_MB
 from phalanx.ddp.options import DDPOptions
-from phalanx.errors import ConfigurationError
-from phalanx.train.fields import Config, check_fields
+from phalanx.train.comm_checks import check_comm_combinations, check_sync
+from phalanx.train.fields import Config, check_fields, require
 from phalanx.train.metrics import Reporter
 from phalanx.train.nonfinite import NonFiniteAction
 from phalanx.train.schedules import ScheduleName
 
 DEFAULT_REPORT_TO: tuple[Reporter, ...] = ("console", "jsonl")
 ZeroStage = Literal[0, 1, 2, 3]
+CommHookName = Literal["allreduce", "fp16", "bf16", "powersgd"]
+SyncMethod = Literal["ddp", "local_sgd", "diloco"]
 _Args = TypeVar("_Args", bound="TrainingArguments")
 
 
@@ -159,6 +161,30 @@ class TrainingArguments(Config):
     """Broadcast rank 0's buffers (e.g. BatchNorm statistics) before each forward.
     None means True, or False with gradient_checkpointing (it must be False with it)."""
 
+    ddp_comm_hook: CommHookName | None = None
+    """How DDP's buckets travel (phalanx.comm_hooks): "fp16"/"bf16" halve the bytes,
+    "powersgd" sends low-rank factors with error feedback (its state is checkpointed per
+    rank), "allreduce" is the default path as a hook; None uses the reducer's own
+    all-reduce. Not with zero_stage 2 or 3, nor with sync_method other than "ddp"."""
+    powersgd_rank: int = 1
+    """With ddp_comm_hook="powersgd": the rank of the low-rank approximation (1 to 4 is typical)."""
+    powersgd_start_iter: int = 1000
+    """With ddp_comm_hook="powersgd": steps of plain all-reduce before compressing (>= 2)."""
+
+    # ----------------------------------------------------------- synchronisation
+    sync_method: SyncMethod = "ddp"
+    """How the replicas stay together: "ddp" all-reduces gradients every step; "local_sgd"
+    (phalanx.LocalSGD) steps each rank on its own and averages the parameters every
+    sync_every steps; "diloco" (phalanx.DiLoCo) makes an outer optimizer step on the
+    averaged parameter change every sync_every steps. The last two do not wrap the model in
+    DDP; their per-rank state is checkpointed, and the replicas are synced at max_steps."""
+    sync_every: int = 8
+    """With sync_method "local_sgd" or "diloco": inner optimizer steps between two syncs."""
+    diloco_outer_lr: float = 0.7
+    """With sync_method="diloco": the outer SGD's learning rate (the paper's 0.7)."""
+    diloco_outer_momentum: float = 0.9
+    """With sync_method="diloco": the outer SGD's Nesterov momentum (the paper's 0.9)."""
+
     def __post_init__(self) -> None:
         check_fields(self)  # types from the annotations, before any value check reads them
         if self.ddp_backend is not None:
@@ -229,11 +255,6 @@ class TrainingArguments(Config):
 # --------------------------------------------------------------------- validation
 
 
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigurationError(message)
-
-
 def _check_values(args: TrainingArguments) -> None:
     _check_run_length(args)
     _check_batches(args)
@@ -241,20 +262,21 @@ def _check_values(args: TrainingArguments) -> None:
     _check_optimizer(args)
     _check_reporting(args)
     _check_ddp(args)
+    check_sync(args)
 
 
 def _check_run_length(args: TrainingArguments) -> None:
-    _require(args.output_dir.strip() != "", "output_dir is empty — name a directory to write to")
-    _require(
+    require(args.output_dir.strip() != "", "output_dir is empty — name a directory to write to")
+    require(
         0 <= args.seed < 2**32,
         f"seed={args.seed} is outside [0, 2**32) — NumPy cannot take it; pick a smaller seed",
     )
-    _require(
+    require(
         math.isfinite(args.num_train_epochs) and args.num_train_epochs > 0,
         f"num_train_epochs={args.num_train_epochs} must be > 0 — pass how many passes over "
         "the data to make, or set max_steps",
     )
-    _require(
+    require(
         args.max_steps == -1 or args.max_steps > 0,
         f"max_steps={args.max_steps} trains nothing — pass a positive number of optimizer "
         "steps, or -1 to train for num_train_epochs",
@@ -267,11 +289,11 @@ def _check_batches(args: TrainingArguments) -> None:
         "per_device_eval_batch_size",
         "gradient_accumulation_steps",
     ):
-        _require(
+        require(
             getattr(args, name) >= 1,
             f"{name}={getattr(args, name)} must be >= 1 — it counts samples (or micro-batches)",
         )
-    _require(
+    require(
         args.dataloader_num_workers >= 0,
         f"dataloader_num_workers={args.dataloader_num_workers} must be >= 0 — 0 loads batches "
         "in the training process",
@@ -279,7 +301,7 @@ def _check_batches(args: TrainingArguments) -> None:
 
 
 def _check_even_batches(args: TrainingArguments) -> None:
-    _require(
+    require(
         args.even_batches or args.zero_stage in (0, 1),
         f"even_batches=False with zero_stage={args.zero_stage}: a rank out of batches holds "
         "no full gradients to shard — use even_batches=True (padding), or zero_stage 0 or 1",
@@ -289,44 +311,44 @@ def _check_even_batches(args: TrainingArguments) -> None:
 def _check_optimizer(args: TrainingArguments) -> None:
     for name in ("learning_rate", "weight_decay", "max_grad_norm"):
         value = getattr(args, name)
-        _require(
+        require(
             math.isfinite(value) and value >= 0,
             f"{name}={value} must be a finite number >= 0 — pass 0 or more"
             + (" (0 turns clipping off)" if name == "max_grad_norm" else ""),
         )
-    _require(
+    require(
         args.warmup_steps >= 0,
         f"warmup_steps={args.warmup_steps} must be >= 0 — 0 starts at the full learning rate",
     )
 
 
 def _check_reporting(args: TrainingArguments) -> None:
-    _require(
+    require(
         args.logging_steps >= 1,
         f"logging_steps={args.logging_steps} must be >= 1 — it is how many steps lie "
         "between two log lines",
     )
     for name in ("eval_steps", "save_steps"):
-        _require(
+        require(
             getattr(args, name) >= 0,
             f"{name}={getattr(args, name)} must be >= 0 — 0 turns it off",
         )
-    _require(
+    require(
         args.max_consecutive_skips >= 1,
         f"max_consecutive_skips={args.max_consecutive_skips} must be >= 1 — it is how many "
         "non-finite steps in a row are skipped before the run stops",
     )
-    _require(
+    require(
         args.replica_check_steps >= 0,
         f"replica_check_steps={args.replica_check_steps} must be >= 0 — 0 turns it off",
     )
     limit = args.save_total_limit
-    _require(
+    require(
         limit is None or limit >= 1,
         f"save_total_limit={limit} would delete every checkpoint — pass >= 1, or None to keep all",
     )
     if "tensorboard" in args.report_to:
-        _require(
+        require(
             importlib.util.find_spec("tensorboard") is not None,
             'report_to includes "tensorboard" but the tensorboard package is not installed — '
             "pip install tensorboard, or drop it from report_to",
@@ -334,21 +356,21 @@ def _check_reporting(args: TrainingArguments) -> None:
 
 
 def _check_ddp(args: TrainingArguments) -> None:
-    _require(
+    require(
         args.ddp_backend is None or args.ddp_backend != "",
         "ddp_backend is empty — name a backend such as 'gloo' or 'nccl', or pass None",
     )
-    _require(
+    require(
         math.isfinite(args.ddp_timeout) and args.ddp_timeout > 0,
         f"ddp_timeout={args.ddp_timeout} must be a finite number of seconds > 0 — it bounds how "
         "long a collective may block before the job fails instead of hanging (default 1800)",
     )
     cap = args.ddp_bucket_cap_mb
-    _require(
+    require(
         cap is None or cap == "auto" or (math.isfinite(cap) and cap > 0),
         f"ddp_bucket_cap_mb={cap} must be > 0 MiB — the default is 25",
     )
-    _require(
+    require(
         args.zero3_units is None or args.zero_stage == 3,
         f"zero3_units={args.zero3_units} only means something with zero_stage=3 — set "
         "zero_stage=3, or drop zero3_units",
@@ -357,25 +379,26 @@ def _check_ddp(args: TrainingArguments) -> None:
 
 def _check_combinations(args: TrainingArguments) -> None:
     """The documents' warnings, made errors: each combination gives wrong results or crashes."""
-    _require(
+    check_comm_combinations(args)
+    require(
         not (args.bf16 and args.fp16),
         "bf16 and fp16 are both set — choose one precision (bf16 needs no loss scaling)",
     )
-    _require(
+    require(
         not (args.fp16 and args.zero_stage > 0),
         f"fp16 does not work with zero_stage={args.zero_stage} — the GradScaler unscales and "
         "checks whole gradients, which ZeRO cuts between ranks; use bf16=True (no loss scaling)",
     )
     if not args.gradient_checkpointing:
         return
-    _require(
+    require(
         args.ddp_find_unused_parameters is not True,
         "ddp_find_unused_parameters=True does not work with gradient_checkpointing — "
         "checkpointing drops activations and recomputes them in backward, so the graph "
         "searched after forward is not the one backward runs, and parameters get marked "
         "ready twice; leave ddp_find_unused_parameters unset",
     )
-    _require(
+    require(
         args.ddp_broadcast_buffers is not True,
         "ddp_broadcast_buffers=True does not work with gradient_checkpointing — the "
         "broadcast rewrites buffers in place between forward and the recomputation in "

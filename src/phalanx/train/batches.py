@@ -68,21 +68,25 @@ def step_groups(
         start, group = start + expected, []
 
 
-def loss_weights(sizes: list[int], world: World) -> list[float]:
+def loss_weights(sizes: list[int], world: World, reduced: bool = True) -> list[float]:
     """Each micro-batch's loss weight, so that the step's gradient is the mean over every
-    sample of the step on every rank, whatever the batch sizes.
+    sample of the step on every rank (`reduced`), or over this rank's own, whatever the
+    batch sizes.
 
     A loss is a mean over its micro-batch, and the reducer divides the sum over
     ranks by their number N; so rank r's micro-batch of n samples is weighted
     N * n / (the step's samples on all ranks), the total agreed in one small
     all-reduce (one process needs none). Equal batches get 1 / (micro-batches).
+    With no reducer (local SGD, DiLoCo: each rank steps on its own gradient) a
+    micro-batch is weighted n / (this rank's samples in the step), with no collective.
     """
     total = float(sum(sizes))
-    if world.is_distributed:
+    if reduced and world.is_distributed:
         total = world.all_reduce_sum([total])[0]
     if total <= 0:
         return [0.0] * len(sizes)
-    return [world.world_size * size / total for size in sizes]
+    ranks = world.world_size if reduced else 1
+    return [ranks * size / total for size in sizes]
 
 
 def takes_keyword_batch(model: nn.Module, sample: Any) -> bool:

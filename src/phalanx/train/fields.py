@@ -312,3 +312,9 @@ class Config:
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         field_types(cls)
+
+
+def require(ok: bool, message: str) -> None:
+    """Raise ConfigurationError(message) unless `ok`: a config check in one line."""
+    if not ok:
+        raise ConfigurationError(message)

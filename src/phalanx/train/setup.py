@@ -165,7 +165,8 @@ def train_loader(
 
 
 def wrap_model(model: nn.Module, args: TrainingArguments, world: World) -> nn.Module:
-    """phalanx DDP with the arguments' DDP options, or the model itself in a world of one.
+    """phalanx DDP with the arguments' DDP options, or the model itself in a world of one
+    or under a local sync_method.
 
     Under zero_stage=3 the model is sharded in place instead (its units, then the
     root; in a world of one too, so checkpoints have one layout whatever the size)
@@ -176,8 +177,9 @@ def wrap_model(model: nn.Module, args: TrainingArguments, world: World) -> nn.Mo
             policy = zero3.by_class_names(args.zero3_units) if args.zero3_units else None
             zero3.shard_model(model, policy)
         return model
-    if not world.is_distributed:
-        return model  # one rank has nothing to all-reduce: skip the hooks and their cost
+    if not world.is_distributed or args.sync_method != "ddp":
+        # One rank has nothing to all-reduce; local SGD / DiLoCo sync parameters themselves.
+        return model
     # A model wrapped before (by an earlier Trainer) is unhooked from that wrapper by DDP itself.
     return DistributedDataParallel(
         model,

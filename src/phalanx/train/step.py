@@ -132,6 +132,8 @@ class StepRunner:
         self.timeline = timeline
         """Where the optimizer step is recorded, and forward and backward too when the model
         is not wrapped (DDP and its reducer record their own); None: off."""
+        self._reduced = args.sync_method == "ddp"
+        """Whether gradients are averaged over ranks each step (not under local SGD/DiLoCo)."""
         self._keyword: bool | None = None
         """Whether a batch is spread into keyword arguments; found at the first batch."""
         self.shadow: Callable[[], None] | None = None
@@ -144,7 +146,7 @@ class StepRunner:
         """Train one step on `batches`, this rank's micro-batches of a step of `expected`
         (fewer only under even_batches=False, where `shadow` plays the missing ones)."""
         sizes = [batch_size(batch) for batch in batches]
-        weights = loss_weights(sizes, self.world)
+        weights = loss_weights(sizes, self.world, reduced=self._reduced)
         synced = expected - 1  # the step's last micro-batch reduces, the others accumulate
         losses = [
             self._micro_step(batch, weight, index == synced, loss_fn)
@@ -155,6 +157,8 @@ class StepRunner:
             self.shadow()
         loss = torch.stack(losses).sum() if losses else torch.zeros((), device=self.world.device)
         check = None if self.guard.action == "off" else self._check(loss, state)
+        if check is not None and not self._reduced and self.world.is_distributed:
+            check = self._agreed(check)
         with timelines.span_of(self.timeline, "optimizer step"):
             grad_norm, stepped = optimizer_step(
                 self.model,
@@ -168,6 +172,16 @@ class StepRunner:
 
     def _check(self, loss: Tensor, state: TrainState) -> StepCheck:
         return lambda grad_norm: self.guard.allows_step(grad_norm, loss, state)
+
+    def _agreed(self, check: StepCheck) -> StepCheck:
+        """With no reducer each rank's norm is its own: agree (one number) whether any rank's
+        is non-finite, so that every rank steps or skips alike and the syncs stay aligned."""
+
+        def agreed(grad_norm: Tensor) -> bool:
+            bad = self.world.all_reduce_sum([0.0 if bool(torch.isfinite(grad_norm)) else 1.0])
+            return check(grad_norm if bad[0] == 0 else grad_norm.new_tensor(math.inf))
+
+        return agreed
 
     def _micro_step(self, batch: Any, weight: float, sync: bool, loss_fn: LossFn | None) -> Tensor:
         """Forward and backward of one micro-batch; its loss times `weight`, detached."""

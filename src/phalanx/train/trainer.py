@@ -35,10 +35,12 @@ from phalanx.diagnostics import progress
 from phalanx.diagnostics import timeline as timelines
 from phalanx.diagnostics.replicas import check_replicas
 from phalanx.errors import ConfigurationError
+from phalanx.optim.local_sgd import PeriodicSync
 from phalanx.train.args import TrainingArguments
 from phalanx.train.batches import LossFn, step_groups
 from phalanx.train.checkpoint import PREFIX
 from phalanx.train.checkpointer import Checkpointer
+from phalanx.train.comm import PerRank, attach_comm_hook, make_periodic_sync
 from phalanx.train.evaluation import ComputeMetrics, EvalSetup, evaluate_model
 from phalanx.train.nonfinite import NonFiniteGuard, check_parameters
 from phalanx.train.outputdir import prepare_output_dir, restart_note
@@ -137,6 +139,8 @@ class Trainer:
         """What the loop calls: phalanx DDP with more than one rank, else the model itself."""
         if isinstance(self.wrapped_model, DistributedDataParallel):
             self.wrapped_model.timeline = self.timeline
+        self.comm_state = attach_comm_hook(self.wrapped_model, self.args, self.world)
+        """PowerSGD's state (error feedback, warm-start Qs) when ddp_comm_hook="powersgd"."""
         if optimizer is not None:
             check_user_optimizer(optimizer, self.args)
         self.optimizer = (
@@ -145,6 +149,8 @@ class Trainer:
             else build_optimizer(self.model, self.args, self.world)
         )
         """AdamW, or under zero_stage 1/2 a phalanx.ZeroRedundancyOptimizer over AdamW."""
+        self.periodic_sync = make_periodic_sync(self.model, self.optimizer, self.args, self.world)
+        """phalanx.LocalSGD or DiLoCo under sync_method "local_sgd" / "diloco", else None."""
         self.scaler = torch.amp.GradScaler("cuda") if self.args.fp16 else None
 
     def _setup_training(self, dataset: Dataset[Any]) -> None:
@@ -217,6 +223,9 @@ class Trainer:
             "optimizer": ShardedModel(self.model, self.optimizer) if sharded else self.optimizer,
             "scheduler": self.scheduler,
         }
+        local = self.comm_state if self.comm_state is not None else self.periodic_sync
+        if local is not None:  # after model and optimizer: LocalSGD's holds this rank's own
+            states["comm"] = PerRank(local)
         if self.scaler is not None:
             states["scaler"] = self.scaler
         states["sampler"] = self._position
@@ -364,7 +373,11 @@ class Trainer:
     def _after_step(self, window: StepWindow) -> None:
         """Between steps, on every rank alike: replica check, logging, evaluation, saving."""
         step, args = self.state.global_step, self.args
-        if args.replica_check_steps and step % args.replica_check_steps == 0:
+        local = self.periodic_sync
+        if local is not None and step == self.max_steps:
+            local.sync()  # the run ends with one model (a no-op right after a sync)
+        in_sync = local is None or local.in_sync  # the same on every rank
+        if args.replica_check_steps and step % args.replica_check_steps == 0 and in_sync:
             check_replicas(self.wrapped_model, self.world.process_group)
         if step % args.logging_steps == 0:
             self._log(window)
@@ -454,6 +467,9 @@ class Trainer:
         wrapped = self.__dict__.get("wrapped_model")
         if wrapped is not None:
             self.wrapped_model = self.model
+        local: PeriodicSync | None = self.__dict__.get("periodic_sync")
+        if local is not None:
+            local.close()  # unhook the optimizer, which outlives the Trainer
         release(wrapped, self._owns_group)
 
     def _check_open(self) -> None:
