@@ -128,3 +128,18 @@ def warn_deprecated(check_reduction: bool) -> None:
             FutureWarning,
             stacklevel=3,
         )
+
+
+def buffer_sync(
+    broadcast_buffers: bool | None, forward_sync_buffers: bool | None
+) -> tuple[bool, bool]:
+    """(before each synced forward, at wrap): whether rank 0's buffers are broadcast.
+
+    torch 2.13's rule: buffers are synced at wrap unless broadcast_buffers=False
+    alone says not to; `forward_sync_buffers` (its new name) only governs the
+    forward sync, and when given the wrap always syncs.
+    """
+    broadcast = True if broadcast_buffers is None else broadcast_buffers
+    if forward_sync_buffers is None:
+        return broadcast, broadcast
+    return forward_sync_buffers, True

@@ -11,12 +11,13 @@ forward, the whole reduction with no gradient of its own.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 
-from phalanx.ddp.join import JoinHook, JoinRound
+from phalanx.ddp.join import Join, Joinable, JoinHook, JoinRound
+from phalanx.ddp.reducer import Reducer
 from phalanx.ddp.sync import broadcast_coalesced
 
 if TYPE_CHECKING:
@@ -77,3 +78,44 @@ class DDPJoinHook(JoinHook):
             state += ddp._buffers_to_sync
         ddp.reducer.stats.add(broadcast_coalesced(state, group, src=src))
         ddp.reducer.average_over(dist.get_world_size(group))
+
+
+class JoinableDDP(Joinable):
+    """Mixed into DistributedDataParallel: `model.join()` and what `Join` asks of it."""
+
+    reducer: Reducer
+    process_group: dist.ProcessGroup
+    _divide_by_initial_world_size: bool
+
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> Join:
+        """`with model.join():` — the same as `with phalanx.Join([model], ...)` (torch's)."""
+        return Join(
+            [self],
+            enable,
+            throw_on_early_termination,
+            divide_by_initial_world_size=divide_by_initial_world_size,
+        )
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """What this model does on a rank out of batches (DDPJoinHook)."""
+        divide = bool(kwargs.get("divide_by_initial_world_size", True))
+        self._divide_by_initial_world_size = divide
+        return DDPJoinHook(cast("DistributedDataParallel", self), divide)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.reducer.signals.device
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        return self.process_group
+
+    def set_join_divisor(self, round_: JoinRound) -> None:
+        """divide_by_initial_world_size=False: average over the ranks training this round."""
+        if not self._divide_by_initial_world_size:
+            self.reducer.average_over(len(round_.training))

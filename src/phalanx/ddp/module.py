@@ -9,9 +9,9 @@ the private methods real code calls (phalanx.ddp.torch_surface).
 
 from __future__ import annotations
 
-import logging
-import weakref
-from collections.abc import Iterator, Sequence
+import functools
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -19,13 +19,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from phalanx.ddp import arguments
+from phalanx.ddp import arguments, registry
 from phalanx.ddp.arguments import DEFAULT_BUCKET_CAP_MB
 from phalanx.ddp.comm_hooks import CommHook, allreduce_hook, fp16_compress_hook
-from phalanx.ddp.join import Join, Joinable, JoinConfig, JoinHook, JoinRound
-from phalanx.ddp.join_ddp import DDPJoinHook, ForwardPlan
+from phalanx.ddp.join import Join, JoinConfig
+from phalanx.ddp.join_ddp import ForwardPlan, JoinableDDP
 from phalanx.ddp.reducer import Reducer
 from phalanx.ddp.reductions import AllReduce, CommHookReduction
+from phalanx.ddp.registry import reducer_of
 from phalanx.ddp.sync import broadcast_coalesced, verify_same_state
 from phalanx.ddp.torch_surface import TorchSurface
 from phalanx.diagnostics import timeline as timelines
@@ -36,15 +37,26 @@ from phalanx.runtime.exit import register_exit_hook
 
 __all__ = ["DEFAULT_BUCKET_CAP_MB", "DistributedDataParallel", "reducer_of"]
 
-logger = logging.getLogger("phalanx")
-# Which reducer's hooks sit on a parameter. Hooks are process-wide state attached to
-# the tensor itself, so this side table is too; weak both ways, it keeps nothing alive
-# and, unlike an attribute on the parameter, never travels with a pickled model.
-# Keyed by id(): tensors compare elementwise, so they cannot be dictionary keys.
-_REDUCER_OF: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[Reducer]]] = {}
+
+def _eager(method: Callable[..., None]) -> Callable[..., None]:
+    """`torch.compiler.disable(method)`, made at its first call with torch._dynamo loaded.
+
+    Marking it at import would load torch._dynamo in every process: seconds of CPU
+    per rank, before the first step. Only a process that compiles loads it, and
+    only there does the mark matter.
+    """
+    lazily = torch._disable_dynamo(method)  # torch's lazy form, as torch's own DDP uses
+
+    @functools.wraps(method)
+    def call(*args: Any) -> None:
+        if "torch._dynamo" in sys.modules:
+            return lazily(*args)
+        return method(*args)
+
+    return call
 
 
-class DistributedDataParallel(TorchSurface, nn.Module, Joinable):
+class DistributedDataParallel(TorchSurface, nn.Module, JoinableDDP):
     """Replicate `module` on every rank and average its gradients during backward.
 
     Our own reducer (phalanx.ddp.reducer), not a wrapper of torch's: gradients
@@ -101,13 +113,9 @@ class DistributedDataParallel(TorchSurface, nn.Module, Joinable):
         self.device_ids = self._check_devices(module, device_ids)
         self.output_device = output_device
         self.dim = dim
-        # torch 2.13: buffers are synced at wrap unless broadcast_buffers=False alone says
-        # not to; `forward_sync_buffers` (its new name) only governs the forward sync.
-        broadcast = True if broadcast_buffers is None else broadcast_buffers
-        self.forward_sync_buffers = (
-            broadcast if forward_sync_buffers is None else forward_sync_buffers
+        self.forward_sync_buffers, init_sync_buffers = arguments.buffer_sync(
+            broadcast_buffers, forward_sync_buffers
         )
-        init_sync_buffers = broadcast if forward_sync_buffers is None else True
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
@@ -125,27 +133,29 @@ class DistributedDataParallel(TorchSurface, nn.Module, Joinable):
         self._divide_by_initial_world_size = True
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
 
-        params = self._managed_parameters()
-        if not any(p.requires_grad for _, p in params):
-            raise ConfigurationError(
-                "the module has no parameter that requires a gradient — DistributedDataParallel "
-                "has nothing to synchronise; unfreeze parameters or use the module directly"
-            )
         named_buffers = [
             (name, b) for name, b in module.named_buffers() if name not in self.parameters_to_ignore
         ]
         self._buffers_to_sync = [b for _, b in named_buffers]
         if init_sync:
-            synced = init_sync_buffers or self.forward_sync_buffers
-            verify_same_state(params, named_buffers if synced else [], self.process_group)
-            state: list[torch.Tensor] = [p for _, p in params]
-            if init_sync_buffers:
-                state += self._buffers_to_sync
-            broadcast_coalesced(state, self.process_group)
+            self._sync_initial_state(named_buffers, init_sync_buffers)
         # A script converted from torch never calls phalanx.init(), which installs this.
         register_exit_hook()
         self._attach_reducer()
         self.timeline = timelines.from_env(dist.get_rank(), dist.get_world_size())
+
+    def _sync_initial_state(
+        self, named_buffers: list[tuple[str, torch.Tensor]], with_buffers: bool
+    ) -> None:
+        """Check that every rank holds the same parameters (and synced buffers), then give
+        every rank rank 0's values: replicas start identical."""
+        params = self._managed_parameters()
+        checked = named_buffers if with_buffers or self.forward_sync_buffers else []
+        verify_same_state(params, checked, self.process_group)
+        state: list[torch.Tensor] = [p for _, p in params]
+        if with_buffers:
+            state += self._buffers_to_sync
+        broadcast_coalesced(state, self.process_group)
 
     def _managed_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """The module's parameters DDP synchronises: all but the ignored ones."""
@@ -158,7 +168,12 @@ class DistributedDataParallel(TorchSurface, nn.Module, Joinable):
     def _attach_reducer(self) -> None:
         """Hook a new reducer on the trainable managed parameters (detaching any earlier one)."""
         trainable = [(name, p) for name, p in self._managed_parameters() if p.requires_grad]
-        _detach_earlier_reducers(trainable)
+        if not trainable:
+            raise ConfigurationError(
+                "the module has no parameter that requires a gradient — DistributedDataParallel "
+                "has nothing to synchronise; unfreeze parameters or use the module directly"
+            )
+        registry.detach_earlier_reducers(p for _, p in trainable)
         self.reducer = Reducer(
             trainable,
             self.process_group,
@@ -172,8 +187,7 @@ class DistributedDataParallel(TorchSurface, nn.Module, Joinable):
         )
         # A reducer made again (unpickling) records where the wrapper's timeline does.
         self.reducer.timeline = getattr(self, "_timeline", None)
-        for _, p in trainable:
-            _REDUCER_OF[id(p)] = (weakref.ref(p), weakref.ref(self.reducer))
+        registry.register((p for _, p in trainable), self.reducer)
 
     @staticmethod
     def _check_devices(
@@ -259,7 +273,7 @@ class DistributedDataParallel(TorchSurface, nn.Module, Joinable):
     # The bookkeeping around the module's forward runs eagerly even under
     # torch.compile(DDP(model)): it talks to the process group and keeps Python
     # state, which a compiled graph must not capture. The module itself compiles.
-    @torch.compiler.disable
+    @_eager
     def _before_forward(self) -> None:
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         plan = ForwardPlan(
@@ -282,7 +296,7 @@ class DistributedDataParallel(TorchSurface, nn.Module, Joinable):
         """Broadcast rank `src`'s buffers (of the process group) to every rank, counted."""
         self.reducer.stats.add(broadcast_coalesced(self._buffers_to_sync, self.process_group, src))
 
-    @torch.compiler.disable
+    @_eager
     def _after_forward(self, output: Any) -> None:
         grad_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         if torch.is_grad_enabled():
@@ -305,39 +319,6 @@ class DistributedDataParallel(TorchSurface, nn.Module, Joinable):
     @broadcast_buffers.setter
     def broadcast_buffers(self, value: bool) -> None:
         self.forward_sync_buffers = value
-
-    # --------------------------------------------------------------------- Join
-    def join(
-        self,
-        divide_by_initial_world_size: bool = True,
-        enable: bool = True,
-        throw_on_early_termination: bool = False,
-    ) -> Join:
-        """`with model.join():` — the same as `with phalanx.Join([model], ...)` (torch's)."""
-        return Join(
-            [self],
-            enable,
-            throw_on_early_termination,
-            divide_by_initial_world_size=divide_by_initial_world_size,
-        )
-
-    def join_hook(self, **kwargs: Any) -> JoinHook:
-        """What this model does on a rank out of batches (phalanx.ddp.join_ddp)."""
-        self._divide_by_initial_world_size = bool(kwargs.get("divide_by_initial_world_size", True))
-        return DDPJoinHook(self, self._divide_by_initial_world_size)
-
-    @property
-    def join_device(self) -> torch.device:
-        return self.reducer.signals.device
-
-    @property
-    def join_process_group(self) -> dist.ProcessGroup:
-        return self.process_group
-
-    def set_join_divisor(self, round_: JoinRound) -> None:
-        """divide_by_initial_world_size=False: average over the ranks training this round."""
-        if not self._divide_by_initial_world_size:
-            self.reducer.average_over(len(round_.training))
 
     # --------------------------------------------------------------- public API
     @contextmanager
@@ -388,38 +369,8 @@ class DistributedDataParallel(TorchSurface, nn.Module, Joinable):
     def _remove_autograd_hooks(self) -> None:
         """Unhook the reducer: the module's gradients stay local from now on."""
         self.reducer.remove_hooks()
-        for _, p in self._managed_parameters():
-            if reducer_of(p) is self.reducer:
-                del _REDUCER_OF[id(p)]
+        registry.forget((p for _, p in self._managed_parameters()), self.reducer)
 
     def _check_reducer_finalized(self) -> None:
         """Raise if the last synced backward did not finish reducing (torch's check)."""
         self.reducer.check_finalized()
-
-
-def reducer_of(param: torch.Tensor) -> Reducer | None:
-    """The live reducer whose hooks sit on `param`, if a phalanx DDP wraps it."""
-    entry = _REDUCER_OF.get(id(param))
-    if entry is None or entry[0]() is not param:
-        return None
-    return entry[1]()
-
-
-def _detach_earlier_reducers(trainable: Sequence[tuple[str, nn.Parameter]]) -> None:
-    """Unhook any earlier wrapper's reducer from these parameters.
-
-    Wrapping a model again (a second Trainer, a new DDP after a change of
-    plan) must not leave two reducers hooked on one parameter: both would
-    all-reduce every gradient, and the stale one would wait for buckets forever.
-    """
-    for key, (param_ref, reducer_ref) in list(_REDUCER_OF.items()):
-        if param_ref() is None or reducer_ref() is None:
-            del _REDUCER_OF[key]  # prune: that parameter or reducer is gone
-    earlier: dict[int, Reducer] = {}
-    for _, p in trainable:
-        reducer = reducer_of(p)
-        if reducer is not None:
-            earlier[id(reducer)] = reducer
-    for reducer in earlier.values():
-        logger.info("re-wrapping: detaching the earlier DistributedDataParallel from the model")
-        reducer.remove_hooks()

@@ -349,8 +349,8 @@ def _report_compression(state: PowerSGDState, bucket: GradBucket) -> None:
 
 def _parameter_keys(bucket: GradBucket) -> list[str]:
     """Stable names for the bucket's parameters: the same in a resumed process."""
-    # Imported here: phalanx.ddp.module imports comm_hooks, which imports this file.
-    from phalanx.ddp.module import reducer_of
+    # Imported here: the registry imports the reducer, which imports comm_hooks, then this.
+    from phalanx.ddp.registry import reducer_of
 
     params = bucket.parameters()
     reducer = reducer_of(params[0]) if params else None

@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from phalanx.ddp.module import reducer_of
 from phalanx.ddp.reductions import AllReduce
+from phalanx.ddp.registry import reducer_of
 from phalanx.errors import ConfigurationError, PhalanxError
 from phalanx.optim import zero_checkpoint, zero_state
 from phalanx.optim.grad_sharding import ReduceScatter
