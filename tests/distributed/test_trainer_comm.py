@@ -11,6 +11,7 @@ and outer optimizer state, step counts) went through the checkpoint.
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,9 @@ def _flat(model: torch.nn.Module) -> list[float]:
 
 
 def _train(out_dir: Path, options: dict[str, Any], resume: str | None) -> dict[str, Any]:
-    args = _args(out_dir, max_steps=8, save_steps=3, **options)
+    args = _args(
+        out_dir, max_steps=8, save_steps=3, logging_steps=4, report_to=["jsonl"], **options
+    )
     trainer = Trainer(model=_Net(), args=args, train_dataset=_data(), loss_fn=_xent)
     try:
         out = trainer.train(resume_from_checkpoint=resume)
@@ -100,3 +103,28 @@ def test_the_checkpoint_holds_each_ranks_own_comm_state(
     else:  # mid-period, the replicas have drifted apart
         weights = [s["module"]["net.0.weight"] for s in states]
         assert not torch.equal(weights[0], weights[1])
+
+
+# The model's 243 fp32 parameters: 972 bytes, what DDP's all-reduce sends every step.
+_PARAM_BYTES = 4 * sum(p.numel() for p in _Net().parameters())
+
+
+def _logged(root: Path, method: str) -> list[dict[str, float]]:
+    lines = (root / method / "whole" / "metrics.jsonl").read_text().splitlines()
+    return [row for row in map(json.loads, lines) if "comm_bytes_per_step" in row]
+
+
+@pytest.mark.timeout(180)
+def test_the_log_counts_what_each_method_sent(runs: tuple[Path, list[dict[str, Any]]]) -> None:
+    """comm_bytes_per_step is what the method sent, whichever sent it: local SGD averages
+    the parameters once per sync_every=4 steps, so a 4-step window sends a quarter of
+    them per step, in a quarter of a collective; PowerSGD sends less than the gradients."""
+    root, _ = runs
+    local = _logged(root, "local_sgd")
+    assert [row["step"] for row in local] == [4, 8]
+    for row in local:
+        assert row["comm_bytes_per_step"] == _PARAM_BYTES / 4
+        assert row["collectives_per_step"] == 0.25
+    assert all(0 < row["comm_bytes_per_step"] for row in _logged(root, "diloco"))
+    compressed = _logged(root, "powersgd")[-1]  # steps 5-8: all compressed
+    assert 0 < compressed["comm_bytes_per_step"] < _PARAM_BYTES

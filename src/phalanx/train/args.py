@@ -15,8 +15,6 @@ combinations only. Loading from the command line, JSON and YAML lives in
 
 from __future__ import annotations
 
-import importlib.util
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -24,8 +22,8 @@ from typing import Any, Literal, TypeVar
 
 from phalanx.ddp.module import DEFAULT_BUCKET_CAP_MB
 from phalanx.ddp.options import DDPOptions
-from phalanx.train.comm_checks import check_comm_combinations, check_sync
-from phalanx.train.fields import Config, check_fields, require
+from phalanx.train.args_checks import check_combinations, check_values
+from phalanx.train.fields import Config, check_fields
 from phalanx.train.metrics import Reporter
 from phalanx.train.nonfinite import NonFiniteAction
 from phalanx.train.schedules import ScheduleName
@@ -189,8 +187,8 @@ class TrainingArguments(Config):
         check_fields(self)  # types from the annotations, before any value check reads them
         if self.ddp_backend is not None:
             self.ddp_backend = self.ddp_backend.strip().lower()
-        _check_values(self)
-        _check_combinations(self)
+        check_values(self)
+        check_combinations(self)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values only (lists copied), fit for JSON and `torch.load(weights_only=True)`."""
@@ -250,157 +248,3 @@ class TrainingArguments(Config):
         from phalanx.train.argsio import load_yaml
 
         return cls(**load_yaml(cls, path))
-
-
-# --------------------------------------------------------------------- validation
-
-
-def _check_values(args: TrainingArguments) -> None:
-    _check_run_length(args)
-    _check_batches(args)
-    _check_even_batches(args)
-    _check_optimizer(args)
-    _check_reporting(args)
-    _check_ddp(args)
-    check_sync(args)
-
-
-def _check_run_length(args: TrainingArguments) -> None:
-    require(args.output_dir.strip() != "", "output_dir is empty — name a directory to write to")
-    require(
-        0 <= args.seed < 2**32,
-        f"seed={args.seed} is outside [0, 2**32) — NumPy cannot take it; pick a smaller seed",
-    )
-    require(
-        math.isfinite(args.num_train_epochs) and args.num_train_epochs > 0,
-        f"num_train_epochs={args.num_train_epochs} must be > 0 — pass how many passes over "
-        "the data to make, or set max_steps",
-    )
-    require(
-        args.max_steps == -1 or args.max_steps > 0,
-        f"max_steps={args.max_steps} trains nothing — pass a positive number of optimizer "
-        "steps, or -1 to train for num_train_epochs",
-    )
-
-
-def _check_batches(args: TrainingArguments) -> None:
-    for name in (
-        "per_device_train_batch_size",
-        "per_device_eval_batch_size",
-        "gradient_accumulation_steps",
-    ):
-        require(
-            getattr(args, name) >= 1,
-            f"{name}={getattr(args, name)} must be >= 1 — it counts samples (or micro-batches)",
-        )
-    require(
-        args.dataloader_num_workers >= 0,
-        f"dataloader_num_workers={args.dataloader_num_workers} must be >= 0 — 0 loads batches "
-        "in the training process",
-    )
-
-
-def _check_even_batches(args: TrainingArguments) -> None:
-    require(
-        args.even_batches or args.zero_stage in (0, 1),
-        f"even_batches=False with zero_stage={args.zero_stage}: a rank out of batches holds "
-        "no full gradients to shard — use even_batches=True (padding), or zero_stage 0 or 1",
-    )
-
-
-def _check_optimizer(args: TrainingArguments) -> None:
-    for name in ("learning_rate", "weight_decay", "max_grad_norm"):
-        value = getattr(args, name)
-        require(
-            math.isfinite(value) and value >= 0,
-            f"{name}={value} must be a finite number >= 0 — pass 0 or more"
-            + (" (0 turns clipping off)" if name == "max_grad_norm" else ""),
-        )
-    require(
-        args.warmup_steps >= 0,
-        f"warmup_steps={args.warmup_steps} must be >= 0 — 0 starts at the full learning rate",
-    )
-
-
-def _check_reporting(args: TrainingArguments) -> None:
-    require(
-        args.logging_steps >= 1,
-        f"logging_steps={args.logging_steps} must be >= 1 — it is how many steps lie "
-        "between two log lines",
-    )
-    for name in ("eval_steps", "save_steps"):
-        require(
-            getattr(args, name) >= 0,
-            f"{name}={getattr(args, name)} must be >= 0 — 0 turns it off",
-        )
-    require(
-        args.max_consecutive_skips >= 1,
-        f"max_consecutive_skips={args.max_consecutive_skips} must be >= 1 — it is how many "
-        "non-finite steps in a row are skipped before the run stops",
-    )
-    require(
-        args.replica_check_steps >= 0,
-        f"replica_check_steps={args.replica_check_steps} must be >= 0 — 0 turns it off",
-    )
-    limit = args.save_total_limit
-    require(
-        limit is None or limit >= 1,
-        f"save_total_limit={limit} would delete every checkpoint — pass >= 1, or None to keep all",
-    )
-    if "tensorboard" in args.report_to:
-        require(
-            importlib.util.find_spec("tensorboard") is not None,
-            'report_to includes "tensorboard" but the tensorboard package is not installed — '
-            "pip install tensorboard, or drop it from report_to",
-        )
-
-
-def _check_ddp(args: TrainingArguments) -> None:
-    require(
-        args.ddp_backend is None or args.ddp_backend != "",
-        "ddp_backend is empty — name a backend such as 'gloo' or 'nccl', or pass None",
-    )
-    require(
-        math.isfinite(args.ddp_timeout) and args.ddp_timeout > 0,
-        f"ddp_timeout={args.ddp_timeout} must be a finite number of seconds > 0 — it bounds how "
-        "long a collective may block before the job fails instead of hanging (default 1800)",
-    )
-    cap = args.ddp_bucket_cap_mb
-    require(
-        cap is None or cap == "auto" or (math.isfinite(cap) and cap > 0),
-        f"ddp_bucket_cap_mb={cap} must be > 0 MiB — the default is 25",
-    )
-    require(
-        args.zero3_units is None or args.zero_stage == 3,
-        f"zero3_units={args.zero3_units} only means something with zero_stage=3 — set "
-        "zero_stage=3, or drop zero3_units",
-    )
-
-
-def _check_combinations(args: TrainingArguments) -> None:
-    """The documents' warnings, made errors: each combination gives wrong results or crashes."""
-    check_comm_combinations(args)
-    require(
-        not (args.bf16 and args.fp16),
-        "bf16 and fp16 are both set — choose one precision (bf16 needs no loss scaling)",
-    )
-    require(
-        not (args.fp16 and args.zero_stage > 0),
-        f"fp16 does not work with zero_stage={args.zero_stage} — the GradScaler unscales and "
-        "checks whole gradients, which ZeRO cuts between ranks; use bf16=True (no loss scaling)",
-    )
-    if not args.gradient_checkpointing:
-        return
-    require(
-        args.ddp_find_unused_parameters is not True,
-        "ddp_find_unused_parameters=True does not work with gradient_checkpointing — "
-        "checkpointing drops activations and recomputes them in backward, so the graph "
-        "searched after forward is not the one backward runs, and parameters get marked "
-        "ready twice; leave ddp_find_unused_parameters unset",
-    )
-    require(
-        args.ddp_broadcast_buffers is not True,
-        "ddp_broadcast_buffers=True does not work with gradient_checkpointing — the "
-        "broadcast rewrites buffers in place between forward and the recomputation in "
-        "backward, which then sees different values; leave ddp_broadcast_buffers unset",
-    )

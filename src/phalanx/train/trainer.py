@@ -12,13 +12,12 @@ between steps, on every rank together.
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,6 @@ from torch.optim import Optimizer
 from torch.utils.data import Dataset
 
 from phalanx.data.sampler import DistributedSampler
-from phalanx.ddp.join import Join, Shadowed
 from phalanx.ddp.module import DistributedDataParallel
 from phalanx.diagnostics import progress
 from phalanx.diagnostics import timeline as timelines
@@ -44,9 +42,9 @@ from phalanx.train.comm import PerRank, attach_comm_hook, make_periodic_sync
 from phalanx.train.evaluation import ComputeMetrics, EvalSetup, evaluate_model
 from phalanx.train.nonfinite import NonFiniteGuard, check_parameters
 from phalanx.train.outputdir import prepare_output_dir, restart_note
-from phalanx.train.progress import StepWindow
 from phalanx.train.report import RunReport, human_size
 from phalanx.train.rng import seed_everything
+from phalanx.train.runlog import CommMeter, RunLog, emit
 from phalanx.train.schedules import make_scheduler
 from phalanx.train.setup import (
     build_optimizer,
@@ -69,6 +67,7 @@ from phalanx.train.trainer_state import (
     TrainState,
     resume_warning,
 )
+from phalanx.train.uneven import uneven_inputs
 
 
 @dataclass(frozen=True)
@@ -106,8 +105,8 @@ class Trainer:
         self.collate_fn = collate_fn
         self.compute_metrics = compute_metrics
         self.state = TrainState()
-        self._run: StepWindow | None = None
-        self._sent_mark = (0, 0)  # (bytes, collectives) sent at the last log
+        self._runlog: RunLog | None = None
+        """The log window and totals of the train() call under way (phalanx.train.runlog)."""
         self._loss_before = 0.0
         self._stopped_by: int | None = None
         """The signal the ranks agreed to stop for (train() then saves and exits)."""
@@ -268,12 +267,12 @@ class Trainer:
         self._saved_step = self.state.global_step if self._resumed_here(resumed_from) else None
         try:
             with self._stop_requests.installed(self.args.save_on_signal):
-                window = self._loop()
+                self._loop()
                 if self._stopped_by is not None:
                     raise self._stop_and_save(self._stopped_by)
         finally:
             self._report.close()
-        return self._output(window, resumed_from)
+        return self._output(resumed_from)
 
     def _resumed_here(self, resumed_from: str | None) -> bool:
         """Whether the checkpoint resumed from is output_dir's own: no need to write it again."""
@@ -296,27 +295,25 @@ class Trainer:
         )
         return str(path)
 
-    def _loop(self) -> StepWindow:
+    def _loop(self) -> None:
         """Train until max_steps, or until the ranks agree to stop at a step boundary."""
-        run = StepWindow(self._comm_wait())
-        window = StepWindow(self._comm_wait())
-        self._sent_mark = self._comm_sent()
-        self._run, self._loss_before = run, self.state.loss_sum
-        while not self._train_epoch(run, window):
+        comm = CommMeter(self.wrapped_model, self.periodic_sync)
+        self._runlog = RunLog(self.world, self._report, comm, self.timeline)
+        self._loss_before = self.state.loss_sum
+        while not self._train_epoch():
             self.state.epoch += 1
             self.state.batches_done = 0
-        if window.steps:
-            self._log(window)
-        return run
+        if self._runlog.window.steps:
+            self._log()
 
-    def _train_epoch(self, run: StepWindow, window: StepWindow) -> bool:
+    def _train_epoch(self) -> bool:
         """Train the rest of this epoch; True when training ends in it (max_steps, or a stop).
 
         The stop is agreed before each step's data is loaded (a dataset that draws
         random numbers would otherwise have drawn them for a step never trained) and
         once after the last step, so a signal during it is honoured as well.
         """
-        with self._uneven_inputs() as shadow:
+        with uneven_inputs(self.wrapped_model, self.args.even_batches) as shadow:
             self._stepper.shadow = shadow
             steps = self._epoch_steps()
             while not self._stop_agreed() and self.state.global_step < self.max_steps:
@@ -325,23 +322,12 @@ class Trainer:
                     expected = len(batches)
                 if not expected:
                     return False
-                self._train_step(batches, expected, run, window)
+                self._train_step(batches, expected)
         return True
 
     def _stop_agreed(self) -> bool:
         self._stopped_by = self._stop_requests.agree()
         return self._stopped_by is not None
-
-    @contextmanager
-    def _uneven_inputs(self) -> Iterator[Callable[[], None] | None]:
-        """even_batches=False: the epoch runs under Join, and a rank whose data ran out
-        shadows the others' micro-batches (the callable), keeping its own accumulated
-        gradient in the average so that its optimizer steps with theirs."""
-        if self.args.even_batches or not isinstance(self.wrapped_model, DistributedDataParallel):
-            yield None
-            return
-        with Join([self.wrapped_model]) as join:
-            yield functools.partial(_shadow_until_reduced, join)
 
     def _epoch_steps(self) -> Iterator[tuple[list[Any], int]]:
         """This epoch's steps from the current position on: (this rank's micro-batches, how
@@ -356,21 +342,17 @@ class Trainer:
             self.micro_batches_per_epoch,
         )
 
-    def _train_step(
-        self, batches: list[Any], expected: int, run: StepWindow, window: StepWindow
-    ) -> None:
+    def _train_step(self, batches: list[Any], expected: int) -> None:
         result = self._stepper.run(batches, expected, self.loss_fn, self.state)
         self.state.batches_done += expected
         self.state.global_step += 1
         progress.step(self.state.global_step + 1)
-        for tracker in (run, window):
-            tracker.add_samples(result.samples)
-            if result.stepped:  # a skipped step's loss is not finite: it stays out of the mean
-                tracker.add_step(result.loss, result.grad_norm)
+        assert self._runlog is not None
+        self._runlog.add(result)
         self._report.advance()
-        self._after_step(window)
+        self._after_step()
 
-    def _after_step(self, window: StepWindow) -> None:
+    def _after_step(self) -> None:
         """Between steps, on every rank alike: replica check, logging, evaluation, saving."""
         step, args = self.state.global_step, self.args
         local = self.periodic_sync
@@ -380,7 +362,7 @@ class Trainer:
         if args.replica_check_steps and step % args.replica_check_steps == 0 and in_sync:
             check_replicas(self.wrapped_model, self.world.process_group)
         if step % args.logging_steps == 0:
-            self._log(window)
+            self._log()
         if args.eval_steps and step % args.eval_steps == 0:
             self.evaluate()
         if args.save_steps and (step % args.save_steps == 0 or step == self.max_steps):
@@ -397,53 +379,34 @@ class Trainer:
         return stopped
 
     # ---------------------------------------------------------------- logging
-    def _comm_wait(self) -> float:
-        if isinstance(self.wrapped_model, DistributedDataParallel):
-            return self.wrapped_model.reducer.stats.comm_wait_s
-        return 0.0
-
-    def _comm_sent(self) -> tuple[int, int]:
-        """(bytes, collectives) this rank's DDP handed to collectives so far (ReducerStats)."""
-        if isinstance(self.wrapped_model, DistributedDataParallel):
-            stats = self.wrapped_model.reducer.stats
-            return stats.bytes_sent, stats.collectives
-        return 0, 0
-
-    def _log(self, window: StepWindow) -> None:
-        """Reduce the window over ranks (every rank calls this), log it on rank 0, reset it."""
-        steps = max(1, window.steps)
-        reduced = window.reduce(self.world, self._comm_wait())
-        metrics = {k: v for k, v in reduced.items() if k not in ("last_loss", "window_s")}
-        sent, calls = self._comm_sent()
-        metrics["comm_bytes_per_step"] = (sent - self._sent_mark[0]) / steps
-        metrics["collectives_per_step"] = (calls - self._sent_mark[1]) / steps
-        self._sent_mark = (sent, calls)
-        metrics["lr"] = float(self.scheduler.get_last_lr()[0])
-        metrics["epoch"] = self.state.epoch + self.state.batches_done / self.micro_batches_per_epoch
+    def _log(self) -> None:
+        """One log line for the steps since the last (every rank calls this)."""
+        assert self._runlog is not None
+        state = self.state
+        extra = {
+            "lr": float(self.scheduler.get_last_lr()[0]),
+            "epoch": state.epoch + state.batches_done / self.micro_batches_per_epoch,
+        }
         if self.args.on_nonfinite_grad == "skip":
-            metrics["skipped_steps"] = float(self.state.skipped_steps)
-        self._emit(metrics)
-        window.reset(self._comm_wait())
-
-    def _emit(self, metrics: dict[str, float]) -> None:
-        with timelines.span_of(self.timeline, "log (barrier)"):
-            self._report.emit(self.state.global_step, metrics)
+            extra["skipped_steps"] = float(state.skipped_steps)
+        self._runlog.log(state.global_step, extra)
 
     def _sync_loss(self) -> dict[str, float]:
-        """Collective: fold this call's step losses into state.loss_sum; the run's summary."""
-        if self._run is None:
+        """Collective: fold this call's step losses into state.loss_sum; the call's summary."""
+        if self._runlog is None:
             return {}
-        summary = self._run.reduce(self.world, self._comm_wait())
-        self.state.loss_sum = self._loss_before + summary.get("loss", 0.0) * self._run.steps
+        summary = self._runlog.summary()
+        steps = self._runlog.run.steps
+        self.state.loss_sum = self._loss_before + summary.get("loss", 0.0) * steps
         return summary
 
     def _mean_loss(self) -> float:
         steps = self.state.global_step - self.state.skipped_steps
         return self.state.loss_sum / steps if steps else math.nan
 
-    def _output(self, run: StepWindow, resumed_from: str | None) -> TrainOutput:
+    def _output(self, resumed_from: str | None) -> TrainOutput:
         summary = self._sync_loss()
-        self._run = None
+        self._runlog = None
         return TrainOutput(
             global_step=self.state.global_step,
             train_loss=self._mean_loss(),
@@ -497,7 +460,7 @@ class Trainer:
             autocast=self._autocast,
         )
         metrics = evaluate_model(self.model, dataset, setup, self.compute_metrics)
-        self._emit(metrics)
+        emit(self._report, self.timeline, self.state.global_step, metrics)
         return metrics
 
     def save_checkpoint(self) -> Path:
@@ -516,10 +479,3 @@ class Trainer:
             f"saved {saved.path.name} ({human_size(saved.bytes)}, {saved.seconds:.2f} s)"
         )
         return saved.path
-
-
-def _shadow_until_reduced(join: Join) -> None:
-    """Take part in the other ranks' remaining micro-batches of this step, up to its reduction."""
-    while (shadowed := join.shadow_round(send_local=True)) is not Shadowed.REDUCED:
-        if shadowed is Shadowed.NOTHING_LEFT:  # the step counts are agreed: cannot happen
-            raise RuntimeError("phalanx: every rank ran out of batches inside a step")

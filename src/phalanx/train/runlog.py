@@ -1,0 +1,94 @@
+"""What a `train()` call logs: a window since the last log line, the whole call's
+totals, and the bytes each step sent, whichever mechanism sent them.
+
+Kept apart from the loop so the Trainer says *when* to log and this says *what*:
+every number is reduced over ranks (every rank calls in at the same step), and
+the communication counters come from DDP's reducer and from local SGD / DiLoCo
+alike, so `comm_bytes_per_step` means the same under every sync_method.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from torch import nn
+
+from phalanx.ddp.module import DistributedDataParallel
+from phalanx.diagnostics import timeline as timelines
+from phalanx.diagnostics.timeline import Timeline
+from phalanx.optim.local_sgd import PeriodicSync
+from phalanx.runtime import World
+from phalanx.train.progress import StepWindow
+from phalanx.train.report import RunReport
+from phalanx.train.step import StepResult
+
+
+class CommMeter:
+    """This rank's communication so far: DDP's reducer and a periodic sync, summed."""
+
+    def __init__(self, wrapped_model: nn.Module, periodic_sync: PeriodicSync | None) -> None:
+        self.ddp = wrapped_model if isinstance(wrapped_model, DistributedDataParallel) else None
+        self.periodic_sync = periodic_sync
+
+    def wait_s(self) -> float:
+        """Seconds spent waiting for gradient collectives at the end of backward."""
+        return self.ddp.reducer.stats.comm_wait_s if self.ddp is not None else 0.0
+
+    def sent(self) -> tuple[int, int]:
+        """(payload bytes, collectives) handed to collectives so far."""
+        sent = calls = 0
+        if self.ddp is not None:
+            sent, calls = self.ddp.reducer.stats.bytes_sent, self.ddp.reducer.stats.collectives
+        if self.periodic_sync is not None:
+            sent += self.periodic_sync.stats.sent_bytes
+            calls += self.periodic_sync.stats.collectives
+        return sent, calls
+
+
+class RunLog:
+    """The log window and the call's totals of one `train()` call."""
+
+    def __init__(
+        self, world: World, report: RunReport, comm: CommMeter, timeline: Timeline | None
+    ) -> None:
+        self.world, self.report, self.comm, self.timeline = world, report, comm, timeline
+        self.run = StepWindow(comm.wait_s())
+        """Everything since train() started, for its TrainOutput."""
+        self.window = StepWindow(comm.wait_s())
+        """Since the last log line."""
+        self._sent_mark = comm.sent()
+
+    def add(self, result: StepResult) -> None:
+        for tracker in (self.run, self.window):
+            tracker.add_samples(result.samples)
+            if result.stepped:  # a skipped step's loss is not finite: it stays out of the mean
+                tracker.add_step(result.loss, result.grad_norm)
+
+    def log(self, step: int, extra: Mapping[str, float]) -> None:
+        """Reduce the window over ranks (every rank calls this), log it on rank 0, reset it."""
+        window = self.window
+        steps = max(1, window.steps)
+        reduced = window.reduce(self.world, self.comm.wait_s())
+        metrics = {k: v for k, v in reduced.items() if k not in ("last_loss", "window_s")}
+        sent, calls = self.comm.sent()
+        metrics["comm_bytes_per_step"] = (sent - self._sent_mark[0]) / steps
+        metrics["collectives_per_step"] = (calls - self._sent_mark[1]) / steps
+        self._sent_mark = (sent, calls)
+        metrics.update(extra)
+        self.emit(step, metrics)
+        window.reset(self.comm.wait_s())
+
+    def emit(self, step: int, metrics: dict[str, float]) -> None:
+        emit(self.report, self.timeline, step, metrics)
+
+    def summary(self) -> dict[str, float]:
+        """Collective: the whole call's loss, throughput and wall time."""
+        return self.run.reduce(self.world, self.comm.wait_s())
+
+
+def emit(
+    report: RunReport, timeline: Timeline | None, step: int, metrics: dict[str, float]
+) -> None:
+    """One log line (rank 0) and the history file; a barrier, so timed on the timeline."""
+    with timelines.span_of(timeline, "log (barrier)"):
+        report.emit(step, metrics)
