@@ -93,9 +93,19 @@ def _context() -> Any:
     would import it again (about 3 s for two ranks on two cores, for every test). The
     server is a clean process (no threads, no process group), so each fork starts clean."""
     ctx = mp.get_context("forkserver")
-    # phalanx.ddp.module pulls in torch._dynamo (torch.compiler.disable): seconds per rank.
+    # What the test modules import, so a rank unpickling its function imports little more;
+    # torch.distributed.checkpoint (ZeRO's sharded state) alone costs seconds per process.
     ctx.set_forkserver_preload(
-        ["torch", "torch.distributed", "phalanx.ddp.module", "tests.harness"]
+        [
+            "torch",
+            "torch.distributed",
+            "torch.distributed.checkpoint",
+            "phalanx",
+            "phalanx.train",
+            "phalanx.zero3",
+            "phalanx.optim",
+            "tests.harness",
+        ]
     )
     return ctx
 

@@ -16,24 +16,31 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
 
 from phalanx.errors import CheckpointError
 from phalanx.optim.sharding import Piece
 from phalanx.optim.zero_state import SCALAR_KEYS, PieceOptimizer, is_piecewise
 
+# torch.distributed.checkpoint and DTensor are imported where they are used: together
+# they cost seconds of CPU at import, in every process, checkpointing sharded or not.
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+
 
 def _mesh(view: PieceOptimizer) -> DeviceMesh:
+    from torch.distributed.device_mesh import DeviceMesh
+
     return DeviceMesh.from_group(view.group, view.device.type)
 
 
 def _as_dtensor(local: torch.Tensor, piece: Piece, mesh: DeviceMesh) -> DTensor:
+    from torch.distributed.tensor import DTensor, Shard
+
     return DTensor.from_local(
         local, mesh, [Shard(0)], run_check=False, shape=torch.Size([piece.numel]), stride=(1,)
     )
@@ -41,6 +48,8 @@ def _as_dtensor(local: torch.Tensor, piece: Piece, mesh: DeviceMesh) -> DTensor:
 
 def save_sharded(view: PieceOptimizer, directory: Path) -> None:
     """Collective: write this rank's pieces (and, once, the scalars and groups) to `directory`."""
+    import torch.distributed.checkpoint as dcp
+
     mesh = _mesh(view)
     state: dict[str, dict[str, Any]] = {}
     for i, entry in view.optim.state_dict()["state"].items():
@@ -64,6 +73,9 @@ def load_sharded(view: PieceOptimizer, directory: Path) -> list[dict[str, Any]]:
 
     Returns the saved param_groups (hyperparameters), which the caller applies to its own.
     """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor
+
     mesh = _mesh(view)
     try:
         metadata = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
@@ -105,6 +117,8 @@ def nest(
     Tensors come from `allocate(fqn, meta)`; other values are placeholders that
     DCP replaces with the saved objects.
     """
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
     root: dict[str, Any] = {}
     for fqn, meta in metadata.items():
         *path, leaf = fqn.split(".")

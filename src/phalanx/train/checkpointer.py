@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -34,8 +35,6 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
-
-from torch.distributed.checkpoint.api import CheckpointException
 
 from phalanx.errors import CheckpointError, PhalanxError
 from phalanx.runtime import World
@@ -153,7 +152,7 @@ class Checkpointer:
                 action()
             except PhalanxError as exc:
                 error = exc
-            except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
+            except _failures() as exc:  # DCP's is a BaseException
                 error = CheckpointError(self._write_failure(tmp, step, exc, part))
         try:
             self.world.barrier_or_raise(error)
@@ -253,7 +252,7 @@ class Checkpointer:
             action()
         except PhalanxError as exc:
             error = exc
-        except (Exception, CheckpointException) as exc:  # load_state_dict mismatches, DCP
+        except _failures() as exc:  # load_state_dict mismatches, DCP
             error = CheckpointError(
                 f"{path} does not fit this model or optimizer ({type(exc).__name__}: "
                 f"{_first_line(exc)}) — resume with the model and optimizer that wrote it"
@@ -303,12 +302,13 @@ def _reason(exc: BaseException, tmp: Path) -> tuple[str, bool]:
     file system (not the state) is to blame."""
     if isinstance(exc, OSError):
         return describe_os_error(exc), True
-    if isinstance(exc, CheckpointException):
-        ranks = sorted(exc.failures)
+    if isinstance(exc, _dcp_errors()):
+        failures: dict[int, Any] = exc.failures  # type: ignore[attr-defined]
+        ranks = sorted(failures)
         # torch.save turns a failed write into "unexpected pos"; probing the same
         # directory brings the system's reason back.
         probed = _probe(tmp)
-        cause = probed or _first_line(exc.failures[ranks[0]][0])
+        cause = probed or _first_line(failures[ranks[0]][0])
         return f"rank(s) {ranks} could not write their shards ({cause})", probed is not None
     probed = _probe(tmp) if "unexpected pos" in str(exc) else None
     if probed is not None:
@@ -330,3 +330,15 @@ def _probe(directory: Path) -> str | None:
         with contextlib.suppress(OSError):
             probe.unlink()
     return None
+
+
+def _dcp_errors() -> tuple[type[BaseException], ...]:
+    """DCP's CheckpointException, once torch.distributed.checkpoint is loaded (only
+    sharded state loads it, lazily: seconds of import); before, none can be raised."""
+    api = sys.modules.get("torch.distributed.checkpoint.api")
+    return (api.CheckpointException,) if api is not None else ()
+
+
+def _failures() -> tuple[type[BaseException], ...]:
+    """What a save or load step may raise that becomes a CheckpointError."""
+    return (Exception, *_dcp_errors())

@@ -17,16 +17,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
 from torch.optim import Optimizer
 
 from phalanx.errors import ConfigurationError
 from phalanx.optim import zero_checkpoint, zero_state
 from phalanx.optim.sharding import ShardedFlat, all_gather_flat
 from phalanx.zero3.params import ShardParameter
+
+# torch.distributed.checkpoint and DTensor are imported where they are used: together
+# they cost seconds of CPU at import, in every process, sharded or not.
 
 
 def _group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
@@ -92,6 +92,9 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, Any]) -> None:
 
 def sharded_state_dict(model: nn.Module, group: dist.ProcessGroup | None = None) -> dict[str, Any]:
     """The model's state with every piece as a 1-D DTensor sharing the piece's storage."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
     group = _group(group)
     state = model.state_dict()
     keys = shard_keys(model)
@@ -112,12 +115,16 @@ def sharded_state_dict(model: nn.Module, group: dist.ProcessGroup | None = None)
 
 def save_model_sharded(model: nn.Module, directory: Path) -> None:
     """Collective: every rank writes its pieces (and rank 0 the replicated rest) with DCP."""
+    import torch.distributed.checkpoint as dcp
+
     shapes = {key: list(p.full_shape) for key, p in shard_keys(model).items()}
     dcp.save({"model": sharded_state_dict(model), "shapes": shapes}, checkpoint_id=str(directory))
 
 
 def load_model_sharded(model: nn.Module, directory: Path) -> None:
     """Collective: read this rank's pieces in place, whatever world size wrote them."""
+    import torch.distributed.checkpoint as dcp
+
     state = sharded_state_dict(model)
     dcp.load({"model": state}, checkpoint_id=str(directory))
 
