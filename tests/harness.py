@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import pytest
+
 from phalanx.ports import free_port
 
 
@@ -192,3 +194,10 @@ def run_scenarios(scenarios: Mapping[str, Callable[[], Any]], rank: int) -> dict
         except Exception:
             results[name] = {"error": traceback.format_exc()}
     return results
+
+
+def world_sizes(*sizes: int) -> list[Any]:
+    """Parameters over world sizes: 1 and 2 run in `make test`, larger ones in `make
+    test-slow` (a third rank on two cores doubles a spawn's time; world 2 is the one torch
+    parity is promised at)."""
+    return [size if size <= 2 else pytest.param(size, marks=pytest.mark.slow) for size in sizes]

@@ -32,7 +32,7 @@ from tests.distributed.models import (
     run_parity,
     token_batch,
 )
-from tests.harness import Outcome, run_scenarios, run_workers
+from tests.harness import Outcome, run_scenarios, run_workers, world_sizes
 
 UNUSED = {"find_unused_parameters": True}
 
@@ -90,7 +90,7 @@ def _all_scenarios(rank: int, world_size: int) -> dict[str, dict[str, Any]]:
     )
 
 
-@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"ws{w}")
+@pytest.fixture(scope="module", params=world_sizes(*WORLD_SIZES), ids=lambda w: f"ws{w}")
 def parity_run(request: pytest.FixtureRequest) -> list[Outcome]:
     # One spawn (about 3 s of start-up on two cores) serves every test of a world size.
     return run_workers(_all_scenarios, request.param, timeout=150)

@@ -26,7 +26,7 @@ from phalanx.train import (
     Trainer,
     TrainingArguments,
 )
-from tests.harness import run_workers
+from tests.harness import run_workers, world_sizes
 
 GA_STEPS = 6  # crosses an epoch: 64 samples make 4 steps of 16
 
@@ -156,7 +156,7 @@ def _evaluate_sizes(rank: int, world: int, out_dir: str) -> dict[int, dict[str, 
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", world_sizes(2, 3))
 def test_evaluate_counts_every_sample_exactly_once(world: int, tmp_path: Path) -> None:
     outs = run_workers(_evaluate_sizes, world, str(tmp_path), init_pg=False)
     model = _eval_model()

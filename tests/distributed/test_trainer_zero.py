@@ -111,6 +111,7 @@ def _saved(root: Path, stage: int, tag: str) -> Any:
     return torch.load(root / f"stage{stage}" / f"{tag}.pt", weights_only=True)
 
 
+@pytest.mark.slow  # make test-slow: four ranks; test_zero_state reshards 2 -> 3 in make test
 @pytest.mark.timeout(300)
 def test_a_zero_checkpoint_reshards_from_four_ranks_to_two_and_back(tmp_path: Path) -> None:
     # 96 samples, batches of 4: world 4 has 6 micro-batches per epoch, world 2 has 12.

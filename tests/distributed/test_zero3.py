@@ -25,7 +25,7 @@ import phalanx
 from phalanx import zero3
 from tests.distributed.models import ce_loss, mse_loss, regression_batch, token_batch
 from tests.distributed.test_zero_parity import Dominant, ManySmall, TiedNorm
-from tests.harness import Outcome, run_scenarios, run_workers
+from tests.harness import Outcome, run_scenarios, run_workers, world_sizes
 
 STEPS, MICRO, MAX_NORM = 10, 2, 0.5
 
@@ -149,7 +149,7 @@ def _all(rank: int, world_size: int) -> dict[str, Any]:
     )
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"ws{w}")
+@pytest.fixture(scope="module", params=world_sizes(2, 3), ids=lambda w: f"ws{w}")
 def zero3_run(request: pytest.FixtureRequest) -> list[Outcome]:
     return run_workers(_all, request.param, timeout=240)
 

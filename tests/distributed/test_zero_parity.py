@@ -30,7 +30,7 @@ from tests.distributed.models import (
     spread_from_rank0,
     token_batch,
 )
-from tests.harness import Outcome, run_scenarios, run_workers
+from tests.harness import Outcome, run_scenarios, run_workers, world_sizes
 
 STEPS, MICRO, MAX_NORM = 10, 2, 0.5
 
@@ -157,7 +157,7 @@ def _all_cases(rank: int, world_size: int) -> dict[str, Any]:
     )
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"ws{w}")
+@pytest.fixture(scope="module", params=world_sizes(2, 3), ids=lambda w: f"ws{w}")
 def zero_run(request: pytest.FixtureRequest) -> list[Outcome]:
     return run_workers(_all_cases, request.param, timeout=150)
 

@@ -92,7 +92,9 @@ def _same(a: Any, b: Any) -> bool:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize(("saved", "loaded", "stage"), [(4, 2, 1), (2, 3, 2)])
+@pytest.mark.parametrize(
+    ("saved", "loaded", "stage"), [pytest.param(4, 2, 1, marks=pytest.mark.slow), (2, 3, 2)]
+)
 def test_state_reshards_exactly(tmp_path: Path, saved: int, loaded: int, stage: int) -> None:
     run_workers(_save, saved, str(tmp_path), stage, timeout=120)
     reference = torch.load(tmp_path / "plain.pt", weights_only=True)["optimizer"]

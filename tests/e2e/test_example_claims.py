@@ -45,6 +45,7 @@ def _printed_accuracy(printed: str) -> float:
     return round(100 * _percent(r"test accuracy: ([0-9.]+)", printed), 1)
 
 
+@pytest.mark.slow  # make test-slow: full-length runs, a minute or more each
 @pytest.mark.timeout(RUN_TIMEOUT_S + 30)
 def test_digits_prints_the_accuracy_the_readme_claims(tmp_path: Path) -> None:
     printed = _run(ROOT / "examples" / "digits.py", "--out", tmp_path / "digits.pt")
@@ -54,6 +55,7 @@ def test_digits_prints_the_accuracy_the_readme_claims(tmp_path: Path) -> None:
     assert _printed_accuracy(printed) == claimed == docstring
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(RUN_TIMEOUT_S + 30)
 def test_digits_trainer_does_not_overfit_and_prints_the_accuracy_it_claims(
     tmp_path: Path,

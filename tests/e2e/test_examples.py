@@ -113,7 +113,7 @@ def test_digits_on_two_ranks_trains_like_one_process(out_dir: str) -> None:
 
 @needs_sklearn
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("launcher", ["single", "phalanx"])
+@pytest.mark.parametrize("launcher", [pytest.param("single", marks=pytest.mark.slow), "phalanx"])
 def test_cnn_digits_keeps_batchnorm_buffers_in_sync(launcher: str, out_dir: str) -> None:
     printed = run_example("cnn_digits.py", launcher, out_dir)
     assert _number(r"test accuracy: (\d\.\d+)", printed) >= 0.9
@@ -124,7 +124,7 @@ def test_cnn_digits_keeps_batchnorm_buffers_in_sync(launcher: str, out_dir: str)
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("launcher", ["single", "phalanx"])
+@pytest.mark.parametrize("launcher", [pytest.param("single", marks=pytest.mark.slow), "phalanx"])
 def test_char_gpt_validation_loss_falls(launcher: str, out_dir: str) -> None:
     printed = run_example("char_gpt.py", launcher, out_dir)
     val = [float(v) for v in re.findall(r"val loss (\d+\.\d+)", printed)]

@@ -154,6 +154,7 @@ def _params(out: Path, world: int) -> list[dict[str, object]]:
     return records
 
 
+@pytest.mark.slow  # make test-slow: four training runs; the c10d test below stays in make test
 @pytest.mark.timeout(2 * RUN_TIMEOUT_S + 60)
 def test_two_hosts_train_like_one(two_hosts: tuple[Host, Host], tmp_path: Path) -> None:
     multi, single = tmp_path / "two_hosts", tmp_path / "one_host"

@@ -47,6 +47,7 @@ def _ok(result: subprocess.CompletedProcess[str]) -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
+@pytest.mark.slow  # make test-slow: the restart test below (stage 3) covers kill + resume
 @pytest.mark.timeout(3 * RUN_TIMEOUT_S + 30)
 def test_a_job_killed_mid_run_resumes_to_bit_identical_parameters(tmp_path: Path) -> None:
     whole, broken = tmp_path / "whole", tmp_path / "broken"
@@ -75,7 +76,9 @@ def test_a_job_killed_mid_run_resumes_to_bit_identical_parameters(tmp_path: Path
 
 
 @pytest.mark.timeout(2 * RUN_TIMEOUT_S + 30)
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize(
+    "stage", [pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 3]
+)
 def test_the_launcher_restarts_a_killed_job_and_it_ends_bit_identical(
     tmp_path: Path, stage: int
 ) -> None:
