@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 # The CPU build of torch; GPU users install their own torch before `pip install phalanx`.
 TORCH  ?= torch==2.13.0
 
-.PHONY: venv test test-slow test-faults gpu-check lint demo bench bench-comm clean
+.PHONY: venv test test-slow test-all test-faults gpu-check lint bytecode demo bench bench-comm clean
 
 venv: $(VENV)/.installed
 
@@ -20,11 +20,22 @@ lint: venv
 	$(VENV)/bin/ruff format --check src tests benchmarks examples
 	$(VENV)/bin/mypy
 
-test: lint
+# Every test process imports phalanx; with PYTHONDONTWRITEBYTECODE set (as in CI) nothing
+# would ever write its bytecode, and each process would compile it again (1.5 s of CPU here).
+bytecode: venv
+	$(PY) -m compileall -q src tests examples benchmarks
+
+# The tier CI runs (under 10 minutes on 2 cores): every feature exercised for real once.
+test: lint bytecode
 	$(VENV)/bin/pytest -q
 
-test-slow: venv
+# The rest (about 25 minutes on 2 cores): larger worlds, every variant, full-length runs,
+# the fault soaks. Run it, or test-all, before a change that touches what they cover.
+test-slow: venv bytecode
 	$(VENV)/bin/pytest -q -m slow
+
+test-all: lint bytecode
+	$(VENV)/bin/pytest -q -m "slow or not slow"
 
 # Every fault-injection test, the short versions (also in `make test`) and the slow soaks.
 test-faults: venv

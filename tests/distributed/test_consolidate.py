@@ -80,6 +80,7 @@ def test_every_checkpoint_becomes_one_plain_file(checkpoints: Path, stage: int) 
         assert optimizer.state[p]["exp_avg"].shape == p.shape
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_the_command_line_writes_the_file(checkpoints: Path, tmp_path: Path) -> None:
     out = tmp_path / "plain.pt"

@@ -203,6 +203,7 @@ def test_parameter_unused_on_one_rank_fails_every_rank_without_hang() -> None:
     assert "branch.weight" in (outcomes[1].error or ""), _messages(outcomes)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_parameter_unused_on_one_rank_fails_every_rank_with_a_comm_hook() -> None:
     outcomes = run_workers(
@@ -212,6 +213,7 @@ def test_parameter_unused_on_one_rank_fails_every_rank_with_a_comm_hook() -> Non
     assert "branch.weight" in (outcomes[1].error or ""), _messages(outcomes)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_parameter_unused_on_one_rank_fails_every_rank_with_a_chaining_hook() -> None:
     outcomes = run_workers(

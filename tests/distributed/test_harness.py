@@ -28,6 +28,7 @@ def test_allreduce_sums_ranks() -> None:
     assert [o.value for o in outs] == [3.0, 3.0, 3.0]
 
 
+@pytest.mark.slow
 def test_hang_fails_within_deadline() -> None:
     start = time.monotonic()
     with pytest.raises(WorkersFailed, match="timed out"):

@@ -76,7 +76,7 @@ def _train(rank: int, world: int, out_dir: str, even: bool, accumulation: int) -
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("accumulation", [1, 3])
+@pytest.mark.parametrize("accumulation", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_uneven_batches_finish_in_step_with_identical_replicas(
     tmp_path: Path, accumulation: int
 ) -> None:

@@ -159,6 +159,7 @@ def _bad_manifests(rank: int, world: int, out_dir: str) -> dict[str, Any]:
     return result
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_malformed_manifest_is_a_corrupt_checkpoint_like_a_truncated_file(
     tmp_path: Path,
@@ -254,7 +255,7 @@ def _full_disk_on_save(rank: int, world: int, disk: str, stage: int) -> dict[str
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("stage", [0, 1])
+@pytest.mark.parametrize("stage", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_a_full_disk_fails_the_save_on_every_rank_and_keeps_the_previous_checkpoint(
     small_disk: Path, stage: int
 ) -> None:
@@ -284,6 +285,7 @@ def _full_disk_on_metrics(rank: int, world: int, disk: str) -> dict[str, Any]:
     return {"error": error, "step": box[0].state.global_step}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_full_disk_while_writing_metrics_fails_on_every_rank(small_disk: Path) -> None:
     outs = run_workers(_full_disk_on_metrics, 2, str(small_disk), init_pg=False)

@@ -18,6 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "e2e" / "scripts" / "ddp_no_init.py"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_converted_script_tears_the_group_down_at_exit() -> None:
     run = subprocess.run(

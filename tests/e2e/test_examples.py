@@ -89,7 +89,14 @@ def _digits_losses(printed: str) -> list[float]:
 
 @needs_sklearn
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("launcher", ["single", "phalanx", "torchrun"])
+@pytest.mark.parametrize(
+    "launcher",
+    [
+        pytest.param("single", marks=pytest.mark.slow),
+        "phalanx",
+        pytest.param("torchrun", marks=pytest.mark.slow),
+    ],
+)
 def test_digits_learns_and_replicas_agree(launcher: str, out_dir: str) -> None:
     printed = run_example("digits.py", launcher, out_dir)
     assert _number(r"test accuracy: (\d\.\d+)", printed) >= 0.9
@@ -100,6 +107,7 @@ def test_digits_learns_and_replicas_agree(launcher: str, out_dir: str) -> None:
     _rank0_only(printed, "saved ")
 
 
+@pytest.mark.slow
 @needs_sklearn
 @pytest.mark.timeout(300)
 def test_digits_on_two_ranks_trains_like_one_process(out_dir: str) -> None:

@@ -57,6 +57,7 @@ def test_single_node_rendezvous_forms(tmp_path: Path, flags: str) -> None:
     assert [e["TORCHELASTIC_RUN_ID"] for e in envs] == ["tutorial"] * 2
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_static_endpoint_names_the_port(tmp_path: Path) -> None:
     port = free_port()
@@ -65,6 +66,7 @@ def test_static_endpoint_names_the_port(tmp_path: Path) -> None:
     assert [e["MASTER_PORT"] for e in read_envs(tmp_path, range(2))] == [str(port)] * 2
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_c10d_assigns_node_ranks_in_join_order(tmp_path: Path) -> None:
     """Two launchers on this host: the first binds the endpoint and is node 0, the second
@@ -96,6 +98,7 @@ def _wait_until_listening(port: int, timeout_s: float = 30) -> None:
     raise AssertionError(f"nothing listens on port {port}")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_rdzv_conf_join_timeout_bounds_the_wait_for_nodes(tmp_path: Path) -> None:
     flags = (
@@ -276,6 +279,7 @@ def test_refused_flags_say_why_in_one_line(tmp_path: Path, flags: str, complaint
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_accepted_defaults_of_refused_flags(tmp_path: Path) -> None:
     result = launch("--logs-specs default --event-log-handler null --local-addr 127.0.0.1",
@@ -283,6 +287,7 @@ def test_accepted_defaults_of_refused_flags(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_monitor_interval_is_how_often_workers_are_checked(tmp_path: Path) -> None:
     # The workers are done at once; the launcher only sees it at its next check.

@@ -95,6 +95,7 @@ def test_plain_gloo_fails_across_namespaces_here() -> None:
     assert any("remote=[127.0.0.1]" in err and "refused" in err for _rc, _out, err in results)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_phalanx_init_connects_across_namespaces() -> None:
     _require_loopback_hostname()

@@ -77,6 +77,7 @@ def _bench(out: Path, *flags: str) -> tuple[dict[str, Any], str]:
     return json.loads((out / "bench.json").read_text()), done.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_bench_runs_a_script_at_worlds_1_and_2_and_reports_with_reasons(tmp_path: Path) -> None:
     out = tmp_path / "bench"

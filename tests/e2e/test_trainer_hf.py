@@ -23,6 +23,7 @@ SCRIPT = REPO / "tests" / "e2e" / "scripts" / "trainer_hf.py"
 RUN_TIMEOUT_S = 150
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(RUN_TIMEOUT_S + 30)
 def test_a_tiny_gpt2_learns_through_the_trainer_on_two_ranks(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_OFFLINE": "1"}

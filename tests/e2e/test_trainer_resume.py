@@ -278,6 +278,7 @@ def _example(name: str, *flags: str) -> str:
     return done.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(2 * RUN_TIMEOUT_S)
 def test_the_digits_example_continues_where_it_stopped(tmp_path: Path) -> None:
     pytest.importorskip("sklearn", reason="examples/digits.py needs scikit-learn")

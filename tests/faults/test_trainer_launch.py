@@ -59,6 +59,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out.with_suffix(".pt")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(3 * RUN_TIMEOUT_S)
 def test_sigterm_to_the_launcher_saves_the_step_and_resume_is_bit_identical(
     tmp_path: Path, reference: Path
@@ -131,6 +132,7 @@ def _failures(results: list[Trial]) -> list[str]:
     return [f"{t.fault}: {t.printed[-2000:]}" for t in results if not t.nothing_lost]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(2 * RUN_TIMEOUT_S)
 def test_a_sigkill_at_a_random_step_and_rank_restarts_bit_identical(
     tmp_path: Path, reference: Path
@@ -138,6 +140,7 @@ def test_a_sigkill_at_a_random_step_and_rank_restarts_bit_identical(
     assert _failures(_soak(tmp_path, reference, "kill", 1, seed=7)) == []
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(2 * RUN_TIMEOUT_S)
 def test_a_sigkill_during_a_save_keeps_the_previous_checkpoint(
     tmp_path: Path, reference: Path

@@ -40,6 +40,7 @@ def run_bench(out: Path, *extra: str) -> tuple[subprocess.CompletedProcess[str],
     return proc, json.loads(out.read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_tiny_run_writes_table_and_json(tmp_path: Path) -> None:
     proc, result = run_bench(tmp_path / "r.json", "--models", "mlp", "--bucket-sweep", "1")
@@ -67,6 +68,7 @@ def test_tiny_run_writes_table_and_json(tmp_path: Path) -> None:
     assert mlp["bucket_sweep_ms"]["1"] == mlp["step_ms"]["phalanx@1"]["median_ms"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_reducer_without_communication_is_caught(tmp_path: Path) -> None:
     """Ranks that never average gradients drift apart from torch DDP: the run must fail."""

@@ -48,6 +48,7 @@ def test_a_malformed_manifest_is_a_checkpoint_error(
     assert message in str(raised.value)
 
 
+@pytest.mark.slow
 def test_the_manifest_check_survives_python_dash_o(tmp_path: Path) -> None:
     """-O strips asserts: the check must not be one."""
     path = write_checkpoint(tmp_path, 1, {"model.pt": b"abc"})
