@@ -26,16 +26,19 @@ bytecode: venv
 	$(PY) -m compileall -q src tests examples benchmarks
 
 # The tier CI runs (under 10 minutes on 2 cores): every feature exercised for real once.
+# Two pytest workers, one test file each at a time: most of a multi-process test's wall
+# time is waiting (rendezvous, signals, deadlines), so two files share the cores well.
+TEST_WORKERS ?= 2
 test: lint bytecode
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # The rest (about 25 minutes on 2 cores): larger worlds, every variant, full-length runs,
 # the fault soaks. Run it, or test-all, before a change that touches what they cover.
 test-slow: venv bytecode
-	$(VENV)/bin/pytest -q -m slow
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile -m slow
 
 test-all: lint bytecode
-	$(VENV)/bin/pytest -q -m "slow or not slow"
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile -m "slow or not slow"
 
 # Every fault-injection test, the short versions (also in `make test`) and the slow soaks.
 test-faults: venv

@@ -119,6 +119,7 @@ def test_digits_on_two_ranks_trains_like_one_process(out_dir: str) -> None:
     assert _number(accuracy, one) == pytest.approx(_number(accuracy, two), abs=0.01)
 
 
+@pytest.mark.slow
 @needs_sklearn
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("launcher", [pytest.param("single", marks=pytest.mark.slow), "phalanx"])
@@ -131,6 +132,7 @@ def test_cnn_digits_keeps_batchnorm_buffers_in_sync(launcher: str, out_dir: str)
     _rank0_only(printed, "saved ")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("launcher", [pytest.param("single", marks=pytest.mark.slow), "phalanx"])
 def test_char_gpt_validation_loss_falls(launcher: str, out_dir: str) -> None:

@@ -75,6 +75,7 @@ def test_a_job_killed_mid_run_resumes_to_bit_identical_parameters(tmp_path: Path
     assert logged == [4, 8, 12, 16, 20]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(2 * RUN_TIMEOUT_S + 30)
 @pytest.mark.parametrize(
     "stage", [pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 3]

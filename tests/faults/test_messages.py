@@ -55,6 +55,7 @@ def _claim_rank_0(rank: int, world_size: int, port: int) -> str:
     raise AssertionError("init returned although rank 1 never came")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_two_processes_given_rank_0_are_told_so() -> None:
     port = free_port()

@@ -122,6 +122,7 @@ def test_a_second_ctrl_c_stops_at_once_without_saving(tmp_path: Path) -> None:
     assert run.value["saved"] == []
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_save_on_signal_false_leaves_sigint_and_sigterm_their_default(tmp_path: Path) -> None:
     [run] = run_workers(

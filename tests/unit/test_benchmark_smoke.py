@@ -80,6 +80,7 @@ def test_reducer_without_communication_is_caught(tmp_path: Path) -> None:
     assert cnn["buffers"] > 0  # BatchNorm running stats: the buffer-broadcast path ran
 
 
+@pytest.mark.slow
 def test_bad_model_name_is_a_usage_error(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--models", "resnet", "--out", str(tmp_path / "r.json")],
