@@ -10,6 +10,12 @@ same samples, in the same order:
 - `local8`:    `LocalSGD`, parameters averaged every 8 steps;
 - `diloco8`:   `DiLoCo`, an outer Nesterov step (lr 0.7, momentum 0.9) every 8 steps.
 
+A method that sends less may need more samples to reach the exact run's loss
+yet still get there sooner. `--longer local8=1.5` adds a copy `local8@1.5x`
+trained on 1.5 times the samples (its schedule stretched to match): its "wall
+to fp32's final loss" is the time-to-target a longer budget buys. Its rounds
+interleave with the others while they run, then continue alone.
+
 All use AdamW with the same schedule. They run interleaved in rounds of 16
 steps, the order rotating, so machine noise hits all alike; a step's time is
 the slower rank's. Reported per method: bytes sent per step (counted by the
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -59,12 +66,21 @@ class Config:
     """Samples per rank per step."""
     seed: int
     tiny: bool
+    longer: tuple[tuple[str, float], ...] = ()
+    """(method, k): also train `method` on k times the samples, for time to target."""
+
+    def variants(self) -> dict[str, tuple[str, int]]:
+        """Each copy's name -> (its method, its steps)."""
+        named = {m: (m, self.steps) for m in METHODS}
+        for method, k in self.longer:
+            named[f"{method}@{k:g}x"] = (method, math.ceil(self.steps * k / ROUND) * ROUND)
+        return named
 
 
 class Variant:
     """One method's copy of the model: how it steps, what it sent, how long steps took."""
 
-    def __init__(self, method: str, task: comm_tasks.Task, cfg: Config) -> None:
+    def __init__(self, method: str, steps: int, task: comm_tasks.Task, cfg: Config) -> None:
         torch.manual_seed(cfg.seed)
         self.module = task.build()
         self.task, self.method = task, method
@@ -79,7 +95,8 @@ class Variant:
         else:
             self.model = phalanx.DistributedDataParallel(self.module)
             self.optimizer = torch.optim.AdamW(self.model.parameters(), **opt_args)
-            self._register_hook(method, cfg.steps)
+            self._register_hook(method, steps)
+        self.total = steps
         self.steps_done = 0
         self.times: list[float] = []
         self.evals: list[tuple[int, float]] = [(0, validation_loss(self.module, task))]
@@ -97,10 +114,10 @@ class Variant:
             self.model.register_comm_hook(psgd, powersgd_hook)  # type: ignore[operator]
             self.stats = psgd.stats
 
-    def step(self, total: int) -> None:
+    def step(self) -> None:
         x, y = self.task.batch(dist.get_rank(), self.steps_done)
         for group in self.optimizer.param_groups:
-            group["lr"] = comm_tasks.char_gpt.lr_at(self.steps_done, total, self.task.lr)
+            group["lr"] = comm_tasks.char_gpt.lr_at(self.steps_done, self.total, self.task.lr)
         start = time.perf_counter()
         loss = self.task.loss(self.model(x), y)
         self.optimizer.zero_grad(set_to_none=True)
@@ -148,15 +165,19 @@ def replica_spread(module: torch.nn.Module) -> float:
 
 def run_task(name: str, cfg: Config, rank: int) -> dict[str, Any]:
     task = comm_tasks.TASKS[name](cfg.tiny, cfg.batch, cfg.seed)
-    variants = {m: Variant(m, task, cfg) for m in METHODS}
-    for r in range(cfg.steps // ROUND):
-        shift = r % len(METHODS)
-        for method in METHODS[shift:] + METHODS[:shift]:
+    variants = {n: Variant(m, steps, task, cfg) for n, (m, steps) in cfg.variants().items()}
+    names = list(variants)
+    rounds = max(v.total for v in variants.values()) // ROUND
+    for r in range(rounds):
+        shift = r % len(names)
+        for n in names[shift:] + names[:shift]:
+            if variants[n].steps_done == variants[n].total:
+                continue
             dist.barrier()  # both ranks time the same steps
             for _ in range(ROUND):
-                variants[method].step(cfg.steps)
+                variants[n].step()
         if rank == 0 and r % 5 == 0:
-            print(f"  {name}: round {r + 1}/{cfg.steps // ROUND}", flush=True)
+            print(f"  {name}: round {r + 1}/{rounds}", flush=True)
     return {
         "params": sum(p.numel() for p in variants["fp32"].module.parameters()),
         "optimum": task.optimum,
@@ -192,9 +213,9 @@ def summarise(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         cumulative = [0.0]
         for t in walls[m]:
             cumulative.append(cumulative[-1] + t)
-        ratios = [
+        ratios = [  # over the rounds fp32 ran in
             statistics.fmean(walls[m][i : i + ROUND]) / statistics.fmean(base[i : i + ROUND])
-            for i in range(0, len(base), ROUND)
+            for i in range(0, min(len(base), len(walls[m])), ROUND)
         ]
         reached = next((step for step, loss in data["evals"] if loss <= target), None)
         sent = data["bytes"]
@@ -282,6 +303,11 @@ def parse_args(argv: list[str] | None) -> tuple[Config, Path, Path]:
     p.add_argument("--batch", type=int, default=16, help="samples per rank per step")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tiny", action="store_true", help="tiny models: smoke-test the script")
+    p.add_argument(
+        "--longer",
+        default="local8=1.25,local8=1.5",
+        help="METHOD=K,...: also train METHOD on K times the samples (time to target); '' for none",
+    )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--plot", type=Path, default=DEFAULT_PLOT)
     a = p.parse_args(argv)
@@ -290,8 +316,25 @@ def parse_args(argv: list[str] | None) -> tuple[Config, Path, Path]:
         p.error(f"--tasks: choose from {sorted(comm_tasks.TASKS)}")
     if a.steps < ROUND or a.steps % ROUND:
         p.error(f"--steps must be a positive multiple of {ROUND}")
+    longer = []
+    for item in filter(None, (i.strip() for i in a.longer.split(","))):
+        method, _, k = item.partition("=")
+        try:
+            factor = float(k)
+        except ValueError:
+            factor = 0.0
+        if method not in METHODS or not 1.0 < factor <= 4.0:
+            p.error(f"--longer {item!r}: want METHOD=K with METHOD in {METHODS} and 1 < K <= 4")
+        longer.append((method, factor))
     return (
-        Config(tasks=tasks, steps=a.steps, batch=a.batch, seed=a.seed, tiny=a.tiny),
+        Config(
+            tasks=tasks,
+            steps=a.steps,
+            batch=a.batch,
+            seed=a.seed,
+            tiny=a.tiny,
+            longer=tuple(longer),
+        ),
         a.out,
         a.plot,
     )

@@ -102,6 +102,13 @@ def _buffer_on_rank2_only(rank: int, world_size: int, folder: str) -> None:
         Path(folder, str(rank)).write_text(str(time.monotonic() - start))
 
 
+def _frozen_module_wrapped_on_rank0_only(rank: int, world_size: int) -> None:
+    # Rank 1 never wraps: a check made after the wrap's collectives would leave rank 0
+    # waiting in them for the group's whole timeout (60 s, past DEADLINE).
+    if rank == 0:
+        ddp_under_test()(MLP().requires_grad_(False))
+
+
 def _branch_unused_without_flag(rank: int, world_size: int) -> str:
     return _train_steps(ddp_under_test()(BranchNet()), steps=3, use_branch=False)
 
@@ -182,6 +189,17 @@ def test_buffer_on_one_rank_only_fails_fast_naming_it(tmp_path: Path) -> None:
         assert re.search(r"rank\(s\) \[2\]", o.error or ""), _messages(outcomes)
         waited = float((tmp_path / str(o.rank)).read_text())
         assert waited < 30, f"rank {o.rank} waited {waited:.0f} s: on a collective's timeout?"
+
+
+@pytest.mark.timeout(90)
+def test_frozen_module_fails_before_any_collective() -> None:
+    outcomes = run_workers(
+        _frozen_module_wrapped_on_rank0_only, 2, allow_errors=True, timeout=DEADLINE
+    )
+    rank0 = outcomes[0]
+    assert rank0.error_type == "ConfigurationError", _messages(outcomes)
+    assert "requires a gradient" in (rank0.error or ""), _messages(outcomes)
+    assert outcomes[1].error_type is None, _messages(outcomes)
 
 
 @pytest.mark.timeout(90)

@@ -133,6 +133,7 @@ class DistributedDataParallel(TorchSurface, nn.Module, JoinableDDP):
         self._divide_by_initial_world_size = True
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
 
+        self._trainable_parameters()  # before any collective: a frozen module fails alone
         named_buffers = [
             (name, b) for name, b in module.named_buffers() if name not in self.parameters_to_ignore
         ]
@@ -165,14 +166,19 @@ class DistributedDataParallel(TorchSurface, nn.Module, JoinableDDP):
             if name not in self.parameters_to_ignore
         ]
 
-    def _attach_reducer(self) -> None:
-        """Hook a new reducer on the trainable managed parameters (detaching any earlier one)."""
+    def _trainable_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The managed parameters that require a gradient; none is an error (as in torch)."""
         trainable = [(name, p) for name, p in self._managed_parameters() if p.requires_grad]
         if not trainable:
             raise ConfigurationError(
                 "the module has no parameter that requires a gradient — DistributedDataParallel "
                 "has nothing to synchronise; unfreeze parameters or use the module directly"
             )
+        return trainable
+
+    def _attach_reducer(self) -> None:
+        """Hook a new reducer on the trainable managed parameters (detaching any earlier one)."""
+        trainable = self._trainable_parameters()
         registry.detach_earlier_reducers(p for _, p in trainable)
         self.reducer = Reducer(
             trainable,

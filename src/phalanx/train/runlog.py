@@ -75,11 +75,8 @@ class RunLog:
         metrics["collectives_per_step"] = (calls - self._sent_mark[1]) / steps
         self._sent_mark = (sent, calls)
         metrics.update(extra)
-        self.emit(step, metrics)
-        window.reset(self.comm.wait_s())
-
-    def emit(self, step: int, metrics: dict[str, float]) -> None:
         emit(self.report, self.timeline, step, metrics)
+        window.reset(self.comm.wait_s())
 
     def summary(self) -> dict[str, float]:
         """Collective: the whole call's loss, throughput and wall time."""
