@@ -32,8 +32,8 @@ TEST_WORKERS ?= 2
 test: lint bytecode
 	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile
 
-# The rest (about 25 minutes on 2 cores): larger worlds, every variant, full-length runs,
-# the fault soaks. Run it, or test-all, before a change that touches what they cover.
+# The rest (about 65 minutes on 2 cores): larger worlds, every variant, full-length runs,
+# the fault soaks (most of the time). Run it, or test-all, before a change that touches what they cover.
 test-slow: venv bytecode
 	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile -m slow
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from phalanx.launch.lifeline import LAUNCH_ID_ENV, Lifeline
 from tests.launchkit import (
     LAUNCH,
     SCRIPTS,
@@ -109,6 +110,40 @@ def _one_random_trial(tmp_path: Path, signum: int, rng: random.Random) -> tuple[
     # action ends the launcher, which has spawned nothing yet.
     status_ok = launcher.returncode in (_expected_status(signum), -signum)
     return status_ok, left
+
+
+def _tagged_sleeper(launch_id: str) -> subprocess.Popen[bytes]:
+    """A worker as the launcher spawns it (own session, tagged) that the guard was never told of."""
+    env = clean_env(**{LAUNCH_ID_ENV: launch_id})
+    return subprocess.Popen(["sleep", "60"], env=env, start_new_session=True)
+
+
+@pytest.mark.timeout(30)
+def test_guard_stops_workers_it_was_never_told_of() -> None:
+    """The launcher SIGKILLed between spawning a worker and writing its `+PGID` line (the
+    one race the soak below once hit), and a worker still starting when it died: both
+    are found by the launch id in their environment and stopped."""
+    lifeline = Lifeline(grace_s=1.0)
+    unlisted = _tagged_sleeper(lifeline.launch_id)
+    listed = _tagged_sleeper(lifeline.launch_id)
+    lifeline.watch(listed.pid)
+    other = _tagged_sleeper("another-launch")
+    procs = [unlisted, listed, other]
+    try:
+        assert lifeline._pipe is not None
+        lifeline._pipe.close()  # the launcher's death as the guard sees it: no `exit` line
+        lifeline._pipe = None
+        time.sleep(0.3)
+        procs.append(late := _tagged_sleeper(lifeline.launch_id))  # was between fork and exec
+        for proc in (unlisted, listed, late):
+            proc.wait(timeout=10)
+        assert lifeline._guard.wait(timeout=10) == 0
+        assert other.poll() is None  # another launch's worker is not ours to stop
+    finally:
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.wait()
 
 
 @pytest.mark.slow

@@ -25,7 +25,7 @@ from typing import IO, Any
 from phalanx.diagnostics.progress import PROGRESS_DIR_VAR
 from phalanx.errors import ConfigurationError
 from phalanx.launch.config import LaunchConfig
-from phalanx.launch.lifeline import Lifeline
+from phalanx.launch.lifeline import LAUNCH_ID_ENV, Lifeline
 from phalanx.launch.meeting import Meeting
 from phalanx.launch.output import OutputSink
 from phalanx.launch.procgroup import describe_returncode
@@ -200,6 +200,7 @@ class Agent:
             for local_rank in range(cfg.nproc_per_node):
                 env = worker_env(cfg, local_rank=local_rank, restart_count=restart,
                                  master_port=port, base=self.environ, extra=extra)  # fmt: skip
+                env[LAUNCH_ID_ENV] = lifeline.launch_id  # the guard's way to find it (lifeline.py)
                 rank = cfg.global_rank(local_rank)
                 workers.append(spawn_worker(argv, env, rank, local_rank, self.sink, plan))
                 # At once, not after the whole group: a SIGKILL now must not orphan it.

@@ -10,6 +10,13 @@ launcher exits, the pipe closes: after a clean `exit` line the guard just
 leaves; without one the launcher died, and the guard sends SIGTERM to every
 group still listed, SIGKILL after the grace period, and reports it.
 
+A worker spawned in the instant before its `+PGID` line was written would
+escape that list, so every worker also carries this launch's id in its
+environment (`PHALANX_LAUNCH_ID`), and the guard stops every process that
+carries it too: it keeps looking for them for a moment, since one may still be
+between fork and exec when the launcher dies. The id also reaches what a
+worker starts outside its process group.
+
 A pipe works wherever the launcher dies and however; a parent-death signal
 would need code in every worker (or a `preexec_fn`, unsafe in the launcher's
 threads) and would reach only the worker, not what it forked.
@@ -19,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -27,11 +35,15 @@ import time
 from pathlib import Path
 from typing import IO
 
-from phalanx.launch.procgroup import live_groups, signal_group
+from phalanx.launch.procgroup import live_groups, signal_group, signal_processes, tagged_processes
 
-__all__ = ["Lifeline"]
+__all__ = ["LAUNCH_ID_ENV", "Lifeline"]
 
+LAUNCH_ID_ENV = "PHALANX_LAUNCH_ID"
 _POLL_S = 0.05
+# How long after the launcher's death the guard keeps looking for tagged processes
+# that were still starting (between fork and exec) when it died.
+_LATE_START_S = 1.0
 # The package's parent directory: the guard imports this module from it with `-S`
 # (no site-packages scan), which keeps its start-up to a few milliseconds.
 _IMPORT_ROOT = str(Path(__file__).resolve().parents[2])
@@ -41,6 +53,7 @@ class Lifeline:
     """The launcher's end of the pipe to its guard process."""
 
     def __init__(self, grace_s: float, python: str = sys.executable) -> None:
+        self.launch_id = secrets.token_hex(8)  # goes into each worker's environment
         read_end, write_end = os.pipe()
         code = (
             f"import sys; sys.path.insert(0, {_IMPORT_ROOT!r}); "
@@ -48,7 +61,7 @@ class Lifeline:
         )
         try:
             self._guard = subprocess.Popen(
-                [python, "-I", "-S", "-c", code, str(grace_s)],
+                [python, "-I", "-S", "-c", code, str(grace_s), self.launch_id],
                 stdin=read_end,
                 stdout=subprocess.DEVNULL,
                 start_new_session=True,
@@ -89,19 +102,30 @@ class Lifeline:
             self._guard.wait()
 
 
-def _stop_groups(pgids: set[int], grace_s: float) -> None:
+def _stop_all(pgids: set[int], launch_id: str, grace_s: float) -> None:
+    """SIGTERM the groups and every tagged process (including late starters),
+    then SIGKILL whatever is left once they are gone or the grace period ends."""
     for pgid in pgids:
         signal_group(pgid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and live_groups(pgids):
+    start = time.monotonic()
+    tagged: set[int] = set()
+    while True:
+        found = tagged_processes(LAUNCH_ID_ENV, launch_id)
+        signal_processes(found - tagged, signal.SIGTERM)
+        tagged |= found
+        elapsed = time.monotonic() - start
+        settled = elapsed >= _LATE_START_S and not found and not live_groups(pgids)
+        if settled or elapsed >= max(grace_s, _LATE_START_S):
+            break
         time.sleep(_POLL_S)
     for pgid in pgids:
         signal_group(pgid, signal.SIGKILL)
+    signal_processes(tagged_processes(LAUNCH_ID_ENV, launch_id), signal.SIGKILL)
 
 
 def guard() -> None:
     """The guard process: read the launcher's lines until the pipe closes (see the module)."""
-    grace_s = float(sys.argv[1])
+    grace_s, launch_id = float(sys.argv[1]), sys.argv[2]
     pgids: set[int] = set()
     for raw in sys.stdin.buffer:
         line = raw.decode().strip()
@@ -109,12 +133,11 @@ def guard() -> None:
             return
         if line[:1] in "+-" and line[1:].isdigit():
             (pgids.add if line[0] == "+" else pgids.discard)(int(line[1:]))
-    if pgids:
+    if pgids or tagged_processes(LAUNCH_ID_ENV, launch_id):
         with contextlib.suppress(OSError):  # the launcher's terminal may have gone with it
             print(
-                f"[phalanx] the launcher died without stopping its workers; stopping "
-                f"{len(pgids)} process group{'s' if len(pgids) != 1 else ''}",
+                "[phalanx] the launcher died without stopping its workers; stopping them",
                 file=sys.stderr,
                 flush=True,
             )
-        _stop_groups(pgids, grace_s)
+    _stop_all(pgids, launch_id, grace_s)

@@ -79,3 +79,32 @@ def describe_returncode(returncode: int) -> str:
     except ValueError:
         name = f"signal {signum}"
     return f"killed by {name} (signal {signum})"
+
+
+def tagged_processes(variable: str, value: str) -> set[int]:
+    """Running processes whose environment holds `variable=value` (Linux /proc only).
+
+    A worker and everything it starts inherit the tag, so this finds them even
+    outside their process group, and a recycled PID never carries it.
+    """
+    if not _PROC.is_dir():
+        return set()
+    needle = f"{variable}={value}".encode()
+    found: set[int] = set()
+    for entry in _PROC.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:  # gone, or not ours to read
+            continue
+        if needle in environ.split(b"\0") and _running_pgid(entry) is not None:
+            found.add(int(entry.name))
+    return found
+
+
+def signal_processes(pids: set[int], signum: int) -> None:
+    """Send `signum` to each of `pids`; one already gone is fine."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signum)
