@@ -121,6 +121,15 @@ class DistributedDataParallel(TorchSurface, nn.Module, JoinableDDP):
         self.static_graph = static_graph
         self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
         self.batched_grad_copy = batched_grad_copy
+        self._set_torch_state()
+        self._start_replicas(init_sync, init_sync_buffers)
+        # A script converted from torch never calls phalanx.init(), which installs this.
+        register_exit_hook()
+        self._attach_reducer()
+        self.timeline = timelines.from_env(dist.get_rank(), dist.get_world_size())
+
+    def _set_torch_state(self) -> None:
+        """The attributes torch's DDP has and scripts read, at their starting values."""
         self.mixed_precision = None
         self.bucket_bytes_cap = max(self._bucket_caps)
         self.require_backward_grad_sync = True
@@ -131,19 +140,21 @@ class DistributedDataParallel(TorchSurface, nn.Module, JoinableDDP):
         self.world_size = dist.get_world_size(self.process_group)
         self._join_config = JoinConfig.disabled()
         self._divide_by_initial_world_size = True
-        self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        self.parameters_to_ignore = set(
+            getattr(self.module, "_ddp_params_and_buffers_to_ignore", ())
+        )
 
+    def _start_replicas(self, init_sync: bool, init_sync_buffers: bool) -> None:
+        """Check there is something to train, then make every rank start from rank 0's state."""
         self._trainable_parameters()  # before any collective: a frozen module fails alone
         named_buffers = [
-            (name, b) for name, b in module.named_buffers() if name not in self.parameters_to_ignore
+            (name, b)
+            for name, b in self.module.named_buffers()
+            if name not in self.parameters_to_ignore
         ]
         self._buffers_to_sync = [b for _, b in named_buffers]
         if init_sync:
             self._sync_initial_state(named_buffers, init_sync_buffers)
-        # A script converted from torch never calls phalanx.init(), which installs this.
-        register_exit_hook()
-        self._attach_reducer()
-        self.timeline = timelines.from_env(dist.get_rank(), dist.get_world_size())
 
     def _sync_initial_state(
         self, named_buffers: list[tuple[str, torch.Tensor]], with_buffers: bool
