@@ -80,13 +80,20 @@ def _local_average(rank: int, steps: int = 8, every: int = 4) -> dict[str, Any]:
     # Registered first, so it runs before LocalSGD's hook averages.
     opt.register_step_post_hook(lambda *_: before.append(flat(model.parameters())))
     local = phalanx.LocalSGD(model, opt, sync_every=every)
-    gaps, spreads = [], []
+    gaps, spreads, flat_buffers = [], [], []
     for step in range(steps):
         _step(model, opt, rank, step)
         after = flat(model.parameters())
         spreads.append(spread_from_rank0(after))
         gaps.append(float((after - _mean_over_ranks(before[-1])).abs().max()))
-    return {"gaps": gaps, "spreads": spreads, "ratio": local.stats.compression_ratio()}
+        if local.in_sync:  # the flat buffer each sync went through
+            flat_buffers.append([t.data_ptr() for t in local._flats.values()])
+    return {
+        "gaps": gaps,
+        "spreads": spreads,
+        "ratio": local.stats.compression_ratio(),
+        "flat_buffers": flat_buffers,
+    }
 
 
 def _nesterov_reference(rank: int, steps: int, every: int) -> torch.Tensor:
@@ -235,6 +242,8 @@ def test_local_sgd_averages_every_h_steps(run: list[Outcome]) -> None:
             else:
                 assert spread > 0.0, f"replicas equal at step {step + 1} without a sync: {got}"
         assert got["ratio"] == 0.25, "two syncs of the parameters in eight steps"
+        first, second = got["flat_buffers"]
+        assert len(first) == 1 and first == second, "one flat buffer, reused by every sync"
 
 
 @pytest.mark.timeout(180)

@@ -57,7 +57,7 @@ class DiLoCo(PeriodicSync):
 
     def _synchronise(self) -> None:
         outer_grads = torch._foreach_sub(self.anchor, [p.detach() for p in self.params])
-        average_coalesced(outer_grads, self.group, self.stats)
+        average_coalesced(outer_grads, self.group, self.stats, self._flats)
         # The outer step starts from the last synchronised point, not from where this
         # rank wandered; the inner gradients are put back afterwards for the caller.
         inner_grads = [p.grad for p in self.params]
