@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 # The CPU build of torch; GPU users install their own torch before `pip install phalanx`.
 TORCH  ?= torch==2.13.0
 
-.PHONY: venv test test-slow test-all test-faults gpu-check lint bytecode demo bench bench-comm clean
+.PHONY: venv test test-slow test-all test-faults gpu-check lint bytecode demo bench bench-comm bench-comm-link clean
 
 venv: $(VENV)/.installed
 
@@ -54,7 +54,7 @@ demo: venv
 	$(VENV)/bin/phalanx launch --nproc-per-node 2 examples/digits.py
 	$(VENV)/bin/phalanx launch --nproc-per-node 2 examples/digits_trainer.py --no-resume --overwrite_output_dir
 
-# The suite (benchmarks/suite.py, ~20 min): DDP step vs torch at worlds 2 and 4, the bucket
+# The suite (benchmarks/suite.py, ~15 min): DDP step vs torch at worlds 2 and 4, the bucket
 # sweep, the launcher's start-up; plots need matplotlib, the `bench` extra.
 bench: venv
 	$(PY) -m pip install -q -e ".[bench]"
@@ -64,6 +64,13 @@ bench: venv
 bench-comm: venv
 	$(PY) -m pip install -q -e ".[bench]"
 	$(PY) benchmarks/comm_methods.py
+
+# The same behind a loopback shaped to LINK_GBIT Gbit/s (a network namespace; needs root):
+# what the methods buy between machines. 2 is about two hosts on 1 Gbit/s Ethernet.
+LINK_GBIT ?= 2
+bench-comm-link: venv
+	$(PY) -m pip install -q -e ".[bench]"
+	$(PY) benchmarks/comm_methods.py --link-gbit $(LINK_GBIT)
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import comm_tasks
+import shaped_link
 import torch
 import torch.distributed as dist
 from spawn import run_ranks
@@ -268,7 +269,7 @@ def markdown_table(name: str, summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(summaries: dict[str, dict[str, Any]], path: Path) -> None:
+def plot(summaries: dict[str, dict[str, Any]], path: Path, link: str = "loopback") -> None:
     """Validation loss against training wall time, one panel per task (needs matplotlib)."""
     try:
         import matplotlib
@@ -287,7 +288,7 @@ def plot(summaries: dict[str, dict[str, Any]], path: Path) -> None:
         if summary["optimum"]:
             ax.axhline(summary["optimum"], color="black", ls=":", lw=0.8, label="optimum")
         ax.set_yscale("log")
-        ax.set_title(f"{name}: validation loss (world size 2, gloo)")
+        ax.set_title(f"{name}: validation loss (world 2, gloo, {link})")
         ax.set_xlabel("training wall time (s)")
         ax.legend()
     fig.tight_layout()
@@ -296,7 +297,14 @@ def plot(summaries: dict[str, dict[str, Any]], path: Path) -> None:
     print(f"wrote {path}")
 
 
-def parse_args(argv: list[str] | None) -> tuple[Config, Path, Path]:
+def default_path(path: Path, link_gbit: float | None) -> Path:
+    """`path`, or beside it `NAME_<rate>gbit.EXT` for a run behind a shaped link."""
+    if link_gbit is None:
+        return path
+    return path.with_name(f"{path.stem}_{link_gbit:g}gbit{path.suffix}")
+
+
+def parse_args(argv: list[str] | None) -> tuple[Config, Path, Path, float | None]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tasks", default="mlp,gpt", help="comma-separated: mlp, gpt")
     p.add_argument("--steps", type=int, default=320, help="steps per method (multiple of 16)")
@@ -305,11 +313,17 @@ def parse_args(argv: list[str] | None) -> tuple[Config, Path, Path]:
     p.add_argument("--tiny", action="store_true", help="tiny models: smoke-test the script")
     p.add_argument(
         "--longer",
-        default="local8=1.25,local8=1.5",
+        default="local8=1.1,local8=1.25",
         help="METHOD=K,...: also train METHOD on K times the samples (time to target); '' for none",
     )
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    p.add_argument("--plot", type=Path, default=DEFAULT_PLOT)
+    p.add_argument(
+        "--link-gbit",
+        type=float,
+        default=None,
+        help="run behind a loopback shaped to this many Gbit/s (a network namespace; root)",
+    )
+    p.add_argument("--out", type=Path, default=None, help=f"default {DEFAULT_OUT}")
+    p.add_argument("--plot", type=Path, default=None, help=f"default {DEFAULT_PLOT}")
     a = p.parse_args(argv)
     tasks = tuple(t.strip() for t in a.tasks.split(",") if t.strip())
     if not tasks or set(tasks) - set(comm_tasks.TASKS):
@@ -335,15 +349,22 @@ def parse_args(argv: list[str] | None) -> tuple[Config, Path, Path]:
             tiny=a.tiny,
             longer=tuple(longer),
         ),
-        a.out,
-        a.plot,
+        a.out or default_path(DEFAULT_OUT, a.link_gbit),
+        a.plot or default_path(DEFAULT_PLOT, a.link_gbit),
+        a.link_gbit,
     )
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg, out, plot_path = parse_args(argv)
+    cfg, out, plot_path, link_gbit = parse_args(argv)
+    if link_gbit is not None and shaped_link.link_rate() is None:
+        shaped_link.tbf_args(link_gbit)  # a bad rate fails here, before any namespace
+        args = sys.argv[1:] if argv is None else argv
+        return shaped_link.rerun_behind_link(link_gbit, __file__, args)
+    link = f", behind a {link_gbit:g} Gbit/s shaped loopback" if link_gbit else ", over loopback"
     print(
-        f"comm methods: 2 gloo ranks x 1 thread, {cfg.steps} steps x {cfg.batch} samples per rank"
+        f"comm methods: 2 gloo ranks x 1 thread, {cfg.steps} steps x {cfg.batch} samples "
+        f"per rank{link}"
     )
     started = time.monotonic()
     ranks = run_ranks(rank_main, 2, cfg)
@@ -351,12 +372,17 @@ def main(argv: list[str] | None = None) -> int:
     for name, summary in summaries.items():
         print(markdown_table(name, summary) + "\n")
     result = {
-        "config": {**asdict(cfg), "torch": torch.__version__, "wall_s": time.monotonic() - started}
+        "config": {
+            **asdict(cfg),
+            "link_gbit": link_gbit,
+            "torch": torch.__version__,
+            "wall_s": time.monotonic() - started,
+        }
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({**result, "tasks": summaries}, indent=1) + "\n")
     print(f"wrote {out}")
-    plot(summaries, plot_path)
+    plot(summaries, plot_path, f"{link_gbit:g} Gbit/s link" if link_gbit else "loopback")
     apart = [
         (n, m) for n, s in summaries.items() for m, r in s["methods"].items() if r["replica_spread"]
     ]

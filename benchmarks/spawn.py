@@ -7,9 +7,12 @@ torch, because N ranks share this machine's cores.
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 import os
 import queue
+import signal
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -19,9 +22,25 @@ from typing import Any
 from phalanx.ports import free_port
 
 
+def _die_with_parent() -> None:
+    """A rank whose benchmark was killed must not go on computing alone (Linux only).
+
+    `run_ranks` kills its ranks when it ends, but nothing runs in a parent that
+    was SIGKILLed or stopped by a signal it does not handle: the kernel's
+    parent-death signal does it then.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() == 1:  # the parent died before the call: nobody would signal us
+        os._exit(1)
+
+
 def _rank_main(
     fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple[Any, ...], out: Any
 ) -> None:
+    _die_with_parent()
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -36,24 +37,9 @@ SWEEP = ("1", "5", "100", "auto")
 STEPS = {"mlp": 60, "gpt": 100, "cnn": 100, "mlp50": 24}
 
 
-def auto_supported() -> bool:
-    """Whether this phalanx takes bucket_cap_mb="auto" (a world of one, in this process)."""
-    import torch
-    import torch.distributed as dist
-
-    from phalanx import DistributedDataParallel
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        DistributedDataParallel(torch.nn.Linear(2, 2), bucket_cap_mb="auto")  # type: ignore[arg-type]
-        return True
-    except Exception:
-        return False
-    finally:
-        dist.destroy_process_group()
-
-
-def run_one(model: str, world: int, sweep: tuple[str, ...], scale: float) -> dict[str, Any]:
+def run_one(
+    model: str, world: int, sweep: tuple[str, ...], scale: float, tiny: bool = False
+) -> dict[str, Any]:
     steps = max(4, int(STEPS[model] * scale))
     base = ddp_step.BenchConfig(
         models=(model,),
@@ -62,7 +48,7 @@ def run_one(model: str, world: int, sweep: tuple[str, ...], scale: float) -> dic
         rounds=max(2, steps // 4),
         threads=1,
         seed=0,
-        tiny=False,
+        tiny=tiny,
         phalanx_impl="phalanx",
         tolerance=1e-4,
         world_size=world,
@@ -85,8 +71,9 @@ def vars_of(cfg: ddp_step.BenchConfig) -> dict[str, Any]:
 def markdown(results: dict[str, Any]) -> str:
     lines = [
         "| world | model | compute ms | torch DDP ms | phalanx ms | phalanx ÷ torch | "
-        "phalanx ÷ compute | 1 MB | 5 MB | 25 MB | 100 MB | auto | auto ÷ best fixed |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "paired by round | phalanx ÷ compute | 1 MB | 5 MB | 25 MB | 100 MB | auto | "
+        "auto ÷ best fixed |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for key, r in results["runs"].items():
         world, model = key.split("/")
@@ -101,14 +88,16 @@ def markdown(results: dict[str, Any]) -> str:
         lines.append(
             f"| {world} | {model} | {med['compute']:.1f} | {med['torch_ddp']:.1f} | "
             f"{med['phalanx']:.1f} | {r['phalanx_over_torch']:.3f} | "
+            f"{r['phalanx_over_torch_paired']:.3f} | "
             f"{r['phalanx_over_compute']:.3f} | {cells} | {vs_best} |"
         )
-    ratios = sorted(r["phalanx_over_torch"] for r in results["runs"].values())
     lines.append("")
-    lines.append(
-        f"phalanx ÷ torch DDP: median {ratios[len(ratios) // 2]:.3f} over models and worlds, "
-        f"worst {ratios[-1]:.3f}."
-    )
+    for key, what in (("phalanx_over_torch", "medians"), ("phalanx_over_torch_paired", "paired")):
+        ratios = [r[key] for r in results["runs"].values()]
+        lines.append(
+            f"phalanx ÷ torch DDP ({what}): median {statistics.median(ratios):.3f} over models "
+            f"and worlds, worst {max(ratios):.3f}."
+        )
     if "startup" in results:
         s = results["startup"]
         lines.append(
@@ -119,6 +108,7 @@ def markdown(results: dict[str, Any]) -> str:
 
 
 def plots(results: dict[str, Any], out: Path) -> list[Path]:
+    """bucket_sweep.png (each size's step ÷ the 25 MB step) and scaling.png (step ÷ compute)."""
     try:
         import matplotlib
 
@@ -130,52 +120,56 @@ def plots(results: dict[str, Any], out: Path) -> list[Path]:
     runs = results["runs"]
     models = sorted({k.split("/")[1] for k in runs})
     worlds = sorted({int(k.split("/")[0]) for k in runs})
-    fig, axes = plt.subplots(1, len(models), figsize=(4 * len(models), 3.2))
-    for ax, model in zip(axes, models):
+    colours = {w: f"C{i}" for i, w in enumerate(worlds)}
+    fig, axes = plt.subplots(1, len(models), figsize=(3.6 * len(models), 3.2), squeeze=False)
+    for ax, model in zip(axes[0], models):
         for world in worlds:
             sweep = runs.get(f"{world}/{model}", {}).get("bucket_sweep_ms", {})
-            fixed = [(float(c), ms) for c, ms in sweep.items() if c != "auto"]
-            if fixed:
-                xs, ys = zip(*sorted(fixed))
-                ax.plot(xs, ys, marker="o", label=f"world {world}")
-                if "auto" in sweep:
-                    ax.axhline(sweep["auto"], linestyle="--", linewidth=1)
+            fixed = sorted((float(c), ms) for c, ms in sweep.items() if c != "auto")
+            if not fixed or "25" not in sweep:
+                continue
+            # Relative to the default size, so worlds of different step times share an axis.
+            xs, ys = zip(*((mb, ms / sweep["25"]) for mb, ms in fixed))
+            ax.plot(xs, ys, marker="o", color=colours[world], label=f"world {world}")
+            if "auto" in sweep:
+                ax.axhline(
+                    sweep["auto"] / sweep["25"],
+                    color=colours[world],
+                    linestyle="--",
+                    linewidth=1,
+                    label=f"auto, world {world}",
+                )
         ax.set_xscale("log")
-        ax.set(title=model, xlabel="bucket_cap_mb", ylabel="step ms")
+        ax.set(title=model, xlabel="bucket_cap_mb", ylabel="step ÷ step at 25 MB")
         ax.legend(fontsize=7)
     fig.tight_layout()
     paths = [out / "bucket_sweep.png"]
     fig.savefig(paths[0], dpi=110)
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    for model in models:
-        for variant, style in (("phalanx", "-"), ("torch_ddp", ":")):
-            pts = [
-                (
-                    w,
-                    runs[f"{w}/{model}"][
-                        f"{variant}_over_compute" if variant == "phalanx" else "torch_over_compute"
-                    ],
-                )
-                for w in worlds
-                if f"{w}/{model}" in runs
-            ]
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for i, model in enumerate(models):
+        for key, style, who in (
+            ("phalanx_over_compute", "-", "phalanx"),
+            ("torch_over_compute", ":", "torch DDP"),
+        ):
+            pts = [(w, runs[f"{w}/{model}"][key]) for w in worlds if f"{w}/{model}" in runs]
             if pts:
-                ax.plot(*zip(*pts), style, marker="o", label=f"{model} {variant}")
+                ax.plot(*zip(*pts), style, marker="o", color=f"C{i}", label=f"{model}, {who}")
     ax.set(xlabel="world size", ylabel="step ÷ compute alone", xticks=worlds)
-    ax.legend(fontsize=6)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     paths.append(out / "scaling.png")
     fig.savefig(paths[1], dpi=110)
     return paths
 
 
-def write(results: dict[str, Any], started: float) -> str:
+def write(results: dict[str, Any], out: Path, started: float | None = None) -> str:
     """suite.json and suite.md as they stand; the markdown table."""
-    results["wall_s"] = round(time.monotonic() - started)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "suite.json").write_text(json.dumps(results, indent=1))
+    if started is not None:
+        results["wall_s"] = round(time.monotonic() - started)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "suite.json").write_text(json.dumps(results, indent=1))
     table = markdown(results)
-    (RESULTS / "suite.md").write_text(table + "\n")
+    (out / "suite.md").write_text(table + "\n")
     return table
 
 
@@ -185,22 +179,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worlds", default="2,4")
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--no-startup", action="store_true")
+    parser.add_argument("--tiny", action="store_true", help="tiny models: checks the script runs")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where the results go")
+    parser.add_argument(
+        "--replot", action="store_true", help="redraw the table and plots from suite.json"
+    )
     args = parser.parse_args(argv)
-    sweep = SWEEP if auto_supported() else SWEEP[:-1]
-    if "auto" not in sweep:
-        print('note: this phalanx does not take bucket_cap_mb="auto": swept without it')
+    if args.replot:
+        results = json.loads((args.out / "suite.json").read_text())
+        print(write(results, args.out))
+        for path in plots(results, args.out):
+            print(f"wrote {path}")
+        return 0
+    sweep = SWEEP
     scale = 0.25 if args.quick else 1.0
     started = time.monotonic()
     results: dict[str, Any] = {"runs": {}, "sweep": list(sweep)}
     for world in (int(w) for w in args.worlds.split(",")):
         for model in args.models.split(","):
             print(f"world {world}, {model}:", flush=True)
-            results["runs"][f"{world}/{model}"] = run_one(model, world, sweep, scale)
-            write(results, started)  # after every run: a run cut short keeps what it measured
+            results["runs"][f"{world}/{model}"] = run_one(model, world, sweep, scale, args.tiny)
+            # After every run: a run cut short keeps what it measured.
+            write(results, args.out, started)
     if not args.no_startup:
         results["startup"] = startup.measure(trials=4 if args.quick else 8)
-    print(write(results, started))
-    for path in plots(results, RESULTS):
+    print(write(results, args.out, started))
+    for path in plots(results, args.out):
         print(f"wrote {path}")
     bad = [k for k, r in results["runs"].items() if not r["params_match"]]
     if bad:
