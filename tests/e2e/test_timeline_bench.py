@@ -106,3 +106,4 @@ def test_bench_probes_the_all_reduce_alone_for_the_same_buckets(tmp_path: Path) 
     probed = {int(p["bytes"]) for p in two["probe_sizes"]}
     assert set(two["bucket_bytes"]) <= probed and two["bytes_per_step"] in probed
     assert two["probe_alone_ms"] > 0 and two["probe_allreduce_gbps"] > 0
+    assert two["probe_bf16_hook_ms"] > 0  # the hook itself, on the step's bytes

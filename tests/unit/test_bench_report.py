@@ -113,13 +113,30 @@ def test_a_collective_slower_in_training_than_alone_is_shown_with_both_speeds() 
     assert slow and "alone" in slow[0].reason and "20.0 ms" in slow[0].reason
 
 
-def test_compression_is_advised_only_where_half_the_bytes_go_faster() -> None:
+def test_compression_is_advised_only_where_the_bf16_hook_beats_the_all_reduce() -> None:
     curve = [{"bytes": b * MB, "ms": ms, "gbps": 0.0} for b, ms in ((1, 1.0), (64, 64.0))]
-    bound = _result(2, 5.0, 2.0, probe_sizes=curve)  # bandwidth-bound: half the time
-    assert "compression hook" in _advice([_result(1, 6, 0), bound])
-    flat = [{"bytes": b * MB, "ms": 10.0, "gbps": 0.0} for b in (1, 64)]
-    latency = _result(2, 5.0, 2.0, probe_sizes=flat)  # latency-bound: no gain
-    assert "compression hook" not in _advice([_result(1, 6, 0), latency])
+    step = _result(2, 5.0, 2.0).bytes_per_step
+    full = step / MB  # the curve's ms at the step's bytes
+    # A link-bound collective: the hook, conversions included, takes half the time.
+    bound = _result(2, 5.0, 2.0, probe_sizes=curve, probe_bf16_hook_ms=full / 2)
+    advice = [a for a in recommend([_result(1, 6, 0), bound]) if "compression" in a.advice]
+    assert advice and "conversions included" in advice[0].reason
+    assert f"in {full / 2:.1f} ms instead of {full:.1f} ms" in advice[0].reason
+    # Loopback on a CPU: converting costs more than the halved copy saves (1.13x measured).
+    dearer = _result(2, 5.0, 2.0, probe_sizes=curve, probe_bf16_hook_ms=full * 1.13)
+    assert "compression hook" not in _advice([_result(1, 6, 0), dearer])
+    unprobed = _result(2, 5.0, 2.0, probe_sizes=curve)  # an old probe file: no hook time
+    assert "compression hook" not in _advice([_result(1, 6, 0), unprobed])
+
+
+def test_the_probes_hook_time_is_kept_only_for_this_steps_bytes() -> None:
+    probe = {"sizes": [{"bytes": MB, "ms": 1.0}], "bf16_hook": {"bytes": 2 * MB, "ms": 0.7}}
+    result = _result(2, 5.0, 2.0, bytes_per_step=2 * MB, bucket_bytes=[MB])
+    attach_probe(result, probe)
+    assert result.probe_bf16_hook_ms == 0.7
+    other = _result(2, 5.0, 2.0, bytes_per_step=4 * MB, bucket_bytes=[MB])
+    attach_probe(other, probe)
+    assert other.probe_bf16_hook_ms is None
 
 
 def test_accumulation_is_sized_to_bring_exposed_time_under_five_percent_of_compute() -> None:

@@ -41,11 +41,11 @@ _PROBE_SIZES = [256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 
 
 def probe_sizes(result: WorldResult) -> list[int]:
-    """The job's buckets, the whole step and half of it (what compression would send),
-    and the standard sizes up to the step's bytes (no bucket is larger)."""
+    """The job's buckets, the whole step, and the standard sizes up to the step's bytes
+    (no bucket is larger)."""
     step = result.bytes_per_step
     standard = [n for n in _PROBE_SIZES if n <= step]
-    return sorted({*result.bucket_bytes, step, step // 2, *standard} - {0})
+    return sorted({*result.bucket_bytes, step, *standard} - {0})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,7 +106,7 @@ def run_bench(ns: argparse.Namespace, worlds: list[int]) -> dict[str, Any]:
         print(f"phalanx bench: world {world}: running {ns.script} ...", flush=True)
         result = _measure(ns, world)
         if world > 1 and not ns.no_probe and result.bucket_bytes:
-            attach_probe(result, _probe(ns, world, probe_sizes(result)))
+            attach_probe(result, _probe(ns, world, result))
         results.append(result)
     set_efficiency(results)
     advice = recommend(results)
@@ -171,10 +171,14 @@ def _measure(ns: argparse.Namespace, world: int) -> WorldResult:
         ) from None
 
 
-def _probe(ns: argparse.Namespace, world: int, sizes: list[int]) -> dict[str, Any]:
+def _probe(ns: argparse.Namespace, world: int, result: WorldResult) -> dict[str, Any]:
+    """All-reduce times of the probe sizes, and the bf16 hook on the step's bytes (what
+    compression would cost, conversions included), with nothing else running."""
     out = ns.out / f"probe-w{world}.json"
-    target = ["-m", "phalanx.diagnostics.allreduce_probe", "--sizes",
-              ",".join(map(str, sizes)), "--out", str(out.resolve())]  # fmt: skip
+    target = ["-m", "phalanx.diagnostics.allreduce_probe",
+              "--sizes", ",".join(map(str, probe_sizes(result))),
+              "--bf16-hook-bytes", str(result.bytes_per_step),
+              "--out", str(out.resolve())]  # fmt: skip
     env = _env(ns, world)
     env.pop(_TIMELINE, None)
     _launch(ns, world, target, ns.out / f"probe-w{world}.log", env)

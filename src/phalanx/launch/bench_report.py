@@ -45,6 +45,8 @@ class WorldResult:
     """The same buckets all-reduced back to back with nothing else running (probe job)."""
     probe_sizes: list[dict[str, float]] = field(default_factory=list)
     """The probe's own curve: bytes -> ms and GB/s, for choosing a bucket size."""
+    probe_bf16_hook_ms: float | None = None
+    """The bf16 hook averaging the step's bytes alone, conversions included (probe job)."""
     efficiency: float | None = None
 
     @property
@@ -171,6 +173,9 @@ def attach_probe(result: WorldResult, probe: dict[str, Any]) -> None:
         result.probe_alone_ms = sum(timed[b] for b in result.bucket_bytes)
     curve = sorted(timed.items())
     result.probe_sizes = [{"bytes": b, "ms": ms, "gbps": b / ms / 1e6} for b, ms in curve if ms]
+    hook = probe.get("bf16_hook")
+    if hook and int(hook["bytes"]) == result.bytes_per_step:
+        result.probe_bf16_hook_ms = float(hook["ms"])
 
 
 def set_efficiency(results: list[WorldResult]) -> None:
