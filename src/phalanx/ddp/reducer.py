@@ -342,7 +342,10 @@ class Reducer:
             start = time.perf_counter_ns()
             if self._next_launch < len(self.buckets):
                 self._launch_despite_missing_gradients()
-            self._wait_for_buckets()
+            # Without a used map to learn first, a bucket's gradients go to `.grad` as soon
+            # as it is reduced, while later buckets are still in flight (torch's order).
+            early = send_local and not self.unused.tracked
+            self._wait_for_buckets(write_back=early)
             outcome = self.signals.exchange(
                 self._flag_carrier(), self._used if self.unused.tracked else None
             )
@@ -354,20 +357,23 @@ class Reducer:
                 self.unused.remember(outcome.used_counts, shadowed=shadow)
             here = range(len(self.params)) if shadow else self.unused.now
             unused_everywhere = self.unused.unused_everywhere(outcome.used_counts, here)
-            if send_local:
+            if send_local and not early:
                 self.unused.restore_saved(self._slot_view, unused_everywhere)
                 for bucket in self.buckets:
                     if bucket.index not in self.skips.skipped:
                         self.reduction.write_back(bucket, unused_everywhere)
             self.unused.end_iteration()
 
-    def _wait_for_buckets(self) -> None:
-        """Every launched bucket's collective done; what each sent, counted."""
+    def _wait_for_buckets(self, write_back: bool) -> None:
+        """Every launched bucket's collective done, what each sent counted, and with
+        `write_back` each one's gradients handed over as soon as it is done."""
         for bucket in self.buckets:
             handle = bucket.work
             if handle is not None:
                 bucket.wait(self.reduction)
                 self.stats.add(self.reduction.traffic(bucket, handle, self.world_size))
+            if write_back and bucket.index not in self.skips.skipped:
+                self.reduction.write_back(bucket, set())
 
     def _waited(self, start_ns: int, end_ns: int, shadow: bool) -> None:
         """Book the end-of-backward wait: counters, timeline, the bucket-size tuner."""
