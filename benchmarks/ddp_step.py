@@ -151,11 +151,20 @@ def build_variants(
     return variants
 
 
+def tuning(model: nn.Module) -> bool:
+    """Whether `bucket_cap_mb="auto"` is still trying sizes (its steps are not the choice's)."""
+    tuner = getattr(getattr(getattr(model, "reducer", None), "plan", None), "tuner", None)
+    return tuner is not None and not tuner.done
+
+
 def run_rounds(variants: dict[str, Variant], cfg: BenchConfig) -> None:
-    """Warm up every variant, then run the timed rounds, recording each step's seconds."""
+    """Warm up every variant (auto's until it has chosen: every rank decides at the same
+    step), then run the timed rounds, recording each step's seconds."""
     for name in cfg.variants:
         dist.barrier()
         for _ in range(cfg.warmup):
+            variants[name].step()
+        while tuning(variants[name].model):
             variants[name].step()
     for r, size in enumerate(round_sizes(cfg.steps, cfg.rounds)):
         for name in round_order(r, cfg.variants):

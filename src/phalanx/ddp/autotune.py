@@ -14,7 +14,10 @@ this model are tried once; each candidate gets `SETTLE_STEPS` untimed steps
 (its buffers' first use) and `TIMED_STEPS` timed ones, and the whole round is
 run `PASSES` times, so slow drift in machine load hits every candidate alike.
 Each rank takes the median of its timings per candidate, the slowest rank's
-median counts (it sets the pace), rank 0 picks the smallest and broadcasts
+median counts (it sets the pace), and rank 0 picks the smallest, but leaves
+the default layout (25 MiB's) only for a size at least `MARGIN` faster: the
+candidates of most models lie within a few percent of each other, where a
+handful of timed steps on a busy machine would pick at random. It broadcasts
 its choice. The steps are counted in synced iterations, trained or shadowed
 under Join, which every rank counts alike: a rank that ran out of batches
 switches and decides in step with the others.
@@ -33,9 +36,13 @@ from phalanx.ddp.stats import Collective, ReducerStats, Traffic
 
 CANDIDATES_MB = (1.0, 5.0, 25.0, 100.0)
 """torch's default (25) and the sizes around it that people set by hand."""
+DEFAULT_MB = 25.0
 SETTLE_STEPS = 1
 TIMED_STEPS = 2
 PASSES = 2
+MARGIN = 0.03
+"""How much faster than the default layout another size must measure to replace it:
+the run-to-run spread of one size's median on the 2-core machine (docs/performance.md)."""
 _NO_TIMING = -1.0
 
 
@@ -50,6 +57,7 @@ class BucketSizeTuner:
         self.timings: dict[float, list[float]] = {}
         """Seconds of backward + reduction per timed step, by candidate size (this rank)."""
         self._plan: list[tuple[int, bool]] = []  # (candidate, timed) per synced iteration
+        self._default = 0  # the timed candidate whose layout is the default size's
         self._step = -1  # index into _plan of the iteration running now
         self._started = False
 
@@ -59,7 +67,7 @@ class BucketSizeTuner:
 
     def initial_caps(self) -> list[int]:
         """What the buckets use until the measurement starts (the default size)."""
-        return default_caps(int(25 * MIB))
+        return default_caps(int(DEFAULT_MB * MIB))
 
     def next_caps(
         self,
@@ -103,6 +111,8 @@ class BucketSizeTuner:
             if layout not in seen:
                 seen.append(layout)
                 distinct.append(k)
+        default = layout_of(self.initial_caps())
+        self._default = distinct[seen.index(default)] if default in seen else distinct[0]
         if len(distinct) == 1:
             return []  # one layout whatever the size: nothing to measure
         one_pass = [
@@ -113,18 +123,28 @@ class BucketSizeTuner:
         return one_pass * PASSES
 
     def _decide(self, group: dist.ProcessGroup, device: torch.device, stats: ReducerStats) -> int:
-        """Slowest rank's median per candidate; rank 0 picks the fastest and tells everyone."""
+        """Slowest rank's median per candidate; rank 0 picks and tells everyone."""
         medians = [
             statistics.median(self.timings[mb]) if self.timings.get(mb) else _NO_TIMING
             for mb in self.candidates_mb
         ]
         slowest = torch.tensor(medians, dtype=torch.float64, device=device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-        timed = [(t, k) for k, t in enumerate(slowest.tolist()) if t != _NO_TIMING]
-        default = self.candidates_mb.index(25.0) if 25.0 in self.candidates_mb else 0
-        choice = torch.tensor([min(timed)[1] if timed else default], device=device)
+        choice = torch.tensor([self.pick(slowest.tolist())], device=device)
         dist.broadcast(choice, src=dist.get_global_rank(group, 0), group=group)
         world_size = dist.get_world_size(group)
         stats.add(Traffic.of(Collective.ALL_REDUCE, world_size, other_bytes=slowest.nbytes))
         stats.add(Traffic.of(Collective.BROADCAST, world_size, other_bytes=choice.nbytes))
         return int(choice.item())
+
+    def pick(self, seconds: Sequence[float]) -> int:
+        """The candidate to keep, from each one's time (`_NO_TIMING`: not measured): the
+        fastest if it beats the default layout's by `MARGIN`, else the default's."""
+        timed = [(t, k) for k, t in enumerate(seconds) if t != _NO_TIMING]
+        if not timed:
+            return self._default
+        fastest, k = min(timed)
+        reference = seconds[self._default]
+        if reference == _NO_TIMING or fastest < reference * (1 - MARGIN):
+            return k
+        return self._default
