@@ -21,16 +21,50 @@ def test_slots_alias_one_flat_buffer_and_flags_follow() -> None:
 
 
 def test_mark_ready_scales_while_copying_and_reports_full() -> None:
-    params = _params()
+    # Parameters of 20 and 32 KiB: above SMALL_PARAM_BYTES, each is copied in its hook.
+    params = [torch.nn.Parameter(torch.randn(64, 80)), torch.nn.Parameter(torch.randn(8192))]
     bucket = Bucket(0, [0, 1], params, is_last=False, flag_slots=0, grads_in_views=False)
+    assert bucket.copy_on_ready and not bucket.fill_at_launch
     bucket.scale = torch.tensor(0.5)
-    params[0].grad = torch.ones(3, 2)
+    params[0].grad = torch.ones(64, 80)
     params[1].grad = None  # no gradient: the slot is sent as zeros
     bucket.views[1].fill_(9.0)
     assert bucket.mark_ready(0, params[0]) is False
+    assert bucket.views[0].eq(0.5).all()  # copied, and averaged, in the hook itself
     assert bucket.mark_ready(1, params[1]) is True
-    assert bucket.views[0].tolist() == [[0.5, 0.5]] * 3 and bucket.views[1].tolist() == [0.0] * 4
+    assert bucket.views[1].eq(0.0).all()
     assert bucket.scaled
+
+
+class _Sent:
+    """A reduction that only records what the bucket held when it launched."""
+
+    keeps_gradients = True
+
+    def launch(self, bucket: Bucket) -> None:
+        self.sent = bucket.grads.clone()
+
+
+def test_small_parameters_fill_at_launch_bit_for_bit_as_the_hooks_would() -> None:
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(8, 16)) for _ in range(4)]  # 512 B each
+    bucket = Bucket(0, [0, 1, 2, 3], params, is_last=False, flag_slots=0, grads_in_views=False)
+    assert bucket.fill_at_launch and not bucket.copy_on_ready
+    scale = bucket.scale = torch.tensor(1.0 / 3.0)  # not a power of two: rounding shows
+    for p in params:
+        p.grad = torch.randn(8, 16)
+    stale = params[3].grad
+    for slot in range(3):
+        assert bucket.mark_ready(slot, params[slot]) is False
+    assert bucket.grads.eq(0).all(), "nothing copied in the hooks"
+    bucket.mark_missing(3)  # never came this iteration: zeros, whatever .grad still holds
+    reduction = _Sent()
+    bucket.launch(reduction)  # type: ignore[arg-type]
+    expected = torch.cat([torch.mul(p.grad, scale).reshape(-1) for p in params[:3]])
+    assert torch.equal(reduction.sent[: expected.numel()], expected)  # the hooks' multiply
+    assert reduction.sent[expected.numel() :].eq(0).all() and stale is params[3].grad
+    bucket.reset()
+    assert not bucket.missing  # the next iteration copies every slot again
 
 
 def test_write_back_fills_grads_and_skips_unused() -> None:
