@@ -9,7 +9,8 @@ Life of one synced iteration (docs/architecture.md draws it):
   end      -> `_finalize` (run by the autograd engine when the outermost
               backward through this forward ends, phalanx.ddp.autograd)
               waits for every bucket, exchanges the `StepSignals` (failure
-              flags, used map) and writes the reduced gradients to `.grad`.
+              flags, used map) and writes the reduced gradients to `.grad`
+              (bucket by bucket as each is done, when there is no used map).
 With static_graph, the first synced backward only counts gradients per
 parameter (phase RECORDING, phalanx.ddp.static_graph) and sends every bucket
 at its end. The hook runs once per parameter per step in Python, so it is
