@@ -17,7 +17,7 @@ to fp32's final loss" is the time-to-target a longer budget buys. Its rounds
 interleave with the others while they run, then continue alone.
 
 All use AdamW with the same schedule. They run interleaved in rounds of 16
-steps, the order rotating, so machine noise hits all alike; a step's time is
+steps, in a balanced order (interleave.py), so machine noise hits all alike; a step's time is
 the slower rank's. Reported per method: bytes sent per step (counted by the
 method itself), step time ÷ fp32's (mean per round, median over rounds: a
 round holds two local/DiLoCo syncs), the final validation loss, and the
@@ -44,6 +44,7 @@ import comm_tasks
 import shaped_link
 import torch
 import torch.distributed as dist
+from interleave import balanced_order
 from spawn import run_ranks
 from step_report import bootstrap_ci
 
@@ -170,8 +171,7 @@ def run_task(name: str, cfg: Config, rank: int) -> dict[str, Any]:
     names = list(variants)
     rounds = max(v.total for v in variants.values()) // ROUND
     for r in range(rounds):
-        shift = r % len(names)
-        for n in names[shift:] + names[:shift]:
+        for n in balanced_order(r, names):
             if variants[n].steps_done == variants[n].total:
                 continue
             dist.barrier()  # both ranks time the same steps

@@ -6,8 +6,10 @@ Two gloo ranks on this machine train three copies of each model side by side:
 - `torch_ddp`: `torch.nn.parallel.DistributedDataParallel`, the bar to meet;
 - `phalanx`:   `phalanx.DistributedDataParallel`, our reducer.
 
-The variants run interleaved in rounds (A B C, B C A, C A B, ...) so that machine noise
-(the other rank, other jobs, thermal state) hits all three alike. Every round starts
+The variants run interleaved in rounds (A B C, B C A, C A B, C B A, A C B, B A C: each
+runs in every position and right after every other variant equally often, interleave.py)
+so that machine noise (the other rank, other jobs, thermal state) hits all three alike,
+and so does whatever one variant leaves behind for the next. Every round starts
 with a barrier so both ranks time the same steps; a step is forward + backward +
 `optimizer.step()` + `zero_grad()`, and a step's time is the slower rank's (in
 synchronous training the slower rank sets the pace). We report medians, since a step
@@ -39,6 +41,7 @@ import models
 import spawn
 import torch
 import torch.distributed as dist
+from interleave import balanced_order, balanced_rounds
 from step_report import BASE_VARIANTS, format_table, round_sizes, summarise
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
@@ -78,11 +81,16 @@ class BenchConfig:
     def variants(self) -> tuple[str, ...]:
         return BASE_VARIANTS + tuple(f"phalanx@{cap}" for cap in self.bucket_sweep)
 
+    @property
+    def timed_rounds(self) -> int:
+        """`rounds` raised to whole balanced cycles of the variants (interleave.py)."""
+        return balanced_rounds(self.rounds, self.steps, len(self.variants))
+
 
 def round_order(round_index: int, variants: tuple[str, ...] = BASE_VARIANTS) -> list[str]:
-    """Rotate the start each round so no variant always runs right after the same one."""
-    shift = round_index % len(variants)
-    return list(variants[shift:] + variants[:shift])
+    """Each round's order: over a cycle, every variant runs in every position and right
+    after every other variant equally often (interleave.py says why a rotation is not enough)."""
+    return balanced_order(round_index, variants)
 
 
 # ---------------------------------------------------------------- rank side
@@ -166,7 +174,7 @@ def run_rounds(variants: dict[str, Variant], cfg: BenchConfig) -> None:
             variants[name].step()
         while tuning(variants[name].model):
             variants[name].step()
-    for r, size in enumerate(round_sizes(cfg.steps, cfg.rounds)):
+    for r, size in enumerate(round_sizes(cfg.steps, cfg.timed_rounds)):
         for name in round_order(r, cfg.variants):
             dist.barrier()  # both ranks start the round together
             for _ in range(size):
@@ -272,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg, out, timeout = parse_args(argv)
     print(
         f"DDP step benchmark: {cfg.world_size} gloo ranks x {cfg.threads} thread(s), "
-        f"{cfg.warmup} warm-up + {cfg.steps} timed steps per variant in {cfg.rounds} rounds",
+        f"{cfg.warmup} warm-up + {cfg.steps} timed steps per variant in {cfg.timed_rounds} rounds",
         flush=True,
     )
     started = time.monotonic()

@@ -57,7 +57,7 @@ def summarise(ranks: list[dict[str, Any]], cfg: Any) -> dict[str, Any]:
     """Per-variant medians of the per-step max over ranks, and the ratios the issue asks for."""
     stats: dict[str, dict[str, float]] = {}
     walls = {v: slowest_rank_ms(ranks, "times", v) for v in cfg.variants}
-    sizes = round_sizes(cfg.steps, cfg.rounds)
+    sizes = round_sizes(cfg.steps, cfg.timed_rounds)
     for variant in cfg.variants:
         ms = walls[variant]
         stats[variant] = {

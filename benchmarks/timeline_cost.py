@@ -34,6 +34,7 @@ import models
 import spawn
 import torch
 import torch.distributed as dist
+from interleave import balanced_order
 from step_report import bootstrap_ci, round_ratios, round_sizes, slowest_rank_ms
 
 from phalanx.diagnostics import timeline as timelines
@@ -98,8 +99,7 @@ def run_model(
         for _ in range(cfg.warmup):
             copies[variant].step()
     for r, size in enumerate(round_sizes(cfg.steps, cfg.rounds)):
-        shift = r % len(VARIANTS)
-        for variant in VARIANTS[shift:] + VARIANTS[:shift]:
+        for variant in balanced_order(r, VARIANTS):
             dist.barrier()
             for _ in range(size):
                 copies[variant].timed_step()

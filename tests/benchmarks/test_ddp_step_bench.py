@@ -8,9 +8,11 @@ never how fast anything was.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -91,15 +93,43 @@ def test_bad_model_name_is_a_usage_error(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "choose from ['mlp', 'gpt', 'cnn', 'mlp50']" in proc.stderr
 
 
-def test_rounds_split_steps_and_rotate_variants(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_rounds_split_steps_and_balance_the_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over one cycle every variant runs in every position and right after every other
+    variant equally often: a rotation (B after A twice in three rounds, A after B once)
+    would let what one variant leaves behind favour the next."""
     bench = load_bench(monkeypatch)
+    import interleave
+
     for steps, rounds in [(10, 3), (7, 7), (240, 24)]:
         sizes = bench.round_sizes(steps, rounds)
         assert sum(sizes) == steps and len(sizes) == rounds
         assert max(sizes) - min(sizes) <= 1
-    orders = [bench.round_order(r) for r in range(3)]
-    assert all(sorted(o) == sorted(VARIANTS) for o in orders)
-    assert {o[0] for o in orders} == set(VARIANTS)  # each variant leads one round in three
+    for n in range(1, 9):
+        names = tuple(f"v{i}" for i in range(n))
+        cycle = interleave.cycle_length(n)
+        orders = [bench.round_order(r, names) for r in range(cycle)]
+        assert all(sorted(o) == sorted(names) for o in orders)
+        positions = Counter((v, i) for o in orders for i, v in enumerate(o))
+        assert len(positions) == n * n and len(set(positions.values())) == 1
+        follows = Counter(pair for o in orders for pair in itertools.pairwise(o))
+        assert len(follows) == n * (n - 1) and len(set(follows.values())) <= 1
+        assert bench.round_order(cycle, names) == orders[0]
+    # Three variants: a cycle is six rounds, so 25 rounds become 30 (as long as steps allow).
+    assert interleave.balanced_rounds(25, 100, 3) == 30
+    assert interleave.balanced_rounds(25, 26, 3) == 25
+    cfg = bench.BenchConfig(
+        models=("mlp",),
+        steps=100,
+        warmup=0,
+        rounds=25,
+        threads=1,
+        seed=0,
+        tiny=True,
+        phalanx_impl="phalanx",
+        tolerance=0.0,
+        bucket_sweep=("1", "5", "100", "auto"),
+    )
+    assert cfg.timed_rounds == 28  # 7 variants: cycles of 14
 
 
 def test_paired_ratio_cancels_a_load_drift(monkeypatch: pytest.MonkeyPatch) -> None:

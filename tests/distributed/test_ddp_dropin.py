@@ -98,6 +98,20 @@ class MLPWithStats(nn.Module):
         return out
 
 
+class ComplexMix(nn.Module):
+    """A complex weight beside real ones: its bucket goes over the wire as real pairs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(16, 8, dtype=torch.cfloat) * 0.3)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        z = x.to(torch.cfloat) @ self.w
+        out: Tensor = self.out(torch.cat([z.real, z.imag], dim=-1))
+        return out
+
+
 IGNORED = ["fc1.weight", "bn.running_mean"]
 
 
@@ -303,6 +317,9 @@ PARITY: dict[str, Callable[[int], dict[str, Any]]] = {
         ),
         rank,
         ours_kwargs={"skip_all_reduce_unused_params": True},
+    ),
+    "complex_parameter": lambda rank: _parity(
+        Recipe(ComplexMix, regression_batch, mse_loss, min_buckets=2), rank
     ),
     "builtin_allreduce_hook": lambda rank: _parity(
         Recipe(MLP, regression_batch, mse_loss), rank, setup_both=_builtin_hook

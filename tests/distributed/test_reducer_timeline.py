@@ -62,3 +62,28 @@ def test_bucket_flights_lie_in_backward_and_the_wait_is_recorded(tmp_path: Path)
 def test_no_timeline_when_off() -> None:
     for o in run_workers(_spans, 2, timeout=90):
         assert o.value == {"timeline": None}
+
+
+def _profiled_finalize(rank: int, world_size: int) -> dict[str, int]:
+    from torch.profiler import profile
+
+    model = ddp_under_test()(DeepMLP())
+    x, y = regression_batch(rank, 0, 0)
+    mse_loss(model(x), y).backward()  # unprofiled: no span, and nothing recorded
+    with profile() as prof:
+        for step in (1, 2):
+            x, y = regression_batch(rank, step, 0)
+            mse_loss(model(x), y).backward()
+    names = [event.name for event in prof.events()]
+    return {
+        "finalize": names.count("phalanx.ddp.finalize"),
+        "syncs": model.reducer.stats.sync_rounds,
+    }
+
+
+@pytest.mark.timeout(120)
+def test_torch_profiler_sees_the_end_of_backward_span() -> None:
+    """The reducer's end-of-backward span reaches torch.profiler when one records (it is
+    opened only then: a record_function costs ~60 µs a step at that point)."""
+    for o in run_workers(_profiled_finalize, 2, timeout=90):
+        assert o.value == {"finalize": 2, "syncs": 3}, o.value

@@ -1,4 +1,5 @@
-"""The reducer's one private torch call: run a callback when the outermost backward ends.
+"""The reducer's private torch calls: run a callback when the outermost backward ends,
+and ask whether a profiler is recording.
 
 torch 2.13 has no public way to run code when a backward pass ends. torch's own
 DDP reducer and FSDP2 use the engine's `queue_callback`, and so do we: it is as
@@ -11,10 +12,15 @@ wrapped module's *outputs*: whatever nests inside it, that is the outermost
 backward through this forward. torch's DDP reaches the same task through its
 `_DDPSink` node on the outputs; a hook on the output tensors does it without
 wrapping (or cloning) them.
+
+A `record_function` span costs about 60 µs at the end of a backward here (enter
+and exit, their code cold after the backward's kernels) even with no profiler
+running; `profiled` opens one only when a profiler records.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -61,3 +67,10 @@ class EndOfBackward:
     def _run(self) -> None:
         self._queued = False
         self._callback()
+
+
+def profiled(name: str) -> contextlib.AbstractContextManager[Any]:
+    """A `torch.profiler.record_function(name)` span when a profiler records, else nothing."""
+    if torch._C._autograd._profiler_enabled():
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()

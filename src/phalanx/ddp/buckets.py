@@ -212,6 +212,18 @@ class Bucket:
 
     def fill_slots(self) -> None:
         """Every slot from its `.grad` at once (None: zeros); scaled as `scaled` says."""
+        grads = [p.grad for p in self.params]
+        if not (self.missing or self.grads_in_views) and all(g is not None for g in grads):
+            # The usual step, without a per-slot Python loop (hundreds of slots here).
+            torch._foreach_copy_(self.views, grads)  # type: ignore[arg-type]
+        else:
+            self._fill_slots_one_by_one()
+        if self.scaled and self.scale is not None:
+            self.grads.mul_(self.scale)
+
+    def _fill_slots_one_by_one(self) -> None:
+        """Missing slots stay zero, a None `.grad` sends zeros, and with gradient_as_bucket_view
+        each `.grad` moves into its slot."""
         copied: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         for slot, (p, view) in enumerate(zip(self.params, self.views)):
             if slot in self.missing:
@@ -225,8 +237,6 @@ class Bucket:
         if self.grads_in_views:
             for p, view, _ in copied:
                 p.grad = view
-        if self.scaled and self.scale is not None:
-            self.grads.mul_(self.scale)
 
     def wait(self, reduction: BucketReduction) -> None:
         """Block until this bucket's collective is done and `grads` holds the result."""

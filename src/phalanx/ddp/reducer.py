@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.ddp import reducer_errors
-from phalanx.ddp.autograd import EndOfBackward
+from phalanx.ddp.autograd import EndOfBackward, profiled
 from phalanx.ddp.buckets import Bucket
 from phalanx.ddp.layout import BucketPlan
 from phalanx.ddp.phase import Phase
@@ -338,7 +338,7 @@ class Reducer:
         `shadow`: this rank had no batch (`shadow_iteration`); then every parameter
         counts as unused here, and `send_local=False` leaves `.grad` alone.
         """
-        with torch.profiler.record_function("phalanx.ddp.finalize"):
+        with profiled("phalanx.ddp.finalize"):
             self.phase = Phase.REDUCED
             start = time.perf_counter_ns()
             if self._next_launch < len(self.buckets):

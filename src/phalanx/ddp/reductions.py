@@ -11,6 +11,7 @@ path averages without a second pass over the bucket.
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -73,6 +74,11 @@ class AllReduce(BucketReduction):
         # much per call, and the hook path calls it once per parameter per step.
         self._world_size = dist.get_world_size(group)
         self._inverse_world = torch.tensor(1.0 / self._world_size)
+        # The process group's own call, as dist.all_reduce makes it after its checks
+        # (a bucket is a plain dense tensor of a rank in the group): its Python runs
+        # once per bucket per step, cold after the backward's kernels.
+        self._options = dist.AllreduceOptions()  # reduceOp: SUM by default
+        self._options.asyncOp = True
 
     def slot_scale(self) -> torch.Tensor:
         return self._inverse_world
@@ -89,20 +95,27 @@ class AllReduce(BucketReduction):
             # batched_grad_copy copies unscaled): average them now, dividing as
             # torch's reducer does on these paths, so the result is its bit for bit.
             bucket.grads.div_(self._world_size)
-        return dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+        if bucket.buffer.is_complex():  # sent as real pairs, dist.all_reduce's way
+            return dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+        return self.group.allreduce([bucket.buffer], self._options)
 
     def finish(self, bucket: Bucket, handle: Any) -> None:
         handle.wait()
 
     def traffic(self, bucket: Bucket, handle: Any, world_size: int) -> Traffic:
-        flags = bucket.flags.numel() * bucket.flags.element_size()
-        return Traffic.of(
-            Collective.ALL_REDUCE, world_size, gradient_bytes=bucket.grad_bytes, other_bytes=flags
-        )
+        return _all_reduce_traffic(world_size, bucket.grad_bytes, bucket.flags.nbytes)
 
     def future(self, handle: Any) -> torch.futures.Future[Any]:
         future: torch.futures.Future[Any] = handle.get_future()
         return future
+
+
+@functools.lru_cache(maxsize=256)
+def _all_reduce_traffic(world_size: int, grad_bytes: int, flag_bytes: int) -> Traffic:
+    """A bucket's traffic is the same every step: made once per layout, not per bucket per step."""
+    return Traffic.of(
+        Collective.ALL_REDUCE, world_size, gradient_bytes=grad_bytes, other_bytes=flag_bytes
+    )
 
 
 class CommHookReduction(BucketReduction):

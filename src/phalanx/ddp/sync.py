@@ -9,6 +9,7 @@ wrap time turns that into one error that names the parameter or buffer.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -83,38 +84,47 @@ def broadcast_coalesced(
 ) -> Traffic:
     """Copy `src`'s values into `tensors` on every rank with few, large broadcasts.
 
+    The tensors travel as raw bytes, so one broadcast carries every dtype of a
+    device (a BatchNorm's float statistics and its int64 step count together;
+    torch sends one per dtype). This runs before every forward when buffers are
+    synced, and each broadcast is a round trip that all ranks wait for.
     `src` is a rank of `group`. Returns what was sent, for the counters.
     """
-    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
     for t in tensors:
-        by_kind.setdefault((t.device, t.dtype), []).append(t)
-    global_src = dist.get_global_rank(group, src)
-    calls = 0
-    for members in by_kind.values():
+        by_device.setdefault(t.device, []).append(t)
+    options = dist.BroadcastOptions()
+    options.rootRank, options.rootTensor = src, 0
+    receive = group.rank() != src
+    calls = nbytes = 0
+    for members in by_device.values():
+        # Widest elements first: each tensor's bytes then start at a multiple of its
+        # element size in the flat buffer, where they can be viewed as its dtype again.
+        members = sorted(members, key=lambda t: -t.element_size())
         chunk: list[torch.Tensor] = []
         size = 0
         for t in members:
             chunk.append(t)
             size += t.numel() * t.element_size()
             if size >= BROADCAST_CHUNK_BYTES:
-                _broadcast_chunk(chunk, group, global_src)
-                chunk, size, calls = [], 0, calls + 1
+                _broadcast_chunk(chunk, group, options, receive)
+                chunk, nbytes, size, calls = [], nbytes + size, 0, calls + 1
         if chunk:
-            _broadcast_chunk(chunk, group, global_src)
-            calls += 1
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    world_size = dist.get_world_size(group)
-    return Traffic.of(Collective.BROADCAST, world_size, other_bytes=nbytes, collectives=calls)
+            _broadcast_chunk(chunk, group, options, receive)
+            nbytes, calls = nbytes + size, calls + 1
+    return Traffic.of(Collective.BROADCAST, group.size(), other_bytes=nbytes, collectives=calls)
 
 
-def _broadcast_chunk(chunk: list[torch.Tensor], group: dist.ProcessGroup, src: int) -> None:
+def _broadcast_chunk(
+    chunk: list[torch.Tensor], group: dist.ProcessGroup, options: Any, receive: bool
+) -> None:
     with torch.no_grad():
-        flat = torch.cat([t.reshape(-1) for t in chunk])
-        dist.broadcast(flat, src=src, group=group)
-        if dist.get_rank() == src:  # `src` is a global rank here
+        flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in chunk])
+        group.broadcast([flat], options).wait()
+        if not receive:
             return
-        values = torch.split(flat, [t.numel() for t in chunk])
-        torch._foreach_copy_(chunk, [v.view_as(t) for v, t in zip(values, chunk)])
+        values = torch.split(flat, [t.numel() * t.element_size() for t in chunk])
+        torch._foreach_copy_(chunk, [v.view(t.dtype).view(t.shape) for v, t in zip(values, chunk)])
 
 
 def rank0_order(
