@@ -9,13 +9,10 @@ permission for other users. Mounting needs root; without it those tests skip.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import subprocess
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +26,7 @@ import phalanx
 from phalanx.errors import CheckpointError, ConfigurationError, OutputError
 from phalanx.train import CheckpointFallbackWarning, ResumeWarning, Trainer, TrainingArguments
 from phalanx.train.checkpoint import MANIFEST, verify_checkpoint
+from tests.disks import fill
 from tests.harness import run_workers
 
 CORRUPT = "the checkpoint is corrupt; resume from an earlier one"
@@ -185,53 +183,11 @@ def test_a_malformed_manifest_is_a_corrupt_checkpoint_like_a_truncated_file(
 # ------------------------------------------------------ a full or read-only disk
 
 
-def _mount_tmpfs(where: Path, options: str) -> None:
-    where.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()}) — needs root")
-
-
-@pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Path]:
-    disk = tmp_path / "disk"
-    _mount_tmpfs(disk, "size=4m")
-    yield disk
-    subprocess.run(["umount", "-l", str(disk)], check=False, timeout=30)
-
-
-@pytest.fixture
-def read_only_dir(tmp_path: Path) -> Iterator[Path]:
-    where = tmp_path / "ro"
-    if os.geteuid() == 0:
-        _mount_tmpfs(where, "size=1m,ro")
-        yield where
-        subprocess.run(["umount", "-l", str(where)], check=False, timeout=30)
-    else:
-        where.mkdir()
-        where.chmod(0o555)
-        yield where
-        where.chmod(0o755)
-
-
-def _fill(disk: Path) -> None:
-    """Write zeros until the kernel says the disk is full."""
-    with contextlib.suppress(OSError), (disk / "filler").open("wb") as file:
-        while True:
-            file.write(bytes(1 << 16))
-            file.flush()
-
-
 def _filling_after(step: int, disk: Path, rank: int, trainer_box: list[Trainer]) -> Any:
     def loss(outputs: Tensor, batch: list[Tensor]) -> Tensor:
         filled = (disk / "filler").exists()
         if rank == 0 and trainer_box[0].state.global_step == step and not filled:
-            _fill(disk)
+            fill(disk)
         return _xent(outputs, batch)
 
     return loss

@@ -73,13 +73,16 @@ def load_sharded(view: PieceOptimizer, directory: Path) -> list[dict[str, Any]]:
 
     Returns the saved param_groups (hyperparameters), which the caller applies to its own.
     """
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.tensor import DTensor
+
+    from phalanx import safe_dcp
 
     mesh = _mesh(view)
     try:
-        metadata = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
-    except Exception as exc:  # a missing or torn .metadata file: the checkpoint is unusable
+        metadata = safe_dcp.read_metadata(directory).state_dict_metadata
+    except CheckpointError:
+        raise
+    except Exception as exc:  # a missing .metadata file: the checkpoint is unusable
         raise CheckpointError(
             f"{directory} is not a readable torch.distributed.checkpoint directory "
             f"({type(exc).__name__}: {exc}) — resume from an earlier checkpoint"
@@ -96,7 +99,7 @@ def load_sharded(view: PieceOptimizer, directory: Path) -> list[dict[str, Any]]:
         return torch.empty(meta.size, dtype=dtype)
 
     destination = nest(metadata, allocate)
-    dcp.load(destination, checkpoint_id=str(directory), process_group=view.group)
+    safe_dcp.load(destination, directory, process_group=view.group)
     state = {
         int(i): {k: v.to_local() if isinstance(v, DTensor) else v for k, v in entry.items()}
         for i, entry in destination.get("state", {}).items()

@@ -69,7 +69,7 @@ class _HashingWriter:
         self.file.flush()
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     """Make a rename or a new entry in `path` durable (a no-op where unsupported)."""
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -160,13 +160,13 @@ def seal(
         files[name] = dict(written[name]) if name in written else _hash_and_sync(path)
         directories.add(path.parent)
     for directory in directories:
-        _fsync_dir(directory)
+        fsync_dir(directory)
     manifest = {"format": FORMAT_VERSION, "step": step, "entries": dict(entries), "files": files}
     write_file(tmp, MANIFEST, json.dumps(manifest, indent=1).encode())
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     final = tmp.with_name(tmp.name.removesuffix(TMP_SUFFIX))
     _replace_dir(tmp, final)
-    _fsync_dir(tmp.parent)
+    fsync_dir(tmp.parent)
     return final
 
 
@@ -350,8 +350,9 @@ def load_file(path: Path, name: str, manifest: Mapping[str, Any] | None = None) 
     except FileNotFoundError as exc:
         raise CheckpointError(f"{file} is missing — the checkpoint is incomplete") from exc
     except Exception as exc:  # torch raises many types for a bad zip or a refused object
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise CheckpointError(
-            f"{file} cannot be loaded ({type(exc).__name__}: {exc}) — the checkpoint is "
-            "corrupt, or holds objects weights_only loading refuses; resume from an "
-            "earlier checkpoint"
+            f"{file} cannot be loaded ({type(exc).__name__}: {first}) — the checkpoint is "
+            "corrupt, or holds objects weights_only loading refuses (nothing in it was run); "
+            "resume from an earlier checkpoint"
         ) from exc

@@ -5,34 +5,95 @@ whole tensors in the plain model's keys and the plain optimizer's format, so
 it loads with `torch.load(weights_only=True)` without phalanx, into the plain
 model and the plain optimizer class. One process, no process group: the
 sharded entries (ZeRO's optimizer, stage 3's model) are read through
-torch.distributed.checkpoint's own converter, and each piece-wise tensor is
+phalanx.safe_dcp (DCP read with nothing in the files run), and each piece-wise tensor is
 given back its shape from the shapes the checkpoint recorded.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import math
-import tempfile
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from phalanx.errors import CheckpointError
-from phalanx.train.checkpoint import load_file, replicated_file, verify_checkpoint
+from phalanx.train.checkpoint import (
+    MANIFEST,
+    describe_os_error,
+    fsync_dir,
+    list_checkpoints,
+    load_file,
+    replicated_file,
+    verify_checkpoint,
+    write_file,
+)
 
 
 def consolidate(checkpoint: Path, out: Path) -> dict[str, Any]:
     """Verify `checkpoint`, write its model and optimizer whole to `out`; return them."""
+    found = list_checkpoints(checkpoint) if checkpoint.is_dir() else []
+    if found and not (checkpoint / MANIFEST).exists():
+        names = ", ".join(path.name for _, path in sorted(found))
+        raise CheckpointError(
+            f"{checkpoint} is a run's output_dir, and consolidate takes one checkpoint "
+            f"directory — pass one of its checkpoints: {names}"
+        )
     manifest = verify_checkpoint(checkpoint)
     placements = manifest.get("entries", {})
     whole = {
         name: _whole(checkpoint, name, placements.get(name), manifest)
         for name in ("model", "optimizer")
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(whole, out)
+    write_atomically(whole, out)
     return whole
+
+
+def write_atomically(obj: Any, out: Path) -> None:
+    """torch.save `obj` to a temporary file beside `out`, fsync it, rename it over `out`.
+
+    `out` is then either what it was before or the whole new file: a full disk
+    or a kill never leaves it truncated, nor destroys a good file already there.
+    Every failure is one CheckpointError line.
+    """
+    if out.is_dir():
+        raise CheckpointError(
+            f"{out} is a directory — give the output a file name, e.g. {out / 'consolidated.pt'}"
+        )
+    parent = out.parent
+    blocking = next((p for p in (parent, *parent.parents) if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise CheckpointError(
+            f"cannot write {out}: {blocking} is a file, not a directory — choose an output "
+            "path whose folders are directories"
+        )
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CheckpointError(
+            f"cannot create the folder for {out} ({describe_os_error(exc)}) — choose an "
+            "output path whose folders are directories you can write"
+        ) from None
+    tmp = parent / f".{out.name}.tmp-{os.getpid()}"
+    try:
+        write_file(parent, tmp.name, obj)
+        os.replace(tmp, out)
+        fsync_dir(parent)
+    except OSError as exc:
+        with contextlib.suppress(OSError):  # e.g. EROFS, even for a file never created
+            tmp.unlink()
+        if exc.errno == errno.ENOSPC:
+            raise CheckpointError(
+                f"the disk is full: cannot write {out} ({describe_os_error(exc)}) — free "
+                f"space or write elsewhere; {out} was left as it was"
+            ) from None
+        raise CheckpointError(
+            f"cannot write {out} ({describe_os_error(exc)}) — write to a folder you can write "
+            f"to; {out} was left as it was"
+        ) from None
 
 
 def _whole(path: Path, name: str, placement: str | None, manifest: dict[str, Any]) -> Any:
@@ -48,14 +109,10 @@ def _whole(path: Path, name: str, placement: str | None, manifest: dict[str, Any
 
 
 def _read_dcp(directory: Path) -> dict[str, Any]:
-    """A DCP directory as one nested dict of whole tensors (DCP's own converter)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    """A DCP directory as one nested dict of whole tensors, read without running its pickles."""
+    from phalanx import safe_dcp
 
-    with tempfile.TemporaryDirectory() as tmp:
-        target = Path(tmp) / "whole.pt"
-        dcp_to_torch_save(directory, target)
-        loaded: dict[str, Any] = torch.load(target, weights_only=True)
-    return loaded
+    return safe_dcp.read_whole(directory)
 
 
 def _shaped(value: Any, shape: list[int] | None) -> Any:

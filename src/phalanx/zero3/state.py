@@ -123,10 +123,10 @@ def save_model_sharded(model: nn.Module, directory: Path) -> None:
 
 def load_model_sharded(model: nn.Module, directory: Path) -> None:
     """Collective: read this rank's pieces in place, whatever world size wrote them."""
-    import torch.distributed.checkpoint as dcp
+    from phalanx import safe_dcp
 
     state = sharded_state_dict(model)
-    dcp.load({"model": state}, checkpoint_id=str(directory))
+    safe_dcp.load({"model": state}, directory)
 
 
 def optimizer_pieces(
