@@ -28,7 +28,15 @@ if TYPE_CHECKING:
     from phalanx.optim.zero import ZeroRedundancyOptimizer
     from phalanx.runtime import World, init, launched_by_launcher, shutdown
     from phalanx.train import Trainer, TrainingArguments
-    from phalanx.zero3 import MixedPrecisionPolicy, fully_shard
+    from phalanx.zero3 import (
+        CPUOffloadPolicy,
+        FSDPModule,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        UnshardHandle,
+        fully_shard,
+        register_fsdp_forward_method,
+    )
 
 __version__ = "0.1.0"
 
@@ -49,22 +57,31 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "fully_shard": ("phalanx.zero3", "fully_shard"),
     "check_replicas": ("phalanx.diagnostics.replicas", "check_replicas"),
     "MixedPrecisionPolicy": ("phalanx.zero3", "MixedPrecisionPolicy"),
+    "FSDPModule": ("phalanx.zero3", "FSDPModule"),
+    "OffloadPolicy": ("phalanx.zero3", "OffloadPolicy"),
+    "CPUOffloadPolicy": ("phalanx.zero3", "CPUOffloadPolicy"),
+    "UnshardHandle": ("phalanx.zero3", "UnshardHandle"),
+    "register_fsdp_forward_method": ("phalanx.zero3", "register_fsdp_forward_method"),
 }
 
 __all__ = [
+    "CPUOffloadPolicy",
     "ConfigurationError",
     "DiLoCo",
     "DistributedDataParallel",
     "DistributedSampler",
+    "FSDPModule",
     "Join",
     "LocalSGD",
     "MixedPrecisionPolicy",
     "NotSupportedError",
+    "OffloadPolicy",
     "PhalanxError",
     "ReducerError",
     "Trainer",
     "TrainingArguments",
     "UnevenInputsError",
+    "UnshardHandle",
     "World",
     "ZeroRedundancyOptimizer",
     "check_replicas",
@@ -72,6 +89,7 @@ __all__ = [
     "fully_shard",
     "init",
     "launched_by_launcher",
+    "register_fsdp_forward_method",
     "shutdown",
 ]
 

@@ -39,7 +39,7 @@ def _train(rank: int, world_size: int, root: str) -> None:
         if stage == 3:
             model, optim = (
                 zero3.full_state_dict(trainer.model),
-                zero3.full_optimizer_state_dict(opt),
+                zero3.full_optimizer_state_dict(trainer.model, opt),
             )
         elif stage:
             opt.consolidate_state_dict(to=0)

@@ -77,7 +77,7 @@ def _train_and_consolidate(out_dir: Path, stage: int, max_steps: int, tag: str) 
     if stage == 3:  # the model holds pieces, the optimizer is a plain AdamW over them
         state = {
             "model": zero3.full_state_dict(trainer.model, to=0),
-            "optimizer": zero3.full_optimizer_state_dict(optimizer, to=0),
+            "optimizer": zero3.full_optimizer_state_dict(trainer.model, optimizer, to=0),
         }
         local = optimizer
     else:

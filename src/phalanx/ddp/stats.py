@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+import torch
+
 
 class Collective(Enum):
     """The kinds of collective whose wire cost differs."""
@@ -91,3 +93,29 @@ class ReducerStats:
         self.wire_bytes += traffic.wire_bytes
         if traffic.source:
             self.hook_bytes = traffic.source
+
+
+@dataclass
+class CommCounter:
+    """What one owner of collectives handed to them, and how long training waited for them:
+    a ZeroRedundancyOptimizer's parameter all-gathers, a fully_shard unit's gathers and
+    reduce-scatters. The Trainer sums these with the reducer's (`comm_bytes_per_step`)."""
+
+    collectives: int = 0
+    bytes_sent: int = 0
+    wire_bytes: float = 0.0
+    wait_s: float = 0.0
+    """Seconds the training thread was blocked waiting for these collectives."""
+
+    def add(self, traffic: Traffic) -> None:
+        self.collectives += traffic.collectives
+        self.bytes_sent += traffic.gradient_bytes + traffic.other_bytes
+        self.wire_bytes += traffic.wire_bytes
+
+    def count(self, kind: Collective, tensor: torch.Tensor, world_size: int) -> None:
+        """One collective of `kind` over `tensor` (the whole, N blocks), across `world_size`."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if kind is Collective.ALL_GATHER:  # parameters, not gradients
+            self.add(Traffic.of(kind, world_size, other_bytes=nbytes))
+        else:
+            self.add(Traffic.of(kind, world_size, gradient_bytes=nbytes))

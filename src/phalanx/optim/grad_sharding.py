@@ -21,7 +21,13 @@ import torch.distributed as dist
 from phalanx.ddp.buckets import Bucket
 from phalanx.ddp.reductions import BucketReduction
 from phalanx.ddp.stats import Collective, Traffic
-from phalanx.optim.sharding import Piece, ShardedFlat, reduce_scatter_flat
+from phalanx.optim.collectives import (
+    ReduceScatterState,
+    scale_to_mean,
+    start_reduce_scatter,
+    wait_reduce_scatter,
+)
+from phalanx.optim.sharding import Piece, ShardedFlat
 
 
 class ReduceScatter(BucketReduction):
@@ -37,7 +43,6 @@ class ReduceScatter(BucketReduction):
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.shards = shards
-        self._inverse_world = 1.0 / self.world_size
         self._outputs: dict[int, torch.Tensor] = {}
 
     def _layout(self, bucket: Bucket) -> ShardedFlat:
@@ -50,22 +55,19 @@ class ReduceScatter(BucketReduction):
         layout = self._layout(bucket)
         with torch.no_grad():
             send = layout.reduce_scatter_input([p.grad for p in bucket.params])
-            send.mul_(self._inverse_world)
+            scale_to_mean(send, self.world_size)
         for p in bucket.params:
             p.grad = None  # the full gradient is not needed again: free it now
         received = torch.empty(layout.block, dtype=send.dtype, device=send.device)
-        work = reduce_scatter_flat(received, send, self.group, async_op=True)
-        return work, received, send  # `send` must live until the collective is done
+        return start_reduce_scatter(received, send, self.group)
 
     def finish(self, bucket: Bucket, handle: Any) -> None:
-        work, received, _send = handle
-        work.wait()
-        self._outputs[bucket.index] = received
+        self._outputs[bucket.index] = wait_reduce_scatter(handle, self.group)
 
     def traffic(self, bucket: Bucket, handle: Any, world_size: int) -> Traffic:
         """One reduce-scatter of the laid-out bucket (padding included: it is sent)."""
-        _work, _received, send = handle
-        nbytes = send.numel() * send.element_size()
+        state: ReduceScatterState = handle
+        nbytes = state.input.numel() * state.input.element_size()
         return Traffic.of(Collective.REDUCE_SCATTER, world_size, gradient_bytes=nbytes)
 
     def write_back(self, bucket: Bucket, skip: set[int]) -> None:

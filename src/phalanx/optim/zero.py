@@ -19,6 +19,7 @@ can never drift apart.
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -30,10 +31,12 @@ from torch.optim import Optimizer
 
 from phalanx.ddp.reductions import AllReduce
 from phalanx.ddp.registry import reducer_of
+from phalanx.ddp.stats import Collective, CommCounter
 from phalanx.errors import ConfigurationError, PhalanxError
 from phalanx.optim import zero_checkpoint, zero_state
+from phalanx.optim.collectives import AllGatherState, start_all_gather, wait_all_gather
 from phalanx.optim.grad_sharding import ReduceScatter
-from phalanx.optim.sharding import Piece, ShardedFlat, all_gather_flat, piece_of
+from phalanx.optim.sharding import Piece, ShardedFlat, piece_of
 
 # Updates whose step reads only each element's own gradient and state: cutting a tensor
 # between ranks leaves the math unchanged.
@@ -89,6 +92,9 @@ class ZeroRedundancyOptimizer(Optimizer):
         self._shards: list[torch.Tensor] = []
         self._consolidated: dict[str, Any] | None = None
         self._checked_wrapped = False
+        self.stats = CommCounter()
+        """The parameter all-gathers after each step (stage 2's reduce-scatters are the
+        reducer's: DistributedDataParallel.reducer.stats)."""
         super().__init__(params, defaults)
         for group in self.param_groups:
             self._add_shards(group["params"])
@@ -207,7 +213,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         if step_each:
             for shard in self._shards:
                 shard.grad = None
-        in_flight: list[tuple[Any, torch.Tensor, ShardedFlat, list[int]]] = []
+        in_flight: list[tuple[AllGatherState, ShardedFlat, list[int]]] = []
         for layout, members in self._gathers:
             if step_each:
                 for i in members:
@@ -219,8 +225,9 @@ class ZeroRedundancyOptimizer(Optimizer):
             out = torch.empty(
                 layout.world_size * layout.block, dtype=block.dtype, device=block.device
             )
-            work = all_gather_flat(out, block, self.process_group, async_op=True)
-            in_flight.append((work, out, layout, members))
+            state = start_all_gather(out, block, self.process_group)
+            self.stats.count(Collective.ALL_GATHER, out, self.world_size)
+            in_flight.append((state, layout, members))
             if len(in_flight) > 1:
                 self._copy_out(*in_flight.pop(0))
         for entry in in_flight:
@@ -228,11 +235,11 @@ class ZeroRedundancyOptimizer(Optimizer):
         for shard, grad in zip(self._shards, grads):
             shard.grad = grad
 
-    def _copy_out(
-        self, work: Any, out: torch.Tensor, layout: ShardedFlat, members: list[int]
-    ) -> None:
-        work.wait()
-        layout.copy_out(out, [self._params[i] for i in members])
+    def _copy_out(self, state: AllGatherState, layout: ShardedFlat, members: list[int]) -> None:
+        start = time.perf_counter()
+        gathered = wait_all_gather(state)
+        self.stats.wait_s += time.perf_counter() - start
+        layout.copy_out(gathered, [self._params[i] for i in members])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the model's gradients and the shards' (stage 2 keeps only the latter)."""

@@ -27,7 +27,8 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from phalanx.errors import ConfigurationError
-from phalanx.optim.sharding import Piece, ShardedFlat, all_gather_flat
+from phalanx.optim.collectives import all_gather
+from phalanx.optim.sharding import Piece, ShardedFlat
 
 SCALAR_KEYS = ("step",)
 
@@ -93,7 +94,7 @@ def consolidate(view: PieceOptimizer, to: int) -> dict[str, Any] | None:
         layout = ShardedFlat(numels, view.world_size, view.rank, dtype, view.device)
         block = layout.own_block_input([local_state[i][key] for i in members])
         out = block.new_empty(view.world_size * layout.block)
-        all_gather_flat(out, block, view.group, async_op=False)
+        all_gather(out, block, view.group)
         if view.rank == to:
             targets = [block.new_empty(view.shapes[i]) for i in members]
             layout.copy_out(out, targets)

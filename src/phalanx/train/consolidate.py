@@ -5,8 +5,11 @@ whole tensors in the plain model's keys and the plain optimizer's format, so
 it loads with `torch.load(weights_only=True)` without phalanx, into the plain
 model and the plain optimizer class. One process, no process group: the
 sharded entries (ZeRO's optimizer, stage 3's model) are read through
-phalanx.safe_dcp (DCP read with nothing in the files run), and each piece-wise tensor is
-given back its shape from the shapes the checkpoint recorded.
+phalanx.safe_dcp (DCP, with nothing in the files run). Stage 3's entries hold
+DTensors of the whole shapes and its optimizer state keyed by parameter name
+(torch's `get_optimizer_state_dict`), turned into indices in param_groups
+order; ZeRO-1/2's (and older stage 3's) hold flat pieces, given back their
+shapes from the shapes the checkpoint recorded.
 """
 
 from __future__ import annotations
@@ -124,6 +127,14 @@ def _shaped(value: Any, shape: list[int] | None) -> Any:
 
 
 def _optimizer(saved: dict[str, Any]) -> dict[str, Any]:
+    if "optimizer" in saved:  # stage 3: torch's optimizer state dict, keyed by parameter name
+        from phalanx.zero3.state import plain_optimizer_state
+
+        named = saved["optimizer"]
+        groups = named["param_groups"]
+        if isinstance(groups, dict):
+            named = {**named, "param_groups": [groups[str(g)] for g in range(len(groups))]}
+        return plain_optimizer_state(named)
     shapes = saved.get("shapes", {})
     state = {
         int(i): {k: v if k == "step" else _shaped(v, shapes.get(i)) for k, v in entry.items()}

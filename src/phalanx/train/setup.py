@@ -93,15 +93,15 @@ def build_optimizer(model: nn.Module, args: TrainingArguments, world: World) -> 
         raise ConfigurationError(
             "the model has no trainable parameter — unfreeze some (requires_grad=True)"
         )
-    # By the parameter's real shape: under stage 3 the model holds 1-D pieces.
-    decay = [p for p in trainable if len(zero3.full_shape_of(p)) >= 2]
-    no_decay = [p for p in trainable if len(zero3.full_shape_of(p)) < 2]
+    # Under stage 3 the parameters are DTensors: dim() is the whole parameter's.
+    decay = [p for p in trainable if p.dim() >= 2]
+    no_decay = [p for p in trainable if p.dim() < 2]
     groups = [
         {"params": decay, "weight_decay": args.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
     groups = [g for g in groups if g["params"]]
-    if args.zero_stage in (0, 3):  # stage 3's AdamW steps the model's pieces as they are
+    if args.zero_stage in (0, 3):  # stage 3's AdamW steps the model's DTensor shards
         return AdamW(groups, lr=args.learning_rate)
     return ZeroRedundancyOptimizer(
         groups,
@@ -122,7 +122,7 @@ def check_user_optimizer(optimizer: Optimizer, args: TrainingArguments) -> None:
         )
     if args.zero_stage == 3:
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        if not all(isinstance(p, zero3.ShardParameter) for p in params):
+        if not all(zero3.is_sharded(p) for p in params):
             raise ConfigurationError(
                 "zero_stage=3 shards the model, so an optimizer built over its whole "
                 "parameters steps tensors the model no longer uses — shard the model first "

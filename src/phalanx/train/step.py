@@ -54,8 +54,8 @@ def clip_gradients(model: nn.Module, optimizer: Optimizer, max_norm: float) -> T
         # The norm from the shards (one all-reduce): under stage 2 no rank holds the
         # whole gradient that torch's clip would read.
         return optimizer.clip_grad_norm_(max_norm)
-    if zero3.unit_of(model) is not None:
-        return zero3.clip_grad_norm_(model, max_norm)  # stage 3: the same, over its pieces
+    if zero3.unit_of(model) is not None:  # stage 3: torch's clip over DTensor gradients
+        return zero3.clip_grad_norm_(model, max_norm)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     if math.isinf(max_norm):
         return torch.nn.utils.get_total_norm(grads)

@@ -239,8 +239,8 @@ def resume_warning(name: str, counters: Counters, position: SamplerPosition) -> 
 
 
 class ShardedModel:
-    """Checkpoint entries "model" and "optimizer" under zero_stage=3: pieces, written by
-    every rank through torch.distributed.checkpoint (which reshards on load)."""
+    """Checkpoint entries "model" and "optimizer" under zero_stage=3: DTensor shards, written
+    by every rank through torch.distributed.checkpoint (which reshards on load)."""
 
     checkpoint_placement: Placement = "sharded"
 
@@ -253,10 +253,10 @@ class ShardedModel:
         if self.optimizer is None:
             zero3.save_model_sharded(self.model, directory)
         else:
-            zero3.save_optimizer_sharded(self.optimizer, directory)
+            zero3.save_optimizer_sharded(self.model, self.optimizer, directory)
 
     def load_sharded(self, directory: Path) -> None:
         if self.optimizer is None:
             zero3.load_model_sharded(self.model, directory)
         else:
-            zero3.load_optimizer_sharded(self.optimizer, directory)
+            zero3.load_optimizer_sharded(self.model, self.optimizer, directory)

@@ -1,89 +1,173 @@
-"""The two faces of a fully_shard parameter: the piece a rank keeps, the whole it computes with.
+"""One parameter of a fully_shard unit, and the words stage 3 uses.
 
-Between forwards a unit's module holds `ShardParameter`s: this rank's piece
-of each parameter (flattened, 1-D, phalanx.optim.sharding's split), which
-the optimizer steps like any parameter, so its state is 1/N by itself.
-During the unit's forward and backward the module holds the *full*
-parameters instead: leaves that autograd accumulates into, whose storage
-lives in one flat buffer per unit that is freed (resized to nothing) when
-the unit is not computing and refilled by an all-gather when it is.
+[Glossary: shard, piece, unit]
+- *Unit*: one `fully_shard(module)` call; its parameters are gathered together
+  (one all-gather per unit and dtype) and reduced together.
+- *Shard*: this rank's part of a parameter, dim-0 rows as `torch.chunk` cuts
+  them (`phalanx.optim.sharding.piece_of`). The *sharded parameter* is an
+  `nn.Parameter` holding a DTensor with placement `Shard(0)` (FSDP) or
+  `(Replicate(), Shard(0))` (HSDP) whose local tensor is the shard: what the
+  optimizer steps, `model.state_dict()` holds and torch's tools (clip,
+  DCP state dicts) read.
+- *Piece*: the shard as a range of the flattened parameter's elements; on the
+  wire each piece is padded to the same *chunk* on every rank.
+- *Unsharded parameter*: the whole parameter, a plain `nn.Parameter` whose
+  storage lives in the unit's flat buffer, gathered before the unit computes
+  and freed after; what the module holds while it runs, and what autograd
+  accumulates gradients into.
+
+A module holds one face or the other (`register`); tied parameters (one
+parameter registered in several places of a unit) are one `ShardedParam`
+with several owners.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from phalanx.errors import PhalanxError
-from phalanx.optim.sharding import Piece
+from phalanx.errors import ConfigurationError, PhalanxError
+from phalanx.optim.sharding import Piece, piece_of, row_numel
+from phalanx.zero3.mesh import MeshInfo
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+Owners = tuple[tuple[nn.Module, str], ...]
 
 
-class ShardUseError(PhalanxError):
+class ShardUseError(PhalanxError, RuntimeError):
     """A sharded parameter was used in a computation outside its unit's forward."""
 
 
-class ShardParameter(nn.Parameter):
-    """This rank's piece of a fully_shard parameter: what the optimizer (and a checkpoint) sees.
+class ShardedParam:
+    """A parameter's two faces and where it is registered (see the glossary above)."""
 
-    Using it in a gradient-tracked computation is always a mistake (the
-    computation wanted the whole parameter, which exists only inside the
-    unit's forward), so that raises at once, naming the parameter.
-    """
+    def __init__(self, param: nn.Parameter, fqn: str, owners: Owners, info: MeshInfo) -> None:
+        if param.dim() == 0:
+            raise ConfigurationError(
+                f"parameter '{fqn}' is a scalar: fully_shard shards parameters on dim 0, as "
+                "FSDP2 does — give it shape (1,), or pass it in ignored_params"
+            )
+        self.owners = owners
+        self.fqn = fqn
+        """Its name in the model the root unit sees (relative to its unit until then)."""
+        self.shape = param.shape
+        self.info = info
+        self.piece: Piece = piece_of(
+            param.numel(), info.shard_size, info.shard_rank, row_numel(param.shape)
+        )
+        rows = self.rows
+        local = param.detach()[rows[0] : rows[1]]
+        local = local.clone() if not local.is_meta else torch.empty_like(local)
+        if local.device.type != "meta" and local.device != info.device:
+            local = local.to(info.device)
+        self.spec = _spec(info, param.shape, param.dtype)
+        self.sharded: nn.Parameter = _mark(
+            nn.Parameter(_dtensor(local.contiguous(), self.spec), requires_grad=param.requires_grad)
+        )
+        self.unsharded: nn.Parameter | None = None
+        """Created by the unit's group at its first gather (on the sharded parameter's device)."""
 
-    full_shape: torch.Size
-    """The parameter's real shape, e.g. for choosing weight decay by dimension."""
-    piece: Piece
-    """Which elements of the flattened parameter this rank holds."""
-    qualified_name: str
+    @property
+    def rows(self) -> tuple[int, int]:
+        """The dim-0 rows this rank holds."""
+        row = row_numel(self.shape) or 1
+        return self.piece.start // row, self.piece.stop // row
 
-    def __new__(cls, data: torch.Tensor, requires_grad: bool = True) -> ShardParameter:
-        return super().__new__(cls, data, requires_grad)
+    @property
+    def local(self) -> torch.Tensor:
+        """The shard: the sharded parameter's local tensor."""
+        local: torch.Tensor = self.sharded._local_tensor  # type: ignore[attr-defined]
+        return local
 
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        try:
-            out = nn.Parameter.__torch_function__(func, types, args, kwargs or {})
-        except Exception as exc:  # a shape error, most likely: the op wanted the whole tensor
-            if torch.is_grad_enabled():
-                raise _misuse(args) from exc
-            raise
-        if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.grad_fn is not None:
-            raise _misuse(args)
-        return out
+    @property
+    def local_shape(self) -> torch.Size:
+        start, stop = self.rows
+        return torch.Size([stop - start, *self.shape[1:]])
+
+    def register(self, face: nn.Parameter) -> None:
+        for owner, name in self.owners:
+            owner._parameters[name] = face
+
+    def is_registered(self, face: nn.Parameter) -> bool:
+        owner, name = self.owners[0]
+        return owner._parameters.get(name) is face
+
+    def adopt_registered(self) -> None:
+        """Follow a sharded parameter that was replaced in the module (`load_state_dict(...,
+        assign=True)`, `to_empty`, `_apply`): it must stay a DTensor of the same layout."""
+        from torch.distributed.tensor import DTensor
+
+        owner, name = self.owners[0]
+        current = owner._parameters.get(name)
+        if current is self.sharded or current is self.unsharded:
+            return
+        if not isinstance(current, DTensor) or current.shape != self.shape:
+            raise ConfigurationError(
+                f"parameter '{self.fqn}' of a fully_shard unit was replaced by a "
+                f"{type(current).__name__} of shape {list(getattr(current, 'shape', []))}, "
+                f"not a sharded DTensor of shape {list(self.shape)} — load state with "
+                "torch.distributed.checkpoint.state_dict.set_model_state_dict, or load DTensors"
+            )
+        if tuple(current.placements) != tuple(self.info.placements):
+            raise ConfigurationError(
+                f"parameter '{self.fqn}' was replaced by a DTensor placed "
+                f"{tuple(current.placements)}, not {tuple(self.info.placements)} — distribute "
+                "it on the unit's mesh and placements (distribute_tensor)"
+            )
+        if not isinstance(current, nn.Parameter):
+            current = nn.Parameter(current, requires_grad=self.sharded.requires_grad)
+        self.sharded = _mark(current)
+        self.spec = _spec(self.info, self.shape, current.dtype)
+        self.register(current)
+
+    def sharded_grad(self, local: torch.Tensor) -> DTensor:
+        """A gradient for the sharded parameter from its local part (a view, no copy)."""
+        return _dtensor(local.view(self.local_shape), self.spec)
 
 
-def _misuse(args: Any) -> ShardUseError:
-    shard = next((a for a in _flat(args) if isinstance(a, ShardParameter)), None)
-    return ShardUseError(
-        f"parameter '{getattr(shard, 'qualified_name', '?')}' of a fully_shard unit was used "
-        "in a computation outside that unit's forward, where only this rank's piece exists "
-        "— use it only inside the unit's forward, or fully_shard a module that contains "
-        "every module using it (tied weights belong in one unit)"
-    )
+_MARK = "_phalanx_sharded"
 
 
-def _flat(args: Any) -> list[Any]:
-    out: list[Any] = []
-    for a in args:
-        if isinstance(a, list | tuple):
-            out.extend(_flat(a))
-        else:
-            out.append(a)
-    return out
+def _mark(param: nn.Parameter) -> nn.Parameter:
+    setattr(param, _MARK, True)
+    return param
 
 
-def make_shard(full: torch.Tensor, piece: Piece, qualified_name: str) -> ShardParameter:
-    """This rank's piece of `full` as a ShardParameter (a copy: `full` is about to be freed)."""
-    data = full.detach().reshape(-1)[piece.start : piece.stop].clone()
-    shard = ShardParameter(data, requires_grad=full.requires_grad)
-    shard.full_shape = full.shape
-    shard.piece = piece
-    shard.qualified_name = qualified_name
-    return shard
+def is_sharded(param: nn.Parameter) -> bool:
+    """Whether `param` is the sharded face of a fully_shard unit's parameter."""
+    return getattr(param, _MARK, False)
 
 
-def full_shape_of(param: torch.Tensor) -> torch.Size:
-    """A parameter's real shape, whether it is whole or a fully_shard piece."""
-    return getattr(param, "full_shape", param.shape)
+def _spec(info: MeshInfo, shape: torch.Size, dtype: torch.dtype) -> DTensorSpec:
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    stride = _contiguous_strides(shape)
+    return DTensorSpec(info.mesh, info.placements, tensor_meta=TensorMeta(shape, stride, dtype))
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _dtensor(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
+    """A DTensor from its local tensor and a spec made once (FSDP2's fast path: from_local
+    checks and rebuilds the spec on every call)."""
+    from torch.distributed.tensor import DTensor
+
+    if spec.tensor_meta is not None and spec.tensor_meta.dtype != local.dtype:
+        from torch.distributed.tensor._dtensor_spec import TensorMeta
+
+        meta = spec.tensor_meta
+        spec = type(spec)(
+            spec.mesh, spec.placements, TensorMeta(meta.shape, meta.stride, local.dtype)
+        )
+    return DTensor(local, spec, requires_grad=False)

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from torch import nn
 
 from phalanx.errors import ConfigurationError
-from phalanx.zero3.unit import MixedPrecisionPolicy
+from phalanx.zero3.policies import MixedPrecisionPolicy
 from phalanx.zero3.wrap import fully_shard
 
 Policy = Callable[[nn.Module], Iterable[nn.Module]]

@@ -1,13 +1,16 @@
-"""A fully_shard model's (and its optimizer's) state: whole on one rank, or sharded for DCP.
+"""A fully_shard model's (and its optimizer's) state, through torch's own state-dict tools.
 
-Between steps a fully_shard model holds only pieces, so `model.state_dict()`
-holds pieces too (1-D, this rank's). These functions give the two forms
-users need: the whole state on one rank (the plain model's keys and shapes,
-what `phalanx consolidate` writes and any plain model loads), and the
-sharded form for torch.distributed.checkpoint, every piece a 1-D DTensor
-of the flattened parameter, which DCP saves from every rank and reshards.
-The optimizer over the pieces is a plain optimizer; its state goes through
-the same piece machinery as ZeRO stages 1 and 2 (phalanx.optim.zero_state).
+The parameters are DTensors, so torch.distributed.checkpoint's `state_dict`
+functions give every form: sharded (what DCP saves from every rank and
+reshards at load) and full (whole tensors). These helpers name the forms the
+Trainer and `phalanx consolidate` use; any FSDP2 script can call torch's
+directly instead. The optimizer's full form here is the plain optimizer's
+(state keyed by parameter index, in param_groups order), so a plain model's
+optimizer loads it.
+
+Every read of a DCP directory goes through phalanx.safe_dcp. A stage-3
+directory written before parameters were DTensors (flat 1-D pieces, a
+"shapes" entry) is refused with the bridge named: `phalanx consolidate`.
 """
 
 from __future__ import annotations
@@ -16,152 +19,126 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from phalanx.errors import ConfigurationError
-from phalanx.optim import zero_checkpoint, zero_state
-from phalanx.optim.sharding import ShardedFlat, all_gather_flat
-from phalanx.zero3.params import ShardParameter
+from phalanx.errors import CheckpointError
 
-# torch.distributed.checkpoint and DTensor are imported where they are used: together
-# they cost seconds of CPU at import, in every process, sharded or not.
+# torch.distributed.checkpoint is imported where it is used: it costs seconds of CPU at
+# import, in every process, sharded or not.
 
 
-def _group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    chosen = group if group is not None else dist.group.WORLD
-    assert chosen is not None
-    return chosen
+def _options(full: bool, cpu_offload: bool = False) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=full, cpu_offload=cpu_offload)
 
 
-def shard_keys(model: nn.Module) -> dict[str, ShardParameter]:
-    """Every state_dict key that holds a piece (a tied parameter under each of its names)."""
-    found: dict[str, ShardParameter] = {}
-    for name, module in model.named_modules(remove_duplicate=False):
-        for pname, p in module._parameters.items():
-            if isinstance(p, ShardParameter):
-                found[f"{name}.{pname}" if name else pname] = p
-    return found
+def full_state_dict(model: nn.Module, to: int = 0) -> dict[str, Any] | None:
+    """Collective: the plain model's state_dict (whole tensors, on the CPU) on rank `to`."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-
-def full_state_dict(
-    model: nn.Module, to: int = 0, group: dist.ProcessGroup | None = None
-) -> dict[str, Any] | None:
-    """Collective: the plain model's state_dict (whole tensors) on rank `to`, None elsewhere."""
-    group = _group(group)
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    state = model.state_dict()
-    keys = shard_keys(model)
-    unique: dict[int, ShardParameter] = {id(p): p for p in keys.values()}
-    by_dtype: dict[torch.dtype, list[ShardParameter]] = {}
-    for p in unique.values():
-        by_dtype.setdefault(p.dtype, []).append(p)
-    whole: dict[int, torch.Tensor] = {}
-    for dtype, shards in sorted(by_dtype.items(), key=lambda kv: str(kv[0])):
-        layout = ShardedFlat([p.piece.numel for p in shards], world, rank, dtype, shards[0].device)
-        block = layout.own_block_input([p.detach() for p in shards])
-        out = block.new_empty(world * layout.block)
-        all_gather_flat(out, block, group, async_op=False)
-        if rank == to:
-            targets = [block.new_empty(p.full_shape) for p in shards]
-            layout.copy_out(out, targets)
-            whole.update((id(p), t) for p, t in zip(shards, targets))
-    if rank != to:
+    state = get_model_state_dict(model, options=_options(full=True, cpu_offload=to == 0))
+    if dist.get_rank() != to:
         return None
-    for key, p in keys.items():
-        state[key] = whole[id(p)]
-    return state
+    return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
 
 def load_full_state_dict(model: nn.Module, state_dict: dict[str, Any]) -> None:
-    """Load the plain model's state_dict (whole tensors): each rank keeps its pieces."""
-    local = dict(state_dict)
-    for key, p in shard_keys(model).items():
-        if key not in local:
-            continue
-        value = local[key]
-        if tuple(value.shape) != tuple(p.full_shape):
-            raise ConfigurationError(
-                f"{key} has shape {list(value.shape)} in the state dict but "
-                f"{list(p.full_shape)} in the model — load a state of the same model"
-            )
-        local[key] = value.reshape(-1)[p.piece.start : p.piece.stop]
-    model.load_state_dict(local)
+    """Load the plain model's state_dict (whole tensors, on every rank): each keeps its shard."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    set_model_state_dict(model, state_dict, options=_options(full=True))
 
 
-def sharded_state_dict(model: nn.Module, group: dist.ProcessGroup | None = None) -> dict[str, Any]:
-    """The model's state with every piece as a 1-D DTensor sharing the piece's storage."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor, Shard
+def plain_optimizer_state(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state keyed by parameter name (torch's `get_optimizer_state_dict`) in
+    the plain optimizer's form: parameter indices in param_groups order."""
+    index: dict[str, int] = {}
+    groups = []
+    for group in state_dict["param_groups"]:
+        names = list(group["params"])
+        plain = {k: v for k, v in group.items() if k != "params"}
+        plain["params"] = [index.setdefault(n, len(index)) for n in names]
+        groups.append(plain)
+    state = {index[name]: entry for name, entry in state_dict["state"].items() if name in index}
+    return {"state": state, "param_groups": groups}
 
-    group = _group(group)
-    state = model.state_dict()
-    keys = shard_keys(model)
-    if keys:
-        device = next(iter(keys.values())).device
-        mesh = DeviceMesh.from_group(group, device.type)
-        for key, p in keys.items():
-            state[key] = DTensor.from_local(
-                p.detach(),
-                mesh,
-                [Shard(0)],
-                run_check=False,
-                shape=torch.Size([p.piece.numel]),
-                stride=(1,),
-            )
-    return state
+
+def full_optimizer_state_dict(
+    model: nn.Module, optim: Optimizer, to: int = 0
+) -> dict[str, Any] | None:
+    """Collective: the plain optimizer's state_dict (whole tensors) on rank `to`."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    state = get_optimizer_state_dict(model, optim, options=_options(full=True, cpu_offload=to == 0))
+    if dist.get_rank() != to:
+        return None
+    return plain_optimizer_state(state)
 
 
 def save_model_sharded(model: nn.Module, directory: Path) -> None:
-    """Collective: every rank writes its pieces (and rank 0 the replicated rest) with DCP."""
+    """Collective: every rank writes its shards (and rank 0 the replicated rest) with DCP."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    shapes = {key: list(p.full_shape) for key, p in shard_keys(model).items()}
-    dcp.save({"model": sharded_state_dict(model), "shapes": shapes}, checkpoint_id=str(directory))
+    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(directory))
 
 
 def load_model_sharded(model: nn.Module, directory: Path) -> None:
-    """Collective: read this rank's pieces in place, whatever world size wrote them."""
+    """Collective: read this rank's shards, whatever world size wrote them."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
     from phalanx import safe_dcp
 
-    state = sharded_state_dict(model)
-    safe_dcp.load({"model": state}, directory)
+    _refuse_flat_pieces(directory)
+    state = {"model": get_model_state_dict(model)}
+    safe_dcp.load(state, directory)
+    set_model_state_dict(model, state["model"])
 
 
-def optimizer_pieces(
-    optim: Optimizer, group: dist.ProcessGroup | None = None
-) -> zero_state.PieceOptimizer:
-    """A plain optimizer over a fully_shard model's pieces, seen as pieces of whole tensors."""
-    params = [p for g in optim.param_groups for p in g["params"]]
-    bare = [i for i, p in enumerate(params) if not isinstance(p, ShardParameter)]
-    if bare:
-        raise ConfigurationError(
-            f"optimizer parameter {bare[0]} is not a fully_shard piece — build the optimizer "
-            "after fully_shard, over model.parameters()"
-        )
-    return zero_state.PieceOptimizer(
-        optim=optim,
-        shapes=[p.full_shape for p in params],
-        pieces=[p.piece for p in params],
-        group=_group(group),
-        groups=optim.param_groups,
-        device=params[0].device if params else torch.device("cpu"),
+def save_optimizer_sharded(model: nn.Module, optim: Optimizer, directory: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    dcp.save({"optimizer": get_optimizer_state_dict(model, optim)}, checkpoint_id=str(directory))
+
+
+def load_optimizer_sharded(model: nn.Module, optim: Optimizer, directory: Path) -> None:
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
     )
 
+    from phalanx import safe_dcp
 
-def full_optimizer_state_dict(optim: Optimizer, to: int = 0) -> dict[str, Any] | None:
-    """Collective: the plain optimizer's state_dict (whole tensors) on rank `to`."""
-    return zero_state.consolidate(optimizer_pieces(optim), to)
-
-
-def load_full_optimizer_state_dict(optim: Optimizer, state_dict: dict[str, Any]) -> None:
-    zero_state.load_plain(optimizer_pieces(optim), state_dict)
+    _refuse_flat_pieces(directory)
+    state = {"optimizer": get_optimizer_state_dict(model, optim)}
+    safe_dcp.load(state, directory)
+    set_optimizer_state_dict(model, optim, state["optimizer"])
 
 
-def save_optimizer_sharded(optim: Optimizer, directory: Path) -> None:
-    zero_checkpoint.save_sharded(optimizer_pieces(optim), directory)
+def _refuse_flat_pieces(directory: Path) -> None:
+    """A stage-3 entry from before DTensor parameters: 1-D pieces and their shapes."""
+    from phalanx import safe_dcp
+
+    keys = safe_dcp.read_metadata(directory).state_dict_metadata
+    if any(key.startswith("shapes.") for key in keys):
+        checkpoint = directory.parent
+        raise CheckpointError(
+            f"{checkpoint} was written by an older phalanx, whose stage 3 saved flat 1-D "
+            "pieces — convert it with `phalanx consolidate "
+            f"{checkpoint} OUT.pt` and load OUT.pt's model into your model before training"
+        )
 
 
-def load_optimizer_sharded(optim: Optimizer, directory: Path) -> None:
-    zero_checkpoint.load_sharded(optimizer_pieces(optim), directory)
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """torch's `clip_grad_norm_` over the model's DTensor gradients; the norm as a plain
+    tensor (torch returns a DTensor), the same on every rank."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm

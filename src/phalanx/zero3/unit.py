@@ -1,196 +1,197 @@
-"""A unit's parameters: pieces kept, the whole gathered on demand, gradients scattered.
+"""`Unit`: one fully_shard module's parameters, and where they stand in the iteration.
 
-A unit flattens its parameters, per (device, compute dtype), into one
-`FlatGroup`: the full parameters are views into a single buffer whose
-storage is freed (resized to nothing) whenever the unit is not computing,
-and refilled by one all-gather of every rank's pieces when it is. After the
-unit's backward, its gradients go out in one reduce-scatter, and each rank
-keeps (adds to its piece's `.grad`) only its own share.
-
-The data is written into the full parameters through separate aliases of
-the same storage, so refilling them between forward and backward does not
-bump the version counter that autograd checks on the tensors it saved.
+A unit gathers its parameters before it computes (`unshard`), frees them
+after (`reshard`, or keeps 1/k of them for a smaller gather in backward),
+counts its parameters' gradients as autograd accumulates them, and when the
+last one is in, reduce-scatters them (`launch_reduce`). The root (root.py)
+finishes every unit's reduction at the end of backward.
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
-from typing import Any
+from enum import Enum
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from phalanx.optim.sharding import ShardedFlat, all_gather_flat, piece_of, reduce_scatter_flat
-from phalanx.zero3.params import ShardParameter, make_shard
+from phalanx.optim.collectives import ReduceScatterState
+from phalanx.zero3.group import ParamGroup, PendingAllReduce
+from phalanx.zero3.mesh import MeshInfo
+from phalanx.zero3.params import ShardedParam
+from phalanx.zero3.policies import MixedPrecisionPolicy
+
+if TYPE_CHECKING:
+    from phalanx.zero3.root import Root
 
 
-@dataclass(frozen=True)
-class MixedPrecisionPolicy:
-    """FSDP2's names: compute in `param_dtype`, reduce gradients in `reduce_dtype`.
+class Phase(Enum):
+    """Where a unit stands in the iteration."""
 
-    None keeps the parameter's own dtype. The pieces the optimizer steps stay in
-    the parameter's dtype (fp32 master weights under a bf16 policy).
-    """
-
-    param_dtype: torch.dtype | None = None
-    reduce_dtype: torch.dtype | None = None
-    cast_forward_inputs: bool = True
+    IDLE = "idle"
+    """Between iterations, or after its forward."""
+    FORWARD = "forward"
+    """Its forward is running."""
+    BACKWARD = "backward"
+    """Its backward has begun (a forward now is activation checkpointing's recompute)."""
 
 
-@dataclass
-class UnitStats:
-    """Where a unit's communication time went: waits are time the training thread was blocked."""
+class Unit:
+    """One fully_shard module: its sharded parameters, grouped for the collectives."""
 
-    gathers: int = 0
-    gather_wait_s: float = 0.0
-    """Blocked waiting for an all-gather: what prefetching did not hide."""
-    reduces: int = 0
-    reduce_wait_s: float = 0.0
-    """Blocked at the end of backward waiting for a reduce-scatter."""
+    def __init__(
+        self,
+        module: nn.Module,
+        params: list[ShardedParam],
+        info: MeshInfo,
+        policy: MixedPrecisionPolicy,
+        reshard_after_forward: bool | int | None,
+        broadcast_buffers: bool,
+        post_forward_group: dist.ProcessGroup | None,
+    ) -> None:
+        self.module = module
+        self.params = params
+        self.info = info
+        self.policy = policy
+        self.reshard_after_forward = reshard_after_forward
+        """None until the root decides (FSDP2: False for the root, True for the others)."""
+        self.broadcast_buffers = broadcast_buffers
+        self.post_forward_group = post_forward_group
+        self.root: Root | None = None
+        self.name = ""
+        """The module's name in the root's model (set by the root)."""
+        self.phase = Phase.IDLE
+        self.requires_gradient_sync = True
+        self.requires_all_reduce = True
+        self.reshard_after_backward = True
+        self.divisor = info.data_parallel_size
+        self.forward_prefetch: list[Unit] | None = None
+        self.backward_prefetch: list[Unit] | None = None
+        self.arrived = 0
+        self.reducing: list[tuple[ParamGroup, ReduceScatterState]] | None = None
+        self.groups: list[ParamGroup] = []
+        self._stale = True
+        """A sharded parameter may have been replaced: adopt, then regroup, before gathering."""
+        self.refresh()
 
-
-@dataclass(frozen=True)
-class Slot:
-    """Where a parameter is registered (several places when tied), and its two faces."""
-
-    owners: tuple[tuple[nn.Module, str], ...]
-    shard: ShardParameter
-    full: nn.Parameter
-
-    def register(self, face: nn.Parameter) -> None:
-        for owner, name in self.owners:
-            owner._parameters[name] = face
-
-
-@dataclass(frozen=True)
-class Managed:
-    """A parameter a unit takes over: its qualified name and every place it is registered."""
-
-    param: nn.Parameter
-    fqn: str
-    owners: tuple[tuple[nn.Module, str], ...]
-
-
-class FlatGroup:
-    """The parameters of one unit that share a device and a compute dtype."""
-
-    def __init__(self, slots: list[Slot], group: dist.ProcessGroup, dtype: torch.dtype) -> None:
-        self.slots = slots
-        self.group = group
-        self.world_size = dist.get_world_size(group)
-        fulls = [s.full for s in slots]
-        self.layout = ShardedFlat.of(fulls, self.world_size, dist.get_rank(group))
-        self.dtype = dtype
-        self._storage = fulls[0].untyped_storage()
-        self._nbytes = self._storage.nbytes()
-        # Aliases of the same storage with their own version counters (see the module doc).
-        self._writers = [
-            torch.empty(0, dtype=dtype, device=f.device).set_(
-                self._storage, f.storage_offset(), f.shape, f.stride()
-            )
-            for f in fulls
+    # ------------------------------------------------------------------ groups
+    def refresh(self) -> None:
+        """Follow replaced sharded parameters (load with assign, `_apply`) and regroup."""
+        if not self._stale:
+            return
+        for p in self.params:
+            p.adopt_registered()
+        by_key: dict[tuple[torch.device, torch.dtype], list[ShardedParam]] = {}
+        for p in self.params:
+            by_key.setdefault((p.local.device, self._compute_dtype(p)), []).append(p)
+        self.groups = [
+            ParamGroup(members, self.info, dtype, self._on_grad)
+            for (_, dtype), members in by_key.items()
         ]
-        self._gather: tuple[Any, torch.Tensor] | None = None
-        self.stats = UnitStats()
+        self.expected = sum(p.sharded.requires_grad for p in self.params)
+        self._stale = False
 
+    def mark_stale(self) -> None:
+        self._stale = True
+
+    def _compute_dtype(self, p: ShardedParam) -> torch.dtype:
+        """The policy's dtype, except for modules that keep floating buffers (BatchNorm's
+        running statistics): their kernels need parameters and buffers of one dtype."""
+        dtype = self.policy.param_dtype
+        if dtype is None or not p.sharded.is_floating_point():
+            return p.sharded.dtype
+        for owner, _ in p.owners:
+            if any(b.is_floating_point() for b in owner.buffers(recurse=False)):
+                return p.sharded.dtype
+        return dtype
+
+    # ------------------------------------------------------------------- faces
     @property
-    def full_bytes(self) -> int:
-        return self._nbytes
+    def is_unsharded(self) -> bool:
+        return bool(self.groups) and all(g.is_unsharded for g in self.groups)
 
-    def free(self) -> None:
-        self._storage.resize_(0)
+    def prefetch(self) -> None:
+        """Issue the all-gathers now; the unit waits for them when it needs them."""
+        self.refresh()
+        for g in self.groups:
+            g.start_gather(self.post_forward_group)
 
-    def start_gather(self) -> None:
-        """Issue the all-gather of every rank's pieces (it runs while other work goes on)."""
-        if self._gather is not None:
+    def unshard(self) -> None:
+        """The unsharded parameters present and registered (waits for a prefetch in flight)."""
+        self.refresh()
+        for g in self.groups:
+            g.finish_gather(self.post_forward_group)
+        for g in self.groups:
+            g.unsharded_params()
+        for p in self.params:
+            assert p.unsharded is not None
+            p.register(p.unsharded)
+
+    def reshard(self) -> None:
+        """Register the sharded parameters again and free the unsharded storage."""
+        for p in self.params:
+            p.register(p.sharded)
+        for g in self.groups:
+            g.free()
+            g.drop_kept()
+
+    def after_forward(self) -> None:
+        """FSDP2's reshard_after_forward: free (True), keep 1/k of the blocks (k), or keep."""
+        setting = self.reshard_after_forward
+        if setting is True:
+            self.reshard()
+        elif setting and self.post_forward_group is not None:
+            size = dist.get_world_size(self.post_forward_group)
+            count = self.info.shard_size // size
+            first = (self.info.shard_rank % size) * count
+            for p in self.params:
+                p.register(p.sharded)
+            for g in self.groups:
+                g.free(keep=(first, count))
+
+    # --------------------------------------------------------------- gradients
+    def _on_grad(self, _: torch.Tensor) -> None:
+        self.arrived += 1
+        if self.arrived == self.expected:
+            self.after_backward()
+
+    def after_backward(self) -> None:
+        """Every gradient of this unit is in: reduce them, and free the unsharded
+        parameters unless this is the root (its end of backward frees it)."""
+        if self.requires_gradient_sync:
+            self.launch_reduce()
+        root = self.root
+        if root is not None and self is not root.unit and self.reshard_after_backward:
+            self.reshard()
+
+    def launch_reduce(self) -> None:
+        if self.reducing is not None:
             return
-        with torch.no_grad():
-            pieces = [s.shard.detach().to(self.dtype) for s in self.slots]
-            block = self.layout.own_block_input(pieces)
-            out = block.new_empty(self.world_size * self.layout.block)
-            work = all_gather_flat(out, block, self.group, async_op=True)
-        self._gather = (work, out)
+        self.reducing = []
+        for g in self.groups:
+            state = g.start_reduce(self.policy.gradient_dtype(g.dtype), self.divisor)
+            if state is not None:
+                self.reducing.append((g, state))
 
-    def finish_gather(self) -> None:
-        """Wait for the all-gather and write the whole parameters into their storage."""
-        self.start_gather()
-        assert self._gather is not None
-        work, out = self._gather
-        self._gather = None
-        start = time.perf_counter()
-        work.wait()
-        self.stats.gather_wait_s += time.perf_counter() - start
-        self.stats.gathers += 1
-        if self._storage.nbytes() != self._nbytes:
-            self._storage.resize_(self._nbytes)
-        with torch.no_grad():
-            self.layout.copy_out(out, self._writers)
+    def finish_reduce(self) -> list[tuple[ParamGroup, PendingAllReduce]]:
+        """Wait for the reduce-scatters; HSDP's all-reduces are returned in flight."""
+        pending = []
+        for g, state in self.reducing or []:
+            all_reduce = g.finish_reduce(state, self.requires_all_reduce)
+            if all_reduce is not None:
+                pending.append((g, all_reduce))
+        self.reducing = None
+        return pending
 
-    def start_reduce(self, reduce_dtype: torch.dtype | None) -> Any:
-        """Average the full gradients into the owners' pieces with one async reduce-scatter."""
-        dtype = reduce_dtype or self.slots[0].shard.dtype
-        with torch.no_grad():
-            grads = [None if s.full.grad is None else s.full.grad.to(dtype) for s in self.slots]
-            if all(g is None for g in grads):
-                return None
-            send = self.layout.reduce_scatter_input(grads).to(dtype)
-            send.div_(self.world_size)
-        for s in self.slots:
-            s.full.grad = None
-        out = send.new_empty(self.layout.block)
-        work = reduce_scatter_flat(out, send, self.group, async_op=True)
-        return work, out, send
+    def end_iteration(self) -> None:
+        self.arrived = 0
+        self.phase = Phase.IDLE
+        if self.reshard_after_backward:
+            self.reshard()
 
-    def finish_reduce(self, handle: Any) -> None:
-        if handle is None:
-            return
-        work, out, _send = handle
-        start = time.perf_counter()
-        work.wait()
-        self.stats.reduce_wait_s += time.perf_counter() - start
-        self.stats.reduces += 1
-        with torch.no_grad():
-            for slot, piece in zip(self.slots, self.layout.piece_views(out)):
-                if not slot.shard.requires_grad:
-                    continue
-                piece = piece.to(slot.shard.dtype)
-                if slot.shard.grad is None:
-                    slot.shard.grad = piece  # a view of the output: 1/N of the group, no copy
-                else:  # a second backward before the step accumulates, as .grad would
-                    slot.shard.grad.add_(piece)
-
-
-def compute_dtype(m: Managed, policy: MixedPrecisionPolicy) -> torch.dtype:
-    """The policy's dtype, except for modules that keep floating buffers (BatchNorm's running
-    statistics): their kernels need parameters and buffers of one dtype, so they stay as is."""
-    if policy.param_dtype is None or not m.param.is_floating_point():
-        return m.param.dtype
-    for owner, _ in m.owners:
-        if any(b.is_floating_point() for b in owner.buffers(recurse=False)):
-            return m.param.dtype
-    return policy.param_dtype
-
-
-def build_groups(
-    managed: list[Managed], group: dist.ProcessGroup, policy: MixedPrecisionPolicy
-) -> list[FlatGroup]:
-    """Cut each parameter into its piece and give it a full face in its group's flat buffer."""
-    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
-    by_key: dict[tuple[torch.device, torch.dtype], list[Managed]] = {}
-    for m in managed:
-        by_key.setdefault((m.param.device, compute_dtype(m, policy)), []).append(m)
-    groups = []
-    for (device, dtype), members in by_key.items():
-        flat = torch.empty(sum(m.param.numel() for m in members), dtype=dtype, device=device)
-        slots, offset = [], 0
-        for m in members:
-            piece = piece_of(m.param.numel(), world_size, rank)
-            shard = make_shard(m.param, piece, m.fqn)
-            view = flat[offset : offset + m.param.numel()].view(m.param.shape)
-            full = nn.Parameter(view, requires_grad=m.param.requires_grad)
-            slots.append(Slot(m.owners, shard, full))
-            offset += m.param.numel()
-        groups.append(FlatGroup(slots, group, dtype))
-    return groups
+    # -------------------------------------------------------------- messages
+    def parameter_names(self, limit: int = 4) -> str:
+        names = [p.fqn for p in self.params]
+        more = f" and {len(names) - limit} more" if len(names) > limit else ""
+        return ", ".join(names[:limit]) + more

@@ -1,293 +1,213 @@
-"""`fully_shard(module)`: ZeRO stage 3, applied to each block and then to the root (FSDP2's style).
+"""`fully_shard(module)`: ZeRO stage 3 with FSDP2's interface, on phalanx's own runtime.
 
-Each call makes `module` a *unit*: its parameters (those not already in a
-unit below it) are cut into pieces, one per rank, and the module keeps only
-this rank's pieces (`ShardParameter`s, which the optimizer steps). Around
-the unit's forward the whole parameters are gathered and then freed again;
-before its backward they are gathered once more, and after it their
-gradients are reduce-scattered into the pieces' `.grad` and freed. While a
-unit computes, the next one's all-gather is already in flight (the order is
-recorded in the first forward).
-
-The outermost unit that runs a forward is the *root*: it broadcasts rank
-0's buffers before each forward (as DDP does), and at the end of backward
-waits for every reduce-scatter and frees everything.
+Apply it to each block, then to the root. Each call makes `module` a unit:
+its parameters (those not already in a unit below it, nor ignored) become
+DTensors sharded on dim 0 over the mesh, registered in place of the originals,
+and the module becomes an `FSDPModule`. Build the optimizer afterwards, over
+`model.parameters()`.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd.graph import register_multi_grad_hook
 
-from phalanx.ddp.autograd import EndOfBackward
 from phalanx.ddp.sync import broadcast_coalesced, verify_same_state
-from phalanx.errors import ConfigurationError
-from phalanx.nested import iter_tensors, map_tensors
-from phalanx.zero3.params import ShardParameter
-from phalanx.zero3.unit import FlatGroup, Managed, MixedPrecisionPolicy, build_groups
+from phalanx.errors import ConfigurationError, NotSupportedError
+from phalanx.zero3.hooks import post_forward, pre_forward
+from phalanx.zero3.mesh import MeshInfo, check_reshard_size, mesh_info, post_forward_group
+from phalanx.zero3.module import FSDPModule, swap_class
+from phalanx.zero3.params import Owners, ShardedParam, is_sharded
+from phalanx.zero3.policies import mixed_precision, offload
+from phalanx.zero3.root import STATE, unit_of
+from phalanx.zero3.unit import Phase, Unit
 
-_STATE = "_phalanx_unit"
-# Which unit cut each original parameter: a parameter still registered whole somewhere
-# else (tied weights) must not be cut a second time by another unit. Weak: it keeps no
-# parameter alive, and a parameter no module holds any more drops out by itself.
-# Keyed by id(): tensors compare elementwise, so they cannot be dictionary keys.
-_CUT_BY: dict[int, tuple[weakref.ref[nn.Parameter], str]] = {}
-
-
-class Unit:
-    """One fully_shard module: its flat groups, and where it stands in this iteration."""
-
-    def __init__(
-        self,
-        module: nn.Module,
-        groups: list[FlatGroup],
-        group: dist.ProcessGroup,
-        policy: MixedPrecisionPolicy,
-        reshard_after_forward: bool,
-        broadcast_buffers: bool,
-    ) -> None:
-        self.module = module
-        self.groups = groups
-        self.process_group = group
-        self.policy = policy
-        self.reshard_after_forward = reshard_after_forward
-        self.broadcast_buffers = broadcast_buffers
-        self.root: Root | None = None
-        self.gathered = False
-        self.expected = sum(s.full.requires_grad for g in groups for s in g.slots)
-        self.arrived = 0
-        self.reducing: list[tuple[FlatGroup, Any]] | None = None
-        for g in groups:
-            for slot in g.slots:
-                if slot.full.requires_grad:
-                    slot.full.register_post_accumulate_grad_hook(self._on_full_grad)
-
-    def slots(self) -> Iterator[Any]:
-        for g in self.groups:
-            yield from g.slots
-
-    # ---------------------------------------------------------------- faces
-    def unshard(self) -> None:
-        """Make the whole parameters present and registered (waits for a prefetch in flight)."""
-        if not self.gathered:
-            for g in self.groups:
-                g.finish_gather()
-            self.gathered = True
-        for slot in self.slots():
-            slot.register(slot.full)
-
-    def prefetch(self) -> None:
-        if not self.gathered:
-            for g in self.groups:
-                g.start_gather()
-
-    def reshard(self) -> None:
-        """Register the pieces again and free the whole parameters' memory."""
-        for slot in self.slots():
-            slot.register(slot.shard)
-        if self.gathered:
-            for g in self.groups:
-                g.free()
-            self.gathered = False
-
-    # ------------------------------------------------------------- gradients
-    def _on_full_grad(self, _: torch.Tensor) -> None:
-        self.arrived += 1
-        if self.arrived == self.expected:
-            self.launch_reduce()
-
-    def launch_reduce(self) -> None:
-        if self.reducing is not None:
-            return
-        self.reducing = [(g, g.start_reduce(self.policy.reduce_dtype)) for g in self.groups]
-        if self.root is not None and self is not self.root.unit:
-            self.reshard()  # its backward is done: nothing needs the whole parameters now
-
-    def finish_reduce(self) -> None:
-        for g, handle in self.reducing or []:
-            g.finish_reduce(handle)
-        self.reducing = None
-        self.arrived = 0
-
-
-class Root:
-    """The outermost unit's view of the whole model: order, buffers, end of backward."""
-
-    def __init__(self, unit: Unit) -> None:
-        self.unit = unit
-        self.units = [u for m in unit.module.modules() if (u := getattr(m, _STATE, None))]
-        for u in self.units:
-            u.root = self
-        for name, module in unit.module.named_modules(remove_duplicate=False):
-            for pname, p in module._parameters.items():
-                if isinstance(p, ShardParameter):  # names relative to the whole model now
-                    p.qualified_name = f"{name}.{pname}" if name else pname
-        self.order: list[Unit] = []
-        self.recording = True
-        self._end = EndOfBackward(self.end_of_backward)
-        # DDP's rule, kept for parity with it: buffers follow rank 0 before the first forward
-        # and before any forward that follows a gradient-tracked one.
-        self._broadcast_next = True
-
-    def begin_forward(self) -> None:
-        if self.recording and self.order:
-            self.recording = False
-        broadcast, self._broadcast_next = self._broadcast_next, torch.is_grad_enabled()
-        if broadcast and self.unit.broadcast_buffers:
-            buffers = list(self.unit.module.buffers())
-            if buffers and dist.get_world_size(self.unit.process_group) > 1:
-                broadcast_coalesced(buffers, self.unit.process_group)
-
-    def next_after(self, unit: Unit, step: int) -> Unit | None:
-        if self.recording or unit not in self.order:
-            return None
-        i = self.order.index(unit) + step
-        return self.order[i] if 0 <= i < len(self.order) else None
-
-    def queue_end_of_backward(self) -> None:
-        """Called from the first unit backward hook, which fires in the outermost backward."""
-        self._end.queue()
-
-    def end_of_backward(self) -> None:
-        """Every unit's gradients reduced into the pieces; every unit freed."""
-        for u in self.units:
-            if u.arrived and u.reducing is None:  # a unit some of whose parameters went unused
-                u.launch_reduce()
-        for u in self.units:
-            u.finish_reduce()
-            u.reshard()
-
-
-# ------------------------------------------------------------------- hooks
-
-
-def _pre_forward(module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
-    unit: Unit = getattr(module, _STATE)
-    if unit.root is None:
-        Root(unit)
-    root = unit.root
-    assert root is not None
-    if unit is root.unit:
-        root.begin_forward()
-    if root.recording and unit not in root.order:
-        root.order.append(unit)
-    unit.unshard()
-    following = root.next_after(unit, +1)
-    if following is not None:
-        following.prefetch()
-    dtype = unit.policy.param_dtype
-    if dtype is not None and unit.policy.cast_forward_inputs:
-        args, kwargs = map_tensors(
-            lambda t: t.to(dtype) if t.is_floating_point() else t, (args, kwargs)
-        )
-    return args, kwargs
-
-
-def _post_forward(module: nn.Module, args: Any, output: Any) -> Any:
-    unit: Unit = getattr(module, _STATE)
-    tracked = [t for t in iter_tensors(output) if t.requires_grad]
-    if torch.is_grad_enabled() and tracked:
-        register_multi_grad_hook(tracked, lambda _: _pre_backward(unit), mode="any")
-    root = unit.root
-    if root is not None and unit is not root.unit and unit.reshard_after_forward:
-        unit.reshard()
-    return output
-
-
-def _pre_backward(unit: Unit) -> None:
-    root = unit.root
-    assert root is not None
-    root.queue_end_of_backward()
-    unit.unshard()
-    previous = root.next_after(unit, -1)
-    if previous is not None:
-        previous.prefetch()
-
-
-# ------------------------------------------------------------------- entry
+# Which unit took each original parameter: a parameter still registered whole somewhere
+# else (tied weights) must not be taken a second time by another unit. Weak: it keeps no
+# parameter alive. Keyed by id(): tensors compare elementwise, so they cannot be keys.
+_TAKEN_BY: dict[int, tuple[weakref.ref[nn.Parameter], str]] = {}
 
 
 def fully_shard(
     module: nn.Module,
     *,
-    process_group: dist.ProcessGroup | None = None,
-    mp_policy: MixedPrecisionPolicy | None = None,
-    reshard_after_forward: bool = True,
+    mesh: Any = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
+    mp_policy: Any = None,
+    offload_policy: Any = None,
+    ignored_params: set[nn.Parameter] | None = None,
     broadcast_buffers: bool = True,
+    **unsupported: Any,
 ) -> nn.Module:
-    """Shard `module`'s parameters across ranks (ZeRO-3); apply to each block, then the root.
+    """Shard `module`'s parameters across the mesh (ZeRO-3, FSDP2's arguments).
 
-    Returns the same module. Build the optimizer afterwards, over
-    `model.parameters()`: they are this rank's pieces.
+    mesh: 1-D (FSDP) or 2-D `(replicate, shard)` (HSDP); default: every rank.
+    reshard_after_forward: free the parameters after forward (True), keep them (False),
+        or keep 1/k of them to gather back within groups of k ranks (an int k); None:
+        False for the root, True for the others.
+    shard_placement_fn: may return None or Shard(0) (dim 0 is what phalanx shards).
+    mp_policy: MixedPrecisionPolicy (ours or torch's). offload_policy: OffloadPolicy(), or
+        CPUOffloadPolicy() on a CPU mesh. ignored_params: left whole, never reduced.
+    broadcast_buffers: (phalanx's) rank 0's buffers before a forward, DDP's rule.
+    Returns `module`, now an instance of `phalanx.FSDPModule`.
     """
-    if getattr(module, _STATE, None) is not None:
+    _refuse(module, unsupported)
+    info = mesh_info(mesh)
+    policy = mixed_precision(mp_policy)
+    offload(offload_policy, info.device)
+    reshard = check_reshard_size(reshard_after_forward, info)
+    managed = _managed_parameters(module, set(ignored_params or ()))
+    _check_placements(managed, shard_placement_fn)
+    _refuse_parameters_of_other_units(module, managed)
+    _move_to_device(module, managed, info)
+    _sync_initial_values(managed, info)
+    params = [ShardedParam(p, fqn, owners, info) for p, fqn, owners in managed]
+    for sp in params:
+        sp.register(sp.sharded)
+    group = post_forward_group(info, reshard) if isinstance(reshard, int) and reshard > 1 else None
+    unit = Unit(module, params, info, policy, reshard, broadcast_buffers, group)
+    for p, fqn, _ in managed:
+        _TAKEN_BY[id(p)] = (weakref.ref(p), f"{type(module).__name__} (at '{fqn}')")
+    setattr(module, STATE, unit)
+    module.register_forward_pre_hook(pre_forward, with_kwargs=True)
+    module.register_forward_hook(post_forward)
+    module.register_state_dict_pre_hook(lambda *_: _to_sharded(unit))
+    module._register_load_state_dict_pre_hook(lambda *_: _to_sharded(unit))
+    module.register_load_state_dict_post_hook(lambda *_: _adopt(unit))
+    swap_class(module)
+    return module
+
+
+def _to_sharded(unit: Unit) -> None:
+    if unit.phase is not Phase.FORWARD:
+        unit.reshard()
+
+
+def _adopt(unit: Unit) -> None:
+    unit.mark_stale()
+    unit.refresh()
+
+
+def _refuse(module: nn.Module, unsupported: dict[str, Any]) -> None:
+    if unsupported:
+        name = sorted(unsupported)[0]
+        raise NotSupportedError(
+            f"fully_shard({name}=...) is not supported by phalanx — drop it (supported: mesh, "
+            "reshard_after_forward, shard_placement_fn, mp_policy, offload_policy, "
+            "ignored_params)"
+        )
+    if isinstance(module, list | tuple):
+        raise NotSupportedError(
+            "fully_shard([module, ...]) (a group of modules) is not supported by phalanx — "
+            "fully_shard a module that contains them all"
+        )
+    if isinstance(module, FSDPModule) or unit_of(module) is not None:
         raise ConfigurationError(
             f"{type(module).__name__} is already a fully_shard unit — call fully_shard once "
             "per module (each block, then the root)"
+        )
+    if type(module).__name__.startswith("FSDP") and hasattr(module, "_get_fsdp_state"):
+        raise ConfigurationError(
+            f"{type(module).__name__} was sharded by torch's fully_shard — use one of the two"
         )
     if not (dist.is_available() and dist.is_initialized()):
         raise ConfigurationError(
             "torch.distributed is not initialised — call phalanx.init() before fully_shard"
         )
-    group = process_group if process_group is not None else dist.group.WORLD
-    assert group is not None
-    managed = _unmanaged_parameters(module)
-    _refuse_parameters_of_other_units(module, managed)
-    if managed:
-        verify_same_state([(m.fqn, m.param) for m in managed], [], group)
-        broadcast_coalesced([m.param for m in managed], group)
-    policy = mp_policy or MixedPrecisionPolicy()
-    groups = build_groups(managed, group, policy)
-    for g in groups:
-        for slot in g.slots:
-            slot.register(slot.shard)
-        g.free()
-    unit = Unit(module, groups, group, policy, reshard_after_forward, broadcast_buffers)
-    for m in managed:
-        _CUT_BY[id(m.param)] = (weakref.ref(m.param), f"{type(module).__name__} (at '{m.fqn}')")
-    setattr(module, _STATE, unit)
-    module.register_forward_pre_hook(_pre_forward, with_kwargs=True)
-    module.register_forward_hook(_post_forward)
-    return module
 
 
-def _unmanaged_parameters(module: nn.Module) -> list[Managed]:
-    """Parameters of `module` not already cut by a unit below it; a tied one once, with
-    every place it is registered."""
+Managed = tuple[nn.Parameter, str, Owners]
+
+
+def _managed_parameters(module: nn.Module, ignored: set[nn.Parameter]) -> list[Managed]:
+    """Parameters of `module` not already in a unit below it nor ignored; a tied one once,
+    with every place it is registered."""
+    ignored_ids = {id(p) for p in ignored}
     first: dict[int, tuple[nn.Parameter, str]] = {}
     owners: dict[int, list[tuple[nn.Module, str]]] = {}
     for name, sub in module.named_modules(remove_duplicate=False):
         for pname, p in list(sub._parameters.items()):
-            if p is None or isinstance(p, ShardParameter):
+            if p is None or id(p) in ignored_ids or is_sharded(p):
                 continue
+            _refuse_foreign_dtensor(p, f"{name}.{pname}" if name else pname)
             first.setdefault(id(p), (p, f"{name}.{pname}" if name else pname))
             places = owners.setdefault(id(p), [])
             if (sub, pname) not in places:
                 places.append((sub, pname))
-    return [Managed(p, fqn, tuple(owners[key])) for key, (p, fqn) in first.items()]
+    return [(p, fqn, tuple(owners[key])) for key, (p, fqn) in first.items()]
+
+
+def _refuse_foreign_dtensor(p: nn.Parameter, fqn: str) -> None:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(p, DTensor):
+        raise NotSupportedError(
+            f"parameter '{fqn}' is already a DTensor (tensor parallel, or torch's fully_shard): "
+            "phalanx's fully_shard shards plain parameters — apply it to a plain model"
+        )
+
+
+def _check_placements(managed: list[Managed], placement_fn: Callable[..., Any] | None) -> None:
+    from torch.distributed.tensor import Shard
+
+    if placement_fn is None:
+        return
+    for p, fqn, _ in managed:
+        placement = placement_fn(p)
+        if placement is not None and placement != Shard(0):
+            raise NotSupportedError(
+                f"shard_placement_fn returned {placement} for '{fqn}': phalanx shards every "
+                "parameter on dim 0 — return None or Shard(0), or drop shard_placement_fn"
+            )
 
 
 def _refuse_parameters_of_other_units(module: nn.Module, managed: list[Managed]) -> None:
-    """A parameter another unit already cut, still registered whole here: tied across units."""
-    for key, (ref, _) in list(_CUT_BY.items()):
+    """A parameter another unit already took, still registered whole here: tied across units."""
+    for key, (ref, _) in list(_TAKEN_BY.items()):
         if ref() is None:
-            del _CUT_BY[key]  # prune: that parameter is gone
-    for m in managed:
-        entry = _CUT_BY.get(id(m.param))
-        other = entry[1] if entry is not None and entry[0]() is m.param else None
+            del _TAKEN_BY[key]  # prune: that parameter is gone
+    for p, fqn, _ in managed:
+        entry = _TAKEN_BY.get(id(p))
+        other = entry[1] if entry is not None and entry[0]() is p else None
         if other is not None:
             raise ConfigurationError(
-                f"parameter '{m.fqn}' of {type(module).__name__} is also a parameter of the "
+                f"parameter '{fqn}' of {type(module).__name__} is also a parameter of the "
                 f"fully_shard unit {other} (tied weights) — a tied parameter must live in one "
                 "unit: fully_shard only a module that contains every user of it (e.g. the root)"
             )
 
 
-def unit_of(module: nn.Module) -> Unit | None:
-    return getattr(module, _STATE, None)
+def _move_to_device(module: nn.Module, managed: list[Managed], info: MeshInfo) -> None:
+    """FSDP2 moves a unit's parameters and buffers to the mesh's device (not from meta)."""
+    for p, _, _ in managed:
+        if not p.is_meta and p.device != info.device:
+            with torch.no_grad():
+                p.data = p.data.to(info.device)
+    for buffers_owner in module.modules():
+        for name, b in buffers_owner._buffers.items():
+            if b is not None and not b.is_meta and b.device != info.device:
+                buffers_owner._buffers[name] = b.to(info.device)
+
+
+def _sync_initial_values(managed: list[Managed], info: MeshInfo) -> None:
+    """The same parameters on every rank (names, shapes, dtypes; else one clear error), then
+    rank 0's values, as DDP starts: replicas agree whatever each rank's seed was. Meta
+    parameters (initialised after fully_shard) are only checked."""
+    if not managed:
+        return
+    group = info.mesh.get_group(0) if info.mesh.ndim == 1 else dist.group.WORLD
+    assert group is not None
+    verify_same_state([(fqn, p) for p, fqn, _ in managed], [], group)
+    values = [p for p, _, _ in managed if not p.is_meta]
+    if values and dist.get_world_size(group) > 1:
+        broadcast_coalesced(values, group)
+
+
+def units(model: nn.Module) -> Iterable[Unit]:
+    return [u for m in model.modules() if (u := unit_of(m)) is not None]

@@ -1,0 +1,230 @@
+"""The parameters of one unit that share a device and a compute dtype, and their traffic.
+
+The unsharded parameters are views into one flat buffer whose storage is
+freed (resized to nothing) whenever the unit is not computing, and refilled
+by one all-gather of every rank's shards when it is. After the unit's
+backward its gradients go out in one reduce-scatter, and each rank keeps
+(adds to its sharded parameter's `.grad`) only its own rows; under HSDP the
+reduced rows are then all-reduced across the replicas.
+
+The data is written into the unsharded parameters through separate aliases
+of the same storage, so refilling them between forward and backward does not
+bump the version counter that autograd checks on the tensors it saved.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from phalanx.ddp.stats import Collective, CommCounter
+from phalanx.optim.collectives import (
+    AllGatherState,
+    ReduceScatterState,
+    scale_to_mean,
+    start_all_gather,
+    start_reduce_scatter,
+    wait_all_gather,
+    wait_reduce_scatter,
+)
+from phalanx.optim.sharding import ShardedFlat, row_numel
+from phalanx.zero3.mesh import MeshInfo
+from phalanx.zero3.params import ShardedParam
+
+GradHook = Callable[[torch.Tensor], None]
+
+
+class PendingAllReduce(NamedTuple):
+    """HSDP: reduced rows on their way across the replicas."""
+
+    work: Any
+    output: torch.Tensor
+
+
+class ParamGroup:
+    """One flat buffer of unsharded parameters, one all-gather, one reduce-scatter."""
+
+    def __init__(
+        self, params: list[ShardedParam], info: MeshInfo, dtype: torch.dtype, on_grad: GradHook
+    ) -> None:
+        self.params = params
+        self.info = info
+        self.dtype = dtype
+        """The unsharded parameters' (compute) dtype: the all-gather runs in it."""
+        self.device = params[0].local.device
+        self.layout = ShardedFlat(
+            [p.shape.numel() for p in params],
+            info.shard_size,
+            info.shard_rank,
+            dtype,
+            self.device,
+            rows=[row_numel(p.shape) or 1 for p in params],
+        )
+        self.comm = CommCounter()
+        self._on_grad = on_grad
+        self._storage: torch.UntypedStorage | None = None
+        self._nbytes = 0
+        self._writers: list[torch.Tensor] = []
+        self._gather: AllGatherState | None = None
+        self._kept: torch.Tensor | None = None
+        """After forward with reshard_after_forward=k: the blocks this rank keeps (1/k)."""
+        self._partial: torch.Tensor | None = None
+        """HSDP with set_requires_all_reduce(False): reduced rows summed, not yet all-reduced."""
+
+    # -------------------------------------------------------------- unsharded
+    def _build_unsharded(self) -> None:
+        """The unsharded parameters, made at the first gather (after meta init, on the device
+        the shards ended up on), each a view into one flat buffer."""
+        flat = torch.empty(
+            sum(p.shape.numel() for p in self.params), dtype=self.dtype, device=self.device
+        )
+        offset = 0
+        for p in self.params:
+            view = flat[offset : offset + p.shape.numel()].view(p.shape)
+            full = nn.Parameter(view, requires_grad=p.sharded.requires_grad)
+            if full.requires_grad:
+                full.register_post_accumulate_grad_hook(self._on_grad)
+            p.unsharded = full
+            offset += p.shape.numel()
+        self._storage = flat.untyped_storage()
+        self._nbytes = self._storage.nbytes()
+        # Aliases of the same storage with their own version counters (see the module doc).
+        self._writers = [
+            torch.empty(0, dtype=self.dtype, device=self.device).set_(
+                self._storage, full.storage_offset(), full.shape, full.stride()
+            )
+            for full in (p.unsharded for p in self.params)
+            if full is not None
+        ]
+        self._storage.resize_(0)
+
+    @property
+    def is_unsharded(self) -> bool:
+        return self._storage is not None and self._storage.nbytes() == self._nbytes
+
+    @property
+    def unsharded_bytes(self) -> int:
+        return sum(p.shape.numel() for p in self.params) * self.dtype.itemsize
+
+    def unsharded_params(self) -> list[nn.Parameter]:
+        if self._storage is None:
+            self._build_unsharded()
+        return [p.unsharded for p in self.params if p.unsharded is not None]
+
+    # ----------------------------------------------------------------- gather
+    def start_gather(self, post_forward: dist.ProcessGroup | None = None) -> bool:
+        """Issue the all-gather of every rank's shards (or, after a reshard to a smaller
+        group, of that group's kept blocks); False if there is nothing to gather."""
+        if self._gather is not None or self.is_unsharded:
+            return False
+        if self._kept is not None and post_forward is not None:
+            block, group = self._kept, post_forward
+        else:
+            with torch.no_grad():
+                block = self.layout.own_block_input([p.local for p in self.params])
+            group = self.info.shard_group
+        out = block.new_empty(self.info.shard_size * self.layout.block)
+        self._gather = start_all_gather(out, block, group)
+        self.comm.count(Collective.ALL_GATHER, out, dist.get_world_size(group))
+        return True
+
+    def finish_gather(self, post_forward: dist.ProcessGroup | None = None) -> float:
+        """Wait for the all-gather and write the unsharded parameters; the seconds waited."""
+        if self._storage is None:
+            self._build_unsharded()
+        self.start_gather(post_forward)
+        if self._gather is None:
+            return 0.0
+        state, self._gather = self._gather, None
+        start = time.perf_counter()
+        gathered = wait_all_gather(state)
+        waited = time.perf_counter() - start
+        self.comm.wait_s += waited
+        assert self._storage is not None
+        self._storage.resize_(self._nbytes)
+        with torch.no_grad():
+            self.layout.copy_out(gathered, self._writers)
+        self._kept = None
+        return waited
+
+    def free(self, keep: tuple[int, int] | None = None) -> None:
+        """Free the unsharded storage; `keep=(first, count)`: keep those wire blocks first
+        (a reshard to a smaller group, whose backward gathers them back)."""
+        if keep is not None and self.is_unsharded:
+            with torch.no_grad():
+                self._kept = self._blocks(*keep)
+        if self._storage is not None and self._storage.nbytes():
+            self._storage.resize_(0)
+
+    def drop_kept(self) -> None:
+        self._kept = None
+
+    def _blocks(self, first: int, count: int) -> torch.Tensor:
+        rows = [
+            self.layout.padded_rows(w.reshape(-1), i)[first : first + count]
+            for i, w in enumerate(self._writers)
+        ]
+        return torch.cat(rows, dim=1).reshape(-1)
+
+    # ----------------------------------------------------------------- reduce
+    def start_reduce(self, reduce_dtype: torch.dtype, divisor: int) -> ReduceScatterState | None:
+        """Average the unsharded gradients into this rank's rows: one async reduce-scatter.
+
+        The unsharded gradients are freed once laid out. None: no gradient arrived.
+        """
+        grads = [p.unsharded.grad if p.unsharded is not None else None for p in self.params]
+        if all(g is None for g in grads):
+            return None
+        with torch.no_grad():
+            flats = [None if g is None else g.reshape(-1).to(reduce_dtype) for g in grads]
+            send = self.layout.reduce_scatter_input(flats, reduce_dtype)
+            scale_to_mean(send, divisor)
+        for p in self.params:
+            if p.unsharded is not None:
+                p.unsharded.grad = None
+        out = send.new_empty(self.layout.block)
+        self.comm.count(Collective.REDUCE_SCATTER, send, self.info.shard_size)
+        return start_reduce_scatter(out, send, self.info.shard_group)
+
+    def finish_reduce(self, state: ReduceScatterState, all_reduce: bool) -> PendingAllReduce | None:
+        """Wait for the reduce-scatter. HSDP: start the all-reduce across replicas (returned)
+        or, when `all_reduce` is off, keep the rows summed for later. 1-D: write the grads."""
+        out = self._waited(lambda: wait_reduce_scatter(state, self.info.shard_group))
+        if self.info.replicate_group is None:
+            self._write_grads(out)
+            return None
+        if self._partial is not None:
+            out = out + self._partial
+            self._partial = None
+        if not all_reduce:
+            self._partial = out
+            return None
+        self.comm.count(Collective.ALL_REDUCE, out, self.info.replicate_size)
+        work = dist.all_reduce(out, group=self.info.replicate_group, async_op=True)
+        return PendingAllReduce(work, out)
+
+    def finish_all_reduce(self, pending: PendingAllReduce) -> None:
+        self._write_grads(self._waited(lambda: (pending.work.wait(), pending.output)[1]))
+
+    def _waited(self, wait: Callable[[], torch.Tensor]) -> torch.Tensor:
+        start = time.perf_counter()
+        out = wait()
+        self.comm.wait_s += time.perf_counter() - start
+        return out
+
+    def _write_grads(self, out: torch.Tensor) -> None:
+        """Each rank's rows become (or add to) its sharded parameters' gradients."""
+        with torch.no_grad():
+            for p, piece in zip(self.params, self.layout.piece_views(out)):
+                if not p.sharded.requires_grad:
+                    continue
+                local = piece.to(p.sharded.dtype).view(p.local_shape)
+                if p.sharded.grad is None:
+                    p.sharded.grad = p.sharded_grad(local)  # a view of the output: no copy
+                else:  # a second synced backward before the step accumulates, as .grad would
+                    p.sharded.grad._local_tensor.add_(local)  # type: ignore[attr-defined]

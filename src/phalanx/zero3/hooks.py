@@ -1,0 +1,80 @@
+"""The hooks a unit runs around its module's forward and backward.
+
+Before a unit's forward its parameters are gathered (and the next unit's
+gather is issued: the order is recorded in the first forward, or set with
+`set_modules_to_forward_prefetch`); after it they are freed as
+`reshard_after_forward` says, and a hook on the outputs gathers them again
+when the backward reaches the unit (prefetching the unit that ran before it).
+A forward that runs during the unit's backward is activation checkpointing
+recomputing it: the parameters are only gathered.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+
+from phalanx.nested import iter_tensors, map_tensors
+from phalanx.zero3.root import Root, unit_of
+from phalanx.zero3.unit import Phase, Unit
+
+
+def pre_forward(module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    unit = unit_of(module)
+    assert unit is not None
+    if unit.phase is Phase.BACKWARD:  # activation checkpointing recomputes this forward
+        unit.unshard()
+        return _cast_inputs(unit, args, kwargs)
+    root = unit.root if unit.root is not None else Root(unit)
+    if unit is root.unit:
+        root.begin_forward()
+    root.record(unit)
+    unit.phase = Phase.FORWARD
+    unit.unshard()
+    targets = unit.forward_prefetch
+    for target in targets if targets is not None else [root.next_after(unit, +1)]:
+        if target is not None:
+            target.prefetch()
+    return _cast_inputs(unit, args, kwargs)
+
+
+def post_forward(module: nn.Module, args: Any, output: Any) -> Any:
+    unit = unit_of(module)
+    assert unit is not None
+    if unit.phase is Phase.BACKWARD:
+        return _cast_output(unit, output)
+    tracked = [t for t in iter_tensors(output) if t.requires_grad]
+    if torch.is_grad_enabled() and tracked:
+        register_multi_grad_hook(tracked, lambda _: pre_backward(unit), mode="any")
+    unit.after_forward()
+    unit.phase = Phase.IDLE
+    return _cast_output(unit, output)
+
+
+def pre_backward(unit: Unit) -> None:
+    root = unit.root
+    assert root is not None
+    root.queue_end_of_backward()
+    unit.phase = Phase.BACKWARD
+    unit.unshard()
+    targets = unit.backward_prefetch
+    for target in targets if targets is not None else [root.next_after(unit, -1)]:
+        if target is not None:
+            target.prefetch()
+
+
+def _cast_inputs(unit: Unit, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    dtype = unit.policy.param_dtype
+    if dtype is None or not unit.policy.cast_forward_inputs:
+        return args, kwargs
+    return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, (args, kwargs))
+
+
+def _cast_output(unit: Unit, output: Any) -> Any:
+    dtype = unit.policy.output_dtype
+    if dtype is None:
+        return output
+    return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, output)

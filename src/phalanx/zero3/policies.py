@@ -1,0 +1,86 @@
+"""FSDP2's policy objects, by its names: mixed precision, and where sharded state lives.
+
+A script written for torch's FSDP2 passes these (its own classes or ours:
+both are read by field name), so each field is honoured or refused by name,
+never ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from phalanx.errors import ConfigurationError, NotSupportedError
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """FSDP2's mixed precision, module by module.
+
+    `param_dtype`: the unsharded parameters' dtype, so the all-gather and the
+    compute run in it; the sharded parameters (what the optimizer steps) keep
+    theirs. `reduce_dtype`: the gradient reduction's dtype; None with a
+    `param_dtype` reduces in `param_dtype` (FSDP2's rule). `output_dtype`: floating
+    outputs of the module's forward are cast to it. `cast_forward_inputs`: floating
+    inputs are cast to `param_dtype`.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+    def gradient_dtype(self, unsharded: torch.dtype) -> torch.dtype:
+        """The dtype gradients are reduced in, for unsharded parameters of `unsharded`."""
+        return self.reduce_dtype or self.param_dtype or unsharded
+
+
+@dataclass
+class OffloadPolicy:
+    """No offloading: sharded parameters, gradients and optimizer state stay on the device."""
+
+
+@dataclass
+class CPUOffloadPolicy(OffloadPolicy):
+    """Sharded parameters and gradients in host memory, the optimizer steps there (FSDP2)."""
+
+    pin_memory: bool = True
+
+
+def mixed_precision(policy: Any) -> MixedPrecisionPolicy:
+    """Ours or torch's (`torch.distributed.fsdp.MixedPrecisionPolicy`), read by field name."""
+    if policy is None:
+        return MixedPrecisionPolicy()
+    if isinstance(policy, MixedPrecisionPolicy):
+        return policy
+    names = [f.name for f in fields(MixedPrecisionPolicy)]
+    if not all(hasattr(policy, n) for n in names):
+        raise ConfigurationError(
+            f"mp_policy={policy!r} is not a MixedPrecisionPolicy — pass "
+            "phalanx.MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...)"
+        )
+    return MixedPrecisionPolicy(**{n: getattr(policy, n) for n in names})
+
+
+def offload(policy: Any, device: torch.device) -> OffloadPolicy:
+    """`OffloadPolicy()` (none) or `CPUOffloadPolicy`: on a CPU mesh the sharded state is
+    already in host memory, so CPU offload is what runs; on an accelerator it is refused."""
+    if policy is None:
+        return OffloadPolicy()
+    kind = type(policy).__name__
+    if kind == "OffloadPolicy":
+        return OffloadPolicy()
+    if kind == "CPUOffloadPolicy":
+        if device.type != "cpu":
+            raise NotSupportedError(
+                f"offload_policy=CPUOffloadPolicy on a {device.type} mesh: phalanx does not "
+                "yet move sharded state to host memory — drop offload_policy, or use ZeRO "
+                "stage 1/2 with a smaller model per rank"
+            )
+        return CPUOffloadPolicy(pin_memory=bool(getattr(policy, "pin_memory", True)))
+    raise ConfigurationError(
+        f"offload_policy={policy!r} is not an OffloadPolicy — pass phalanx.OffloadPolicy() "
+        "or phalanx.CPUOffloadPolicy()"
+    )

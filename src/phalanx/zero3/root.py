@@ -1,0 +1,114 @@
+"""`Root`: the outermost unit's view of the whole model.
+
+The first unit whose forward runs is the root (FSDP2's rule): it finds every
+unit in its module, settles their defaults (`reshard_after_forward=None` is
+False for the root, True for the others), records the order units run in
+(for prefetching), broadcasts rank 0's buffers before a forward with DDP's
+exact rule, and at the end of backward finishes every unit's reduction and
+frees what is left.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from phalanx.ddp.autograd import EndOfBackward
+from phalanx.ddp.stats import CommCounter
+from phalanx.ddp.sync import broadcast_coalesced
+from phalanx.errors import ConfigurationError
+from phalanx.zero3.unit import Unit
+
+STATE = "_phalanx_unit"
+
+
+def unit_of(module: nn.Module) -> Unit | None:
+    return getattr(module, STATE, None)
+
+
+class Root:
+    """Order, buffers and the end of backward for every unit under the root module."""
+
+    def __init__(self, unit: Unit) -> None:
+        self.unit = unit
+        self.units: list[Unit] = []
+        for name, module in unit.module.named_modules():
+            u = unit_of(module)
+            if u is None:
+                continue
+            if u.root is not None:
+                raise ConfigurationError(
+                    f"the fully_shard unit '{name}' already ran a forward of its own, before "
+                    f"{type(unit.module).__name__} — run the forward through the root module "
+                    "(the module fully_shard was applied to last) from the first step"
+                )
+            u.root = self
+            u.name = name
+            if u.reshard_after_forward is None:
+                u.reshard_after_forward = u is not unit
+            self.units.append(u)
+        prefixes = {id(m): n for n, m in unit.module.named_modules(remove_duplicate=False)}
+        for u in self.units:
+            for p in u.params:  # names relative to the whole model now
+                owner, pname = p.owners[0]
+                prefix = prefixes.get(id(owner), "")
+                p.fqn = f"{prefix}.{pname}" if prefix else pname
+        self.order: list[Unit] = []
+        self.recording = True
+        self._end = EndOfBackward(self.end_of_backward)
+        self.comm = CommCounter()
+        """The buffer broadcasts (the units count their own gathers and reductions)."""
+        # DDP's rule, kept for parity with it: buffers follow rank 0 before the first forward
+        # and before any forward that follows a gradient-tracked one.
+        self._broadcast_next = True
+
+    def begin_forward(self) -> None:
+        if self.recording and self.order:
+            self.recording = False
+        broadcast, self._broadcast_next = self._broadcast_next, torch.is_grad_enabled()
+        if broadcast and self.unit.broadcast_buffers:
+            buffers = list(self.unit.module.buffers())
+            # Every rank of the mesh holds the buffers whole: the 1-D mesh's group, or (HSDP)
+            # the default group, which a 2-D data-parallel mesh spans.
+            mesh = self.unit.info.mesh
+            group = mesh.get_group(0) if mesh.ndim == 1 else dist.group.WORLD
+            assert group is not None
+            if buffers and dist.get_world_size(group) > 1:
+                self.comm.add(broadcast_coalesced(buffers, group))
+
+    def record(self, unit: Unit) -> None:
+        if self.recording and unit not in self.order:
+            self.order.append(unit)
+
+    def next_after(self, unit: Unit, step: int) -> Unit | None:
+        """The unit `step` places after `unit` in forward order (-1: the one before it)."""
+        if self.recording or unit not in self.order:
+            return None
+        i = self.order.index(unit) + step
+        return self.order[i] if 0 <= i < len(self.order) else None
+
+    def queue_end_of_backward(self) -> None:
+        """Called from the first unit backward hook, which fires in the outermost backward."""
+        self._end.queue()
+
+    def end_of_backward(self) -> None:
+        """Every unit's gradients reduced into the shards; every unit freed."""
+        for u in self.units:
+            if u.requires_gradient_sync and u.arrived and u.reducing is None:
+                u.launch_reduce()  # a unit some of whose parameters went unused
+        pending = [entry for u in self.units for entry in u.finish_reduce()]
+        for group, all_reduce in pending:
+            group.finish_all_reduce(all_reduce)
+        for u in self.units:
+            u.end_iteration()
+
+    def reset(self) -> None:
+        """After a forward or backward that raised: nothing in flight, everything sharded."""
+        for u in self.units:
+            for _, state in u.reducing or []:
+                state.work.wait()
+            u.reducing = None
+            u.arrived = 0
+            u.phase = u.phase.IDLE
+            u.reshard()
