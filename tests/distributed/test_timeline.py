@@ -99,3 +99,55 @@ def test_ddp_picks_the_env_timeline_at_construction_and_only_then(tmp_path: Path
         assert out.value["spans"].count("forward") == 1
         assert out.value["spans"].count("backward") == 1
         assert out.value["samples"] == [3]
+
+
+class _Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, batch: list[torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return nn.functional.mse_loss(self.head(x), y)
+
+
+def _stage3_timeline(rank: int, world: int, out: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
+    path = Path(out) / "trace-zero3.json"
+    args = TrainingArguments(
+        output_dir=str(Path(out) / "run-zero3"), max_steps=STEPS, save_steps=0, zero_stage=3,
+        per_device_train_batch_size=4, report_to=[], disable_tqdm=True, ddp_backend="gloo",
+        timeline=str(path),
+    )  # fmt: skip
+    trainer = Trainer(_Blocks(), args, train_dataset=data)
+    trainer.train()
+    assert trainer.timeline is not None
+    trainer.timeline.write()
+    if rank != 0:
+        return {}
+    trace = timelines.merge(path, world, wait_s=30)
+    spans = [(e["pid"], e["tid"], e["name"]) for e in trace["traceEvents"] if e["ph"] == "X"]
+    return {"spans": spans, "steps": trace["phalanx"]["steps"]}
+
+
+@pytest.mark.timeout(120)
+def test_stage3_records_each_units_gathers_and_reductions(tmp_path: Path) -> None:
+    """Three blocks and the root: per step, each block is gathered before its forward and
+    again before its backward (it reshards after forward), the root once; every unit
+    reduce-scatters once. Steps carry the bytes, what the thread waited, and samples."""
+    value = run_workers(_stage3_timeline, 2, str(tmp_path), init_pg=False)[0].value
+    for rank in range(2):
+        comm = [name for pid, tid, name in value["spans"] if pid == rank and tid == 1]
+        for i in range(3):
+            assert comm.count(f"gather blocks.{i}") == 2 * STEPS, comm
+            assert comm.count(f"reduce-scatter blocks.{i}") == STEPS, comm
+        assert comm.count("gather root") == STEPS and comm.count("reduce-scatter root") == STEPS
+        compute = [name for pid, tid, name in value["spans"] if pid == rank and tid == 0]
+        assert compute.count("forward") == STEPS and compute.count("backward") == STEPS
+        steps = value["steps"][str(rank)]
+        assert len(steps) == STEPS
+        assert all(s["bytes"] > 0 and s["samples"] == 4 and s["exposed_ms"] > 0 for s in steps)

@@ -197,3 +197,41 @@ def test_optimizers_the_trainer_cannot_shard_are_refused_on_every_rank(tmp_path:
     assert "zero_stage=1 shards the AdamW the Trainer builds" in mine and "SGD" in mine
     assert "pass zero_stage=1 or 2 instead of optimizer=ZeroRedundancyOptimizer" in theirs
     assert all("\n" not in m and " — " in m for m in outs[0].value)
+
+
+def _logged_traffic(rank: int, world: int, out_dir: str) -> dict[int, dict[str, float]]:
+    phalanx.init(backend="gloo")
+    rows = {}
+    for stage in (0, 1, 3):
+        root = Path(out_dir) / f"log{stage}"
+        args = _args(
+            root,
+            zero_stage=stage,
+            max_steps=4,
+            logging_steps=4,
+            max_grad_norm=0.0,
+            report_to=["jsonl"],
+        )
+        Trainer(model=_Net(), args=args, train_dataset=_data(), loss_fn=_xent).train()
+        lines = (root / "metrics.jsonl").read_text().splitlines()
+        rows[stage] = next(r for r in map(json.loads, lines) if "comm_bytes_per_step" in r)
+    return rows
+
+
+@pytest.mark.timeout(120)
+def test_the_log_counts_zero_traffic(tmp_path: Path) -> None:
+    """comm_bytes_per_step counts every stage's collectives: ZeRO-1's parameter all-gather
+    after the step, and stage 3's gathers and reduce-scatters (it read 0 before)."""
+    from phalanx.optim.sharding import piece_of, row_numel
+
+    rows = run_workers(_logged_traffic, 2, str(tmp_path), init_pg=False)[0].value
+    params = list(_Net().parameters())
+    whole = 4 * sum(p.numel() for p in params)  # fp32 bytes of the model
+    # Stage 3's one unit (the root: _Net has no repeated blocks) gathers once per forward
+    # and reduce-scatters once per backward, each over every parameter padded to 2 shards.
+    padded = 4 * sum(2 * piece_of(p.numel(), 2, 0, row_numel(p.shape) or 1).chunk for p in params)
+    assert rows[3]["comm_bytes_per_step"] == 2 * padded
+    assert rows[3]["collectives_per_step"] == 2
+    assert rows[3]["comm_wait_s"] > 0
+    # ZeRO-1: DDP's all-reduce of the gradients, then the all-gather of the parameters.
+    assert rows[1]["comm_bytes_per_step"] > rows[0]["comm_bytes_per_step"] + whole * 0.99

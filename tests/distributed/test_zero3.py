@@ -66,6 +66,12 @@ class TinyGPT(nn.Module):
             x = block(x)
         return self.head(self.ln_f(x))
 
+    def logits_of(self, tokens: Tensor) -> Tensor:
+        """A method other than forward that uses the root's parameters (see
+        register_fsdp_forward_method)."""
+        with torch.no_grad():
+            return self.forward(tokens)
+
 
 class SkipsBlock(nn.Module):
     """Block 1 runs on even steps only (on every rank alike), and block 2 is frozen."""

@@ -49,6 +49,11 @@ class EndOfBackward:
             if tensor.requires_grad and tensor.grad_fn is not None:
                 tensor.register_hook(self._on_output_grad)
 
+    @property
+    def queued(self) -> bool:
+        """Whether the callback waits for the backward running now to end."""
+        return self._queued
+
     def _on_output_grad(self, grad: torch.Tensor) -> None:
         self.queue()
 

@@ -12,6 +12,9 @@ that differs, the ranks that differ from rank 0 and by how much.
 
 from __future__ import annotations
 
+import warnings
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -24,17 +27,42 @@ class ReplicaDivergenceError(PhalanxError):
 
 
 def _tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """Parameters and buffers that every rank must hold alike right now.
+    """Parameters and buffers that ranks must hold alike right now.
 
-    Not a fully_shard piece (each rank holds its own by design), and not the
-    buffers of a DDP that broadcasts them before its next forward: BatchNorm's
-    running statistics follow each rank's own batch until then, as in torch.
+    Not the buffers of a DDP that broadcasts them before its next forward:
+    BatchNorm's running statistics follow each rank's own batch until then, as in torch.
     """
     module = getattr(model, "module", model)  # a DDP wrapper: its module
     named = list(module.named_parameters())
     if not getattr(model, "forward_sync_buffers", False):
         named += list(module.named_buffers())
-    return [(name, t) for name, t in named if not hasattr(t, "piece")]
+    return named
+
+
+def _by_group(
+    named: list[tuple[str, torch.Tensor]], group: dist.ProcessGroup | None
+) -> tuple[dict[Any, tuple[dist.ProcessGroup | None, list[tuple[str, torch.Tensor]]]], int]:
+    """Which ranks must agree on what: plain tensors across `group`; a DTensor's local part
+    across each mesh dimension it is replicated over (HSDP: the replicas of a shard). Also
+    how many DTensors are replicated over no dimension (nothing to compare them with)."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[Any, tuple[dist.ProcessGroup | None, list[tuple[str, torch.Tensor]]]] = {
+        "plain": (group, [])
+    }
+    unreplicated = 0
+    for name, t in named:
+        if not isinstance(t, DTensor):
+            groups["plain"][1].append((name, t))
+            continue
+        dims = [i for i, p in enumerate(t.placements) if p.is_replicate()]
+        unreplicated += not dims
+        for dim in dims:
+            key = (id(t.device_mesh), dim)
+            if key not in groups:
+                groups[key] = (t.device_mesh.get_group(dim), [])
+            groups[key][1].append((name, t.to_local()))
+    return groups, unreplicated
 
 
 def fingerprints(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -53,11 +81,36 @@ def check_replicas(model: nn.Module, group: dist.ProcessGroup | None = None) -> 
     """Collective: return quietly if every rank holds the same parameters and buffers.
 
     Otherwise raise `ReplicaDivergenceError` on every rank, naming the first
-    tensor that differs, the ranks that differ from rank 0 and by how much.
+    tensor that differs, the ranks that differ and by how much. A sharded
+    (DTensor) parameter is compared across the ranks that replicate its shard
+    (HSDP's replicate dimension); one sharded over every rank has no copy to
+    compare, which a warning says.
     """
     if not (dist.is_available() and dist.is_initialized()):
         return  # one process: one replica
-    named = _tensors(model)
+    groups, unreplicated = _by_group(_tensors(model), group)
+    problem = None
+    for members, named in groups.values():
+        problem = problem or _difference(named, members)
+    if unreplicated:
+        compared = sum(len(named) for _, named in groups.values())
+        warnings.warn(
+            f"check_replicas: {unreplicated} parameters are sharded over every rank, so no "
+            f"rank holds a copy to compare them with; compared the {compared} replicated "
+            "tensors (buffers, and shards across the replicate dimension of a 2-D mesh)",
+            stacklevel=2,
+        )
+    # A drift inside one replica group must stop every rank, not only that group's.
+    everyone: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, problem, group=group)
+    first = next((p for p in everyone if p is not None), None)
+    if first is not None:
+        raise ReplicaDivergenceError(first)
+
+
+def _difference(
+    named: list[tuple[str, torch.Tensor]], group: dist.ProcessGroup | None
+) -> str | None:
     mine = fingerprints([t for _, t in named])
     world = dist.get_world_size(group)
     everyone = [torch.empty_like(mine) for _ in range(world)]
@@ -69,16 +122,19 @@ def check_replicas(model: nn.Module, group: dist.ProcessGroup | None = None) -> 
         everyone = [t.cpu() for t in gathered]
     else:
         dist.all_gather(everyone, mine, group=group)
-    _raise_if_different(named, everyone)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+    return _first_difference(named, everyone, ranks)
 
 
 def _nccl(group: dist.ProcessGroup | None) -> bool:
     return "nccl" in str(dist.get_backend(group))
 
 
-def _raise_if_different(
-    named: list[tuple[str, torch.Tensor]], everyone: list[torch.Tensor]
-) -> None:
+def _first_difference(
+    named: list[tuple[str, torch.Tensor]], everyone: list[torch.Tensor], ranks: list[int]
+) -> str | None:
+    """The message for the first tensor whose fingerprints differ from the group's first
+    rank's; ranks are named by their global rank."""
     reference = everyone[0]
     for i, (name, tensor) in enumerate(named):
         differing = [r for r, fp in enumerate(everyone) if not torch.equal(fp[i], reference[i])]
@@ -87,9 +143,11 @@ def _raise_if_different(
         worst = max(differing, key=lambda r: float((everyone[r][i] - reference[i]).abs()[0]))
         sum_gap = float((everyone[worst][i][0] - reference[i][0]).abs())
         norm_gap = abs(float(everyone[worst][i][1].sqrt() - reference[i][1].sqrt()))
-        raise ReplicaDivergenceError(
-            f"replicas differ: '{name}' {list(tensor.shape)} on rank(s) {differing} is not "
-            f"rank 0's (rank {worst}: its sum differs by {sum_gap:.3g}, its norm by "
-            f"{norm_gap:.3g}) — a rank-local buffer, a non-deterministic op or a bug made the "
-            "replicas drift; every step from here trains different models"
+        return (
+            f"replicas differ: '{name}' {list(tensor.shape)} on rank(s) "
+            f"{[ranks[r] for r in differing]} is not rank {ranks[0]}'s (rank {ranks[worst]}: its "
+            f"sum differs by {sum_gap:.3g}, its norm by {norm_gap:.3g}) — a rank-local buffer, "
+            "a non-deterministic op or a bug made the replicas drift; every step from here "
+            "trains different models"
         )
+    return None

@@ -55,13 +55,21 @@ class StepRecord:
     backward: tuple[int, int] = (0, 0)
     """(start, end) of backward, end being the start of the final wait."""
     exposed_ns: int = 0
+    """Time the training thread waited for communication: the end of backward's wait, and
+    under stage 3 every wait for a gather or a reduction (forward's included)."""
     flights: list[tuple[int, int, int]] = field(default_factory=list)
-    """(launch, completion, bytes) of each bucket."""
+    """(launch, completion, bytes) of each collective: DDP's buckets, stage 3's gathers and
+    reductions."""
     samples: int = 0
     """Samples through the training forwards of this step (their first input's batch dim)."""
+    window_start: int = 0
+    """Start of the step's first forward that communicated (stage 3's gathers), else 0."""
 
     def hidden_ns(self) -> int:
+        """Flight time that overlapped compute: the forwards (from the first one that sent
+        something) and the backward."""
         start, end = self.backward
+        start = min(start, self.window_start) if self.window_start else start
         return sum(max(0, min(done, end) - max(launch, start)) for launch, done, _ in self.flights)
 
 
@@ -82,6 +90,8 @@ class Timeline:
         self._lock = threading.Lock()  # completion callbacks run on the communication thread
         self._current: StepRecord | None = None
         self._samples = 0  # samples of the forwards since the last step ended
+        # What stage 3's forwards waited for and sent before the step's backward began.
+        self._pending = StepRecord(-1)
 
     # --------------------------------------------------------------- recording
     def add(self, name: str, track: str, start_ns: int, end_ns: int, **args: Any) -> None:
@@ -121,32 +131,51 @@ class Timeline:
             self.backward_waited(end, end)
 
     def backward_started(self) -> None:
-        self._current = StepRecord(len(self.steps), (time.perf_counter_ns(), 0))
+        pending, self._pending = self._pending, StepRecord(-1)
+        self._current = StepRecord(
+            len(self.steps),
+            (time.perf_counter_ns(), 0),
+            exposed_ns=pending.exposed_ns,
+            flights=pending.flights,
+            window_start=pending.window_start,
+        )
         self._current.samples, self._samples = self._samples, 0
 
     def bucket_launched(self, index: int, nbytes: int, future: Any) -> None:
         """Record a bucket's flight; `future` (or None) says when its collective completed."""
+        self.flight(f"bucket {index}", nbytes, future)
+
+    def flight(self, name: str, nbytes: int, future: Any) -> None:
+        """Record a collective's flight from now; `future` (or None: now) says when it
+        completed. It counts in the step running, or in the next one's forwards."""
         launch = time.perf_counter_ns()
-        record = self._current
+        record = self._current if self._current is not None else self._pending
+        if record is self._pending and not record.window_start:
+            record.window_start = launch
 
         def done(*_: Any) -> None:
             end = time.perf_counter_ns()
-            self.add(f"bucket {index}", "comm", launch, end, bytes=nbytes)
-            if record is not None:
-                with self._lock:
-                    record.flights.append((launch, end, nbytes))
+            self.add(name, "comm", launch, end, bytes=nbytes)
+            with self._lock:
+                record.flights.append((launch, end, nbytes))
 
         if future is None:
             done()
         else:
             future.add_done_callback(done)
 
+    def comm_waited(self, name: str, start_ns: int, end_ns: int) -> None:
+        """The training thread waited for a collective (stage 3's gathers and reductions)."""
+        self.add(name, "compute", start_ns, end_ns)
+        record = self._current if self._current is not None else self._pending
+        record.exposed_ns += end_ns - start_ns
+
     def backward_waited(self, wait_start: int, wait_end: int) -> None:
         record = self._current
         if record is None:
             return
         record.backward = (record.backward[0], wait_start)
-        record.exposed_ns = wait_end - wait_start
+        record.exposed_ns += wait_end - wait_start
         self.add("backward", "compute", record.backward[0], wait_start)
         self.add("wait for buckets", "compute", wait_start, wait_end)
         self.steps.append(record)

@@ -3,8 +3,9 @@ totals, and the bytes each step sent, whichever mechanism sent them.
 
 Kept apart from the loop so the Trainer says *when* to log and this says *what*:
 every number is reduced over ranks (every rank calls in at the same step), and
-the communication counters come from DDP's reducer and from local SGD / DiLoCo
-alike, so `comm_bytes_per_step` means the same under every sync_method.
+the communication counters come from DDP's reducer, ZeRO, stage 3 and local
+SGD / DiLoCo alike, so `comm_bytes_per_step` means the same under every
+strategy and sync_method.
 """
 
 from __future__ import annotations
@@ -12,11 +13,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from torch import nn
+from torch.optim import Optimizer
 
+from phalanx import zero3
 from phalanx.ddp.module import DistributedDataParallel
+from phalanx.ddp.stats import CommCounter
 from phalanx.diagnostics import timeline as timelines
 from phalanx.diagnostics.timeline import Timeline
 from phalanx.optim.local_sgd import PeriodicSync
+from phalanx.optim.zero import ZeroRedundancyOptimizer
 from phalanx.runtime import World
 from phalanx.train.progress import StepWindow
 from phalanx.train.report import RunReport
@@ -24,21 +29,42 @@ from phalanx.train.step import StepResult
 
 
 class CommMeter:
-    """This rank's communication so far: DDP's reducer and a periodic sync, summed."""
+    """This rank's communication so far, whatever sent it: DDP's reducer, ZeRO-1/2's
+    parameter all-gathers, stage 3's units, a periodic sync."""
 
-    def __init__(self, wrapped_model: nn.Module, periodic_sync: PeriodicSync | None) -> None:
+    def __init__(
+        self,
+        wrapped_model: nn.Module,
+        periodic_sync: PeriodicSync | None,
+        optimizer: Optimizer | None = None,
+    ) -> None:
         self.ddp = wrapped_model if isinstance(wrapped_model, DistributedDataParallel) else None
+        self.sharded = wrapped_model if zero3.unit_of(wrapped_model) is not None else None
+        self.zero = optimizer if isinstance(optimizer, ZeroRedundancyOptimizer) else None
         self.periodic_sync = periodic_sync
 
+    def _counters(self) -> list[CommCounter]:
+        counters = []
+        if self.sharded is not None:
+            counters.append(zero3.communication(self.sharded))
+        if self.zero is not None:
+            counters.append(self.zero.stats)
+        return counters
+
     def wait_s(self) -> float:
-        """Seconds spent waiting for gradient collectives at the end of backward."""
-        return self.ddp.reducer.stats.comm_wait_s if self.ddp is not None else 0.0
+        """Seconds the training thread waited for collectives: the reducer's end of backward,
+        stage 3's gathers and reductions, ZeRO's parameter all-gathers."""
+        waited = self.ddp.reducer.stats.comm_wait_s if self.ddp is not None else 0.0
+        return waited + sum(c.wait_s for c in self._counters())
 
     def sent(self) -> tuple[int, int]:
         """(payload bytes, collectives) handed to collectives so far."""
         sent = calls = 0
         if self.ddp is not None:
             sent, calls = self.ddp.reducer.stats.bytes_sent, self.ddp.reducer.stats.collectives
+        for counter in self._counters():
+            sent += counter.bytes_sent
+            calls += counter.collectives
         if self.periodic_sync is not None:
             sent += self.periodic_sync.stats.sent_bytes
             calls += self.periodic_sync.stats.collectives

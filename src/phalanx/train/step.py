@@ -189,7 +189,9 @@ class StepRunner:
         if self._keyword is None:
             self._keyword = takes_keyword_batch(self.model, batch)
         wrapped = isinstance(self.wrapped_model, DistributedDataParallel)
-        timeline = None if wrapped else self.timeline
+        # DDP and a fully_shard root record their own forward, backward and collectives.
+        records_itself = wrapped or zero3.unit_of(self.wrapped_model) is not None
+        timeline = None if records_itself else self.timeline
         with self.wrapped_model.no_sync() if wrapped and not sync else nullcontext():  # type: ignore[operator]
             forward = timelines.forward_of(timeline, batch_size(batch))
             with autocast_for(self.args, self.world.device), forward:

@@ -27,6 +27,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import Dataset
 
+from phalanx import zero3
 from phalanx.data.sampler import DistributedSampler
 from phalanx.ddp.module import DistributedDataParallel
 from phalanx.diagnostics import progress
@@ -138,6 +139,8 @@ class Trainer:
         """What the loop calls: phalanx DDP with more than one rank, else the model itself."""
         if isinstance(self.wrapped_model, DistributedDataParallel):
             self.wrapped_model.timeline = self.timeline
+        for unit in zero3.units(self.wrapped_model):  # stage 3: its gathers and reductions
+            unit.record_to(self.timeline)
         self.comm_state = attach_comm_hook(self.wrapped_model, self.args, self.world)
         """PowerSGD's state (error feedback, warm-start Qs) when ddp_comm_hook="powersgd"."""
         if optimizer is not None:
@@ -297,7 +300,7 @@ class Trainer:
 
     def _loop(self) -> None:
         """Train until max_steps, or until the ranks agree to stop at a step boundary."""
-        comm = CommMeter(self.wrapped_model, self.periodic_sync)
+        comm = CommMeter(self.wrapped_model, self.periodic_sync, self.optimizer)
         self._runlog = RunLog(self.world, self._report, comm, self.timeline)
         self._loss_before = self.state.loss_sum
         while not self._train_epoch():

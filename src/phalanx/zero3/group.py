@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,9 @@ from phalanx.optim.collectives import (
 from phalanx.optim.sharding import ShardedFlat, row_numel
 from phalanx.zero3.mesh import MeshInfo
 from phalanx.zero3.params import ShardedParam
+
+if TYPE_CHECKING:
+    from phalanx.diagnostics.timeline import Timeline
 
 GradHook = Callable[[torch.Tensor], None]
 
@@ -75,6 +78,9 @@ class ParamGroup:
         """After forward with reshard_after_forward=k: the blocks this rank keeps (1/k)."""
         self._partial: torch.Tensor | None = None
         """HSDP with set_requires_all_reduce(False): reduced rows summed, not yet all-reduced."""
+        self.timeline: Timeline | None = None
+        self.label = ""
+        """The unit's name, for the timeline."""
 
     # -------------------------------------------------------------- unsharded
     def _build_unsharded(self) -> None:
@@ -131,6 +137,7 @@ class ParamGroup:
         out = block.new_empty(self.info.shard_size * self.layout.block)
         self._gather = start_all_gather(out, block, group)
         self.comm.count(Collective.ALL_GATHER, out, dist.get_world_size(group))
+        self._record_flight("gather", self._gather.work, out)
         return True
 
     def finish_gather(self, post_forward: dist.ProcessGroup | None = None) -> float:
@@ -141,10 +148,7 @@ class ParamGroup:
         if self._gather is None:
             return 0.0
         state, self._gather = self._gather, None
-        start = time.perf_counter()
-        gathered = wait_all_gather(state)
-        waited = time.perf_counter() - start
-        self.comm.wait_s += waited
+        gathered, waited = self._waited("gather", lambda: wait_all_gather(state))
         assert self._storage is not None
         self._storage.resize_(self._nbytes)
         with torch.no_grad():
@@ -189,12 +193,16 @@ class ParamGroup:
                 p.unsharded.grad = None
         out = send.new_empty(self.layout.block)
         self.comm.count(Collective.REDUCE_SCATTER, send, self.info.shard_size)
-        return start_reduce_scatter(out, send, self.info.shard_group)
+        state = start_reduce_scatter(out, send, self.info.shard_group)
+        self._record_flight("reduce-scatter", state.work, send)
+        return state
 
     def finish_reduce(self, state: ReduceScatterState, all_reduce: bool) -> PendingAllReduce | None:
         """Wait for the reduce-scatter. HSDP: start the all-reduce across replicas (returned)
         or, when `all_reduce` is off, keep the rows summed for later. 1-D: write the grads."""
-        out = self._waited(lambda: wait_reduce_scatter(state, self.info.shard_group))
+        out, _ = self._waited(
+            "reduce-scatter", lambda: wait_reduce_scatter(state, self.info.shard_group)
+        )
         if self.info.replicate_group is None:
             self._write_grads(out)
             return None
@@ -206,16 +214,28 @@ class ParamGroup:
             return None
         self.comm.count(Collective.ALL_REDUCE, out, self.info.replicate_size)
         work = dist.all_reduce(out, group=self.info.replicate_group, async_op=True)
+        self._record_flight("all-reduce", work, out)
         return PendingAllReduce(work, out)
 
     def finish_all_reduce(self, pending: PendingAllReduce) -> None:
-        self._write_grads(self._waited(lambda: (pending.work.wait(), pending.output)[1]))
+        out, _ = self._waited("all-reduce", lambda: (pending.work.wait(), pending.output)[1])
+        self._write_grads(out)
 
-    def _waited(self, wait: Callable[[], torch.Tensor]) -> torch.Tensor:
-        start = time.perf_counter()
+    def _waited(self, what: str, wait: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, float]:
+        """Wait for a collective: the result, and the seconds the training thread waited."""
+        start = time.perf_counter_ns()
         out = wait()
-        self.comm.wait_s += time.perf_counter() - start
-        return out
+        end = time.perf_counter_ns()
+        self.comm.wait_s += (end - start) / 1e9
+        if self.timeline is not None:
+            self.timeline.comm_waited(f"wait for {what} {self.label}", start, end)
+        return out, (end - start) / 1e9
+
+    def _record_flight(self, what: str, work: Any, tensor: torch.Tensor) -> None:
+        if self.timeline is not None:
+            future = work.get_future() if hasattr(work, "get_future") else None
+            nbytes = tensor.numel() * tensor.element_size()
+            self.timeline.flight(f"{what} {self.label}", nbytes, future)
 
     def _write_grads(self, out: torch.Tensor) -> None:
         """Each rank's rows become (or add to) its sharded parameters' gradients."""

@@ -30,7 +30,7 @@ def pre_forward(module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
         return _cast_inputs(unit, args, kwargs)
     root = unit.root if unit.root is not None else Root(unit)
     if unit is root.unit:
-        root.begin_forward()
+        root.begin_forward(args, kwargs)
     root.record(unit)
     unit.phase = Phase.FORWARD
     unit.unshard()
@@ -51,6 +51,8 @@ def post_forward(module: nn.Module, args: Any, output: Any) -> Any:
         register_multi_grad_hook(tracked, lambda _: pre_backward(unit), mode="any")
     unit.after_forward()
     unit.phase = Phase.IDLE
+    if unit.root is not None and unit is unit.root.unit:
+        unit.root.end_forward()
     return _cast_output(unit, output)
 
 

@@ -10,6 +10,10 @@ frees what is left.
 
 from __future__ import annotations
 
+import time
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -17,8 +21,13 @@ from torch import nn
 from phalanx.ddp.autograd import EndOfBackward
 from phalanx.ddp.stats import CommCounter
 from phalanx.ddp.sync import broadcast_coalesced
+from phalanx.diagnostics import timeline as timelines
 from phalanx.errors import ConfigurationError
+from phalanx.nested import iter_tensors
 from phalanx.zero3.unit import Unit
+
+if TYPE_CHECKING:
+    from phalanx.diagnostics.timeline import Timeline
 
 STATE = "_phalanx_unit"
 
@@ -59,13 +68,25 @@ class Root:
         self._end = EndOfBackward(self.end_of_backward)
         self.comm = CommCounter()
         """The buffer broadcasts (the units count their own gathers and reductions)."""
+        self.timeline: Timeline | None = unit.timeline or timelines.from_env(
+            dist.get_rank(), dist.get_world_size()
+        )
+        for u in self.units:
+            u.record_to(self.timeline)
+        self._forward_span: AbstractContextManager[None] | None = None
+        self._backward_start = 0
         # DDP's rule, kept for parity with it: buffers follow rank 0 before the first forward
         # and before any forward that follows a gradient-tracked one.
         self._broadcast_next = True
 
-    def begin_forward(self) -> None:
+    def begin_forward(self, args: Any, kwargs: Any) -> None:
         if self.recording and self.order:
             self.recording = False
+        if self.timeline is not None and torch.is_grad_enabled():
+            first = next(iter_tensors((args, kwargs)), None)
+            samples = int(first.shape[0]) if first is not None and first.dim() else 1
+            self._forward_span = self.timeline.forward(samples)
+            self._forward_span.__enter__()
         broadcast, self._broadcast_next = self._broadcast_next, torch.is_grad_enabled()
         if broadcast and self.unit.broadcast_buffers:
             buffers = list(self.unit.module.buffers())
@@ -88,12 +109,22 @@ class Root:
         i = self.order.index(unit) + step
         return self.order[i] if 0 <= i < len(self.order) else None
 
+    def end_forward(self) -> None:
+        if self._forward_span is not None:
+            span, self._forward_span = self._forward_span, None
+            span.__exit__(None, None, None)
+
     def queue_end_of_backward(self) -> None:
         """Called from the first unit backward hook, which fires in the outermost backward."""
+        if not self._end.queued and self.timeline is not None:
+            self.timeline.backward_started()
         self._end.queue()
 
     def end_of_backward(self) -> None:
         """Every unit's gradients reduced into the shards; every unit freed."""
+        if self.timeline is not None:  # its waits are booked one by one (comm_waited)
+            now = time.perf_counter_ns()
+            self.timeline.backward_waited(now, now)
         for u in self.units:
             if u.requires_gradient_sync and u.arrived and u.reducing is None:
                 u.launch_reduce()  # a unit some of whose parameters went unused

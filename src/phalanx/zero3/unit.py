@@ -23,6 +23,7 @@ from phalanx.zero3.params import ShardedParam
 from phalanx.zero3.policies import MixedPrecisionPolicy
 
 if TYPE_CHECKING:
+    from phalanx.diagnostics.timeline import Timeline
     from phalanx.zero3.root import Root
 
 
@@ -71,6 +72,8 @@ class Unit:
         self.arrived = 0
         self.reducing: list[tuple[ParamGroup, ReduceScatterState]] | None = None
         self.groups: list[ParamGroup] = []
+        self.timeline: Timeline | None = None
+        """Where its gathers and reductions are recorded (set by the root, or the Trainer)."""
         self._stale = True
         """A sharded parameter may have been replaced: adopt, then regroup, before gathering."""
         self.refresh()
@@ -89,8 +92,14 @@ class Unit:
             ParamGroup(members, self.info, dtype, self._on_grad)
             for (_, dtype), members in by_key.items()
         ]
+        self.record_to(self.timeline)
         self.expected = sum(p.sharded.requires_grad for p in self.params)
         self._stale = False
+
+    def record_to(self, timeline: Timeline | None) -> None:
+        self.timeline = timeline
+        for g in self.groups:
+            g.timeline, g.label = timeline, self.name or "root"
 
     def mark_stale(self) -> None:
         self._stale = True
