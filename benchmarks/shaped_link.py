@@ -21,6 +21,7 @@ import sys
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 INSIDE = "PHALANX_BENCH_LINK_GBIT"
 """Set in the re-run's environment: the link rate it runs behind (and no second re-run)."""
@@ -79,3 +80,49 @@ def link_rate() -> float | None:
     """The Gbit/s this process runs behind, when it is such a re-run."""
     value = os.environ.get(INSIDE)
     return float(value) if value else None
+
+
+@dataclass(frozen=True)
+class TwoHosts:
+    """Two network namespaces ("hosts") joined by one veth link, each end shaped."""
+
+    namespaces: tuple[str, str]
+    devices: tuple[str, str]
+    addresses: tuple[str, str]
+
+
+@contextmanager
+def two_hosts(gbit: float, subnet: str = "10.213.9") -> Iterator[TwoHosts]:
+    """Two fresh namespaces joined by a veth pair whose ends both send at `gbit` Gbit/s (each
+    direction its own rate, as on a switched link); loopback up in each. Deleted after."""
+    tag = uuid.uuid4().hex[:6]
+    hosts = TwoHosts(
+        (f"phx-h0-{tag}", f"phx-h1-{tag}"),
+        (f"phx0{tag}", f"phx1{tag}"),
+        (f"{subnet}.1", f"{subnet}.2"),
+    )
+    made: list[str] = []
+    try:
+        try:
+            for ns in hosts.namespaces:
+                _run("ip", "netns", "add", ns)
+                made.append(ns)
+            _run("ip", "link", "add", hosts.devices[0], "netns", hosts.namespaces[0],
+                 "type", "veth", "peer", "name", hosts.devices[1],
+                 "netns", hosts.namespaces[1])  # fmt: skip
+            for ns, dev, addr in zip(hosts.namespaces, hosts.devices, hosts.addresses):
+                inside = ("ip", "netns", "exec", ns)
+                _run("ip", "-n", ns, "addr", "add", f"{addr}/30", "dev", dev)
+                _run("ip", "-n", ns, "link", "set", dev, "up")
+                _run("ip", "-n", ns, "link", "set", "lo", "up")
+                _run(*inside, "tc", "qdisc", "add", "dev", dev, "root", *tbf_args(gbit))
+        except (OSError, subprocess.CalledProcessError) as exc:
+            detail = getattr(exc, "stderr", "") or exc
+            raise SystemExit(
+                f"two hosts need root and iproute2 to make network namespaces ({detail}) "
+                "— run as root"
+            ) from exc
+        yield hosts
+    finally:
+        for ns in made:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)

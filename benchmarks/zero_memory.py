@@ -1,21 +1,32 @@
-"""ZeRO memory per rank, counted from the tensors, and its step time next to plain DDP.
+"""ZeRO stages 0-3 against torch's own: memory per rank, and step time side by side.
 
-A ~50M-parameter GPT-style model (benchmarks/models.py's GPT: 13 blocks of width 512,
-vocabulary 8192) trains with Adam under each stage at worlds 1, 2 and 4. Each
-(world, stage) runs in fresh processes and reports, per rank:
+Variants (world 2 by default; `--worlds` adds others for the memory table):
 
-- parameters, gradients and optimizer state in MB, counted from the tensors
-  (unique storages: a view and its base count once). Gradients are every
-  gradient buffer alive after backward: `.grad`s, DDP's bucket buffers, and
-  ZeRO's shard gradients. "peak grad" is the most `.grad` memory alive at any
-  point of backward (ZeRO-2 frees each bucket's `.grad`s as it launches it);
-- peak RSS (whole process: the torch libraries too, about 0.3 GB of it).
+| variant       | what it is                                                             |
+|---------------|------------------------------------------------------------------------|
+| `ddp`         | phalanx.DistributedDataParallel + Adam (stage 0)                       |
+| `torch_ddp`   | torch.nn.parallel.DistributedDataParallel + Adam                       |
+| `zero1`       | phalanx DDP + phalanx.ZeroRedundancyOptimizer(Adam)                    |
+| `torch_zero1` | torch DDP + torch.distributed.optim.ZeroRedundancyOptimizer(Adam)      |
+| `zero2`       | phalanx DDP + ZeroRedundancyOptimizer(Adam, shard_gradients=True)      |
+| `zero3`       | phalanx.fully_shard on each block, then the root; Adam                 |
+| `torch_fsdp2` | torch.distributed.fsdp.fully_shard, the same units; Adam               |
 
-Then, at world 2, the stages run side by side in one pair of processes,
-interleaved round by round, for the step time ratios to DDP.
+Models: `gpt`, a 49M-parameter GPT (13 blocks of width 512, vocabulary 8192; what
+stage 3 is for), and `mlp`, 8.4M parameters in 8 tensors (bandwidth-bound: where
+ZeRO-1's parameter all-gather shows).
 
-    python benchmarks/zero_memory.py                 # ~10 minutes on 2 cores
-    python benchmarks/zero_memory.py --tiny          # seconds: checks the script runs
+Memory: each variant in fresh processes, 3 steps; per rank, parameters,
+gradients and optimizer state counted from the tensors (a DTensor by its local
+shard; unique storages), and peak RSS (the whole process: about 0.3 GB of it is
+torch itself). Time: every variant of a model lives in one pair of processes
+and they take turns, round by round, in a balanced order (interleave.py); a
+step is forward, backward, optimizer step, its time the slower rank's; medians
+and ratios to torch's counterpart.
+
+    python benchmarks/zero_memory.py                  # ~15 minutes on 2 cores
+    python benchmarks/zero_memory.py --models mlp     # the ZeRO-1 comparison alone
+    python benchmarks/zero_memory.py --tiny           # seconds: checks the script runs
 """
 
 from __future__ import annotations
@@ -26,66 +37,93 @@ import resource
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import interleave
 import models
 import spawn
 import torch
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "zero_memory.json"
 MB = 1024 * 1024
-STAGES = (0, 1, 2, 3)
+VARIANTS = ("ddp", "torch_ddp", "zero1", "torch_zero1", "zero2", "zero3", "torch_fsdp2")
+COUNTERPART = {"ddp": "torch_ddp", "zero1": "torch_zero1", "zero3": "torch_fsdp2"}
 
 
-def build_model(tiny: bool) -> torch.nn.Module:
-    if tiny:
-        return models.GPT(vocab=64, seq_len=16, d_model=32, n_head=2, n_layer=2)
-    return models.GPT(vocab=8192, seq_len=64, d_model=512, n_head=8, n_layer=13)
+def spec(name: str, tiny: bool) -> models.ModelSpec:
+    if name == "mlp":
+        return models.mlp_spec(tiny)
+    vocab, seq, d, heads, layers, batch = (
+        (64, 16, 32, 2, 2, 2) if tiny else (8192, 64, 512, 8, 13, 2)
+    )
+
+    def make_batch(g: torch.Generator) -> models.Batch:
+        tokens = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+        return tokens[:, :-1], tokens[:, 1:]
+
+    return models.ModelSpec(
+        name="gpt",
+        build=lambda: models.GPT(vocab, seq, d, heads, layers),
+        make_batch=make_batch,
+        loss=models.token_loss,
+    )
 
 
-def batch(rank: int, step: int, tiny: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    vocab, seq = (64, 16) if tiny else (8192, 64)
-    g = torch.Generator().manual_seed(1000 * rank + step)
-    tokens = torch.randint(0, vocab, (2, seq + 1), generator=g)
-    return tokens[:, :-1], tokens[:, 1:]
+def units(net: torch.nn.Module) -> list[torch.nn.Module]:
+    """What each fully_shard variant shards first: the blocks of a GPT, the Linears of an MLP."""
+    if hasattr(net, "blocks"):
+        return list(net.blocks)
+    return [m for m in net.modules() if isinstance(m, torch.nn.Linear)]
 
 
-def wrap(stage: int, tiny: bool) -> tuple[Any, torch.optim.Optimizer]:
-    """Stage 0: DDP + Adam; 1 and 2: DDP + ZeRO's Adam; 3: fully_shard each block, then
-    the root, and a plain Adam over the pieces."""
+def build(variant: str, model: models.ModelSpec) -> tuple[Any, torch.optim.Optimizer]:
+    import torch.distributed.fsdp as torch_fsdp
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
     import phalanx
 
     torch.manual_seed(0)
-    if stage == 3:
-        net = build_model(tiny)
-        for block in net.blocks:
-            phalanx.fully_shard(block)
-        phalanx.fully_shard(net)
+    net = model.build()
+    if variant in ("zero3", "torch_fsdp2"):
+        shard = phalanx.fully_shard if variant == "zero3" else torch_fsdp.fully_shard
+        for unit in units(net):
+            shard(unit)
+        shard(net)
         return net, torch.optim.Adam(net.parameters(), lr=1e-4)
-    model = phalanx.DistributedDataParallel(build_model(tiny))
-    if stage == 0:
-        return model, torch.optim.Adam(model.parameters(), lr=1e-4)
-    zero = phalanx.ZeroRedundancyOptimizer(
-        model.parameters(), torch.optim.Adam, shard_gradients=stage == 2, lr=1e-4
+    wrapped: Any = (
+        TorchDDP(net) if variant.startswith("torch") else phalanx.DistributedDataParallel(net)
     )
-    return model, zero
+    if variant in ("ddp", "torch_ddp"):
+        return wrapped, torch.optim.Adam(wrapped.parameters(), lr=1e-4)
+    if variant == "torch_zero1":
+        return wrapped, TorchZero(wrapped.parameters(), torch.optim.Adam, lr=1e-4)
+    zero = phalanx.ZeroRedundancyOptimizer(
+        wrapped.parameters(), torch.optim.Adam, shard_gradients=variant == "zero2", lr=1e-4
+    )
+    return wrapped, zero
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
 def storage_mb(tensors: Iterable[torch.Tensor | None]) -> float:
     seen: dict[int, int] = {}
     for t in tensors:
-        if t is not None and t.numel():
-            storage = t.untyped_storage()
+        if t is not None and local(t).numel():
+            storage = local(t).untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values()) / MB
 
 
 def gradient_tensors(model: Any, opt: Any) -> list[torch.Tensor | None]:
     grads = [p.grad for p in model.parameters()]
-    if hasattr(model, "reducer"):
-        grads += [b.buffer for b in model.reducer.buckets]
+    reducer = getattr(model, "reducer", None)
+    if reducer is not None and hasattr(reducer, "buckets"):  # phalanx DDP's flat buckets
+        grads += [b.buffer for b in reducer.buckets]
     if hasattr(opt, "optim"):
         grads += [s.grad for g in opt.optim.param_groups for s in g["params"]]
     return grads
@@ -96,160 +134,110 @@ def state_tensors(opt: Any) -> list[torch.Tensor]:
     return [v for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
 
 
-def watch_peak_transient(model: Any) -> Callable[[], float]:
-    """The most full-size memory alive at once beyond what the table counts at rest.
-
-    Stages 0-2: `.grad`s during backward (after the reducer's hook, which frees them in
-    stage 2). Stage 3: gathered whole parameters and their `.grad`s, sampled at every
-    unit's forward and at every gradient.
-    """
-    from phalanx import zero3
-
-    units = [u for m in model.modules() if (u := zero3.unit_of(m)) is not None]
-    params = list(model.parameters())
-    fulls = [s.full for u in units for s in u.slots()]
-    peak = [0.0]
-
-    def sample(*_: Any) -> None:
-        live = sum(g._storage.nbytes() for u in units for g in u.groups) / MB
-        live += storage_mb([p.grad for p in fulls] if units else [p.grad for p in params])
-        peak[0] = max(peak[0], live)
-
-    for p in fulls or params:
-        p.register_post_accumulate_grad_hook(sample)
-    for u in units:
-        u.module.register_forward_hook(sample)
-    return lambda: peak[0]
-
-
-def measure_rank(rank: int, world: int, stage: int, tiny: bool) -> dict[str, float]:
-    base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    model, opt = wrap(stage, tiny)
-    peak_grad = watch_peak_transient(model)
-    loss_fn = models.token_loss
+def measure_rank(
+    rank: int, world: int, variant: str, model_name: str, tiny: bool
+) -> dict[str, float]:
+    model_spec = spec(model_name, tiny)
+    model, opt = build(variant, model_spec)
+    g = torch.Generator().manual_seed(rank)
     grads_mb = 0.0
-    for step in range(3):
-        x, y = batch(rank, step, tiny)
-        loss_fn(model(x), y).backward()
+    for _ in range(3):
+        x, y = model_spec.make_batch(g)
+        model_spec.loss(model(x), y).backward()
         grads_mb = storage_mb(gradient_tensors(model, opt))
         opt.step()
         opt.zero_grad(set_to_none=True)
     return {
         "params_mb": storage_mb(model.parameters()),
         "grads_mb": grads_mb,
-        "peak_grad_mb": peak_grad(),
         "state_mb": storage_mb(state_tensors(opt)),
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "rss_before_model_mb": base_rss,
     }
 
 
-def time_rank(rank: int, world: int, rounds: int, per_round: int, tiny: bool) -> dict[str, Any]:
-    """All stages in this process, interleaved; per variant, each step's seconds."""
+def time_rank(
+    rank: int, world: int, model_name: str, rounds: int, per_round: int, tiny: bool
+) -> dict[str, Any]:
+    """Every variant in this process, in a balanced order; per variant, each step's seconds."""
     import torch.distributed as dist
 
-    from phalanx import zero3
-
-    variants = {stage: wrap(stage, tiny) for stage in STAGES}
-    start_stats: dict[str, float] = {}
-    times: dict[int, list[float]] = {stage: [] for stage in STAGES}
-    step = 0
-    for r in range(rounds + 1):  # round 0 warms up (allocator, DDP's bucket rebuild)
-        order = STAGES[r % len(STAGES) :] + STAGES[: r % len(STAGES)]
-        for stage in order:
-            model, opt = variants[stage]
+    model_spec = spec(model_name, tiny)
+    variants = {v: build(v, model_spec) for v in VARIANTS}
+    g = torch.Generator().manual_seed(rank)
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    rounds = interleave.balanced_rounds(rounds, 1, len(VARIANTS))
+    for r in range(rounds + 1):  # round 0 warms up (allocator, the DDPs' bucket rebuild)
+        for variant in interleave.balanced_order(r, VARIANTS):
+            model, opt = variants[variant]
+            dist.barrier()
             for _ in range(per_round):
-                dist.barrier()
                 start = time.perf_counter()
-                x, y = batch(rank, step, tiny)
-                models.token_loss(model(x), y).backward()
+                x, y = model_spec.make_batch(g)
+                model_spec.loss(model(x), y).backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
                 elapsed = torch.tensor([time.perf_counter() - start])
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slower rank sets the pace
                 if r:
-                    times[stage].append(float(elapsed))
-                step += 1
-        if r == 0:
-            start_stats = zero3.communication_stats(variants[3][0])
-    end_stats = zero3.communication_stats(variants[3][0])
-    steps = len(times[3])
-    stage3 = {k: (end_stats[k] - start_stats[k]) / steps for k in end_stats}
-    diff = max(
-        float((a - b).detach().abs().max())
-        for a, b in zip(variants[0][0].parameters(), variants[2][0].parameters())
-    )  # stage 3's parameters are pieces: its parity is tests/distributed/test_zero3.py's
-    return {"times": times, "stage2_vs_stage0_max_param_diff": diff, "stage3_comm": stage3}
+                    times[variant].append(float(elapsed))
+    return {"times": times}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worlds", default="1,2,4")
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--models", default="gpt,mlp")
+    parser.add_argument("--worlds", default="2", help="worlds for the memory table")
+    parser.add_argument("--rounds", type=int, default=14)
     parser.add_argument("--per-round", type=int, default=2)
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
-    worlds = [int(w) for w in args.worlds.split(",")]
-    memory: dict[str, Any] = {}
-    for world in worlds:
-        for stage in STAGES:
-            ranks = spawn.run_ranks(
-                measure_rank, world, stage, args.tiny, threads=max(1, 2 // world)
-            )
-            memory[f"world{world}-stage{stage}"] = ranks
-            r0 = ranks[0]
-            print(
-                f"world {world} stage {stage}: params {r0['params_mb']:.0f} MB, grads "
-                f"{r0['grads_mb']:.0f} MB (peak .grad {r0['peak_grad_mb']:.0f}), state "
-                f"{r0['state_mb']:.0f} MB, peak RSS {max(r['peak_rss_mb'] for r in ranks):.0f} MB",
-                flush=True,
-            )
-    timing = spawn.run_ranks(time_rank, 2, args.rounds, args.per_round, args.tiny)[0]
-    medians = {s: statistics.median(timing["times"][s]) for s in STAGES}
-    speed = {f"stage{s}_over_ddp": medians[s] / medians[0] for s in STAGES if s}
-    comm = timing["stage3_comm"]
-    print(f"world 2 step medians (s): {medians}; ratios to DDP: {speed}", flush=True)
-    print(
-        f"stage 3 per step: {comm['gathers']:.0f} all-gathers, {comm['gather_wait_s']:.3f} s "
-        f"waiting for them (the rest overlapped compute), {comm['reduce_wait_s']:.3f} s waiting "
-        "for reduce-scatters at the end of backward",
-        flush=True,
-    )
-    result = {
-        "model_params": sum(p.numel() for p in build_model(args.tiny).parameters()),
-        "memory": memory,
-        "step_s_median": medians,
-        "speed": speed,
-        "param_diff_stage2_vs_ddp": timing["stage2_vs_stage0_max_param_diff"],
-        "stage3_comm_per_step": comm,
-    }
+    result: dict[str, Any] = {}
+    for model_name in args.models.split(","):
+        entry: dict[str, Any] = {
+            "params": sum(p.numel() for p in spec(model_name, args.tiny).build().parameters())
+        }
+        for world in (int(w) for w in args.worlds.split(",")):
+            for variant in VARIANTS:
+                ranks = spawn.run_ranks(
+                    measure_rank, world, variant, model_name, args.tiny, threads=max(1, 2 // world)
+                )
+                entry.setdefault("memory", {})[f"world{world}-{variant}"] = ranks
+        timing = spawn.run_ranks(time_rank, 2, model_name, args.rounds, args.per_round, args.tiny)[
+            0
+        ]
+        medians = {v: statistics.median(timing["times"][v]) for v in VARIANTS}
+        entry["step_s_median"] = medians
+        entry["ratios"] = {f"{v}_over_{t}": medians[v] / medians[t] for v, t in COUNTERPART.items()}
+        entry["ratios"].update(
+            {f"{v}_over_torch_ddp": medians[v] / medians["torch_ddp"] for v in VARIANTS}
+        )
+        result[model_name] = entry
+        print(markdown_table(model_name, entry), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
-    print(markdown_table(result))
     return 0
 
 
-def markdown_table(result: dict[str, Any]) -> str:
+def markdown_table(model_name: str, entry: dict[str, Any]) -> str:
     lines = [
-        "| world | stage | params MB | grads MB | peak transient MB | optimizer state MB | "
-        "state ÷ stage 0 | all ÷ stage 0 | peak RSS MB |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"{model_name} ({entry['params'] / 1e6:.1f}M parameters), world 2:",
+        "",
+        "| variant | params MB | grads MB | optimizer state MB | peak RSS MB (max rank) | "
+        "step ms (median) | ÷ torch DDP | ÷ torch's counterpart |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    memory = result["memory"]
-    for key, ranks in memory.items():
-        world, stage = (
-            int(part.removeprefix("world").removeprefix("stage")) for part in key.split("-")
-        )
-        r0 = ranks[0]
-        base = memory[f"world{world}-stage0"][0]
-        total = r0["params_mb"] + r0["grads_mb"] + r0["state_mb"]
-        base_total = base["params_mb"] + base["grads_mb"] + base["state_mb"]
+    medians = entry["step_s_median"]
+    for variant in VARIANTS:
+        ranks = entry["memory"].get(f"world2-{variant}")
+        r0 = ranks[0] if ranks else {}
+        counterpart = COUNTERPART.get(variant)
+        vs = f"{medians[variant] / medians[counterpart]:.3f}" if counterpart else ""
+        rss = max(r["peak_rss_mb"] for r in ranks) if ranks else float("nan")
         lines.append(
-            f"| {world} | {stage} | {r0['params_mb']:.0f} | {r0['grads_mb']:.0f} | "
-            f"{r0['peak_grad_mb']:.0f} | {r0['state_mb']:.0f} | "
-            f"{r0['state_mb'] / base['state_mb']:.3f} | {total / base_total:.3f} | "
-            f"{max(r['peak_rss_mb'] for r in ranks):.0f} |"
+            f"| {variant} | {r0.get('params_mb', 0):.0f} | {r0.get('grads_mb', 0):.0f} | "
+            f"{r0.get('state_mb', 0):.0f} | {rss:.0f} | {medians[variant] * 1e3:.1f} | "
+            f"{medians[variant] / medians['torch_ddp']:.3f} | {vs} |"
         )
     return "\n".join(lines)
 

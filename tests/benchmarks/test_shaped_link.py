@@ -47,6 +47,7 @@ def load() -> ModuleType:
     spec = importlib.util.spec_from_file_location("shaped_link", BENCH / "shaped_link.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while being made
     spec.loader.exec_module(module)
     return module
 

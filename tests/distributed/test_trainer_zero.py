@@ -235,3 +235,49 @@ def test_the_log_counts_zero_traffic(tmp_path: Path) -> None:
     assert rows[3]["comm_wait_s"] > 0
     # ZeRO-1: DDP's all-reduce of the gradients, then the all-gather of the parameters.
     assert rows[1]["comm_bytes_per_step"] > rows[0]["comm_bytes_per_step"] + whole * 0.99
+
+
+def _resume_old_stage3(rank: int, world: int, out_dir: str) -> str:
+    args = _args(Path(out_dir), zero_stage=3, max_steps=4, save_steps=2)
+    trainer = Trainer(model=_Net(), args=args, train_dataset=_data(), loss_fn=_xent)
+    try:
+        trainer.train(resume_from_checkpoint=True)
+    except CheckpointError as exc:
+        return str(exc)
+    return "resumed"
+
+
+def _write_flat_pieces(directory: Path, state: dict[str, torch.Tensor]) -> None:
+    """The model entry as phalanx wrote it before stage 3 had DTensors: each parameter
+    flattened to 1-D, with its shape beside it."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
+
+    shutil.rmtree(directory)
+    flat = {k: v.reshape(-1).clone() for k, v in state.items()}
+    shapes = {k: list(v.shape) for k, v in state.items()}
+    writer = dcp.FileSystemWriter(str(directory))
+    _save_state_dict({"model": flat, "shapes": shapes}, storage_writer=writer, no_dist=True)
+
+
+@pytest.mark.timeout(120)
+def test_a_stage3_checkpoint_of_flat_pieces_is_refused_with_its_bridge(tmp_path: Path) -> None:
+    """A stage-3 checkpoint written before DTensor parameters is refused in one line on
+    every rank, naming `phalanx consolidate`; consolidate reads it whole."""
+    from phalanx.train.consolidate import consolidate
+    from tests.checkpoints import rehash
+
+    run_workers(_resume_old_stage3, 2, str(tmp_path), init_pg=False)
+    checkpoint = tmp_path / "checkpoint-4"
+    whole = consolidate(checkpoint, tmp_path / "now.pt")["model"]
+    _write_flat_pieces(checkpoint / "model", whole)
+    rehash(checkpoint)
+    outs = run_workers(_resume_old_stage3, 2, str(tmp_path), init_pg=False)
+    for o in outs:
+        assert "written by an older phalanx" in o.value and "phalanx consolidate" in o.value
+        assert "\n" not in o.value
+    bridged = consolidate(checkpoint, tmp_path / "bridged.pt")["model"]
+    assert bridged.keys() == whole.keys()
+    assert all(torch.equal(bridged[k], whole[k]) for k in whole)

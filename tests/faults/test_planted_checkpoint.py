@@ -14,7 +14,6 @@ with `weights_only=False`); the replicated and per-rank `.pt` files.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pickle
@@ -27,6 +26,7 @@ import pytest
 import torch
 
 from phalanx.errors import CheckpointError
+from tests.checkpoints import rehash
 from tests.faults.trainkit import make_trainer
 from tests.harness import run_workers
 
@@ -62,17 +62,6 @@ def _resume(rank: int, world: int, root: str, kind: str) -> str:
     except CheckpointError as exc:
         return str(exc)
     return "resumed"
-
-
-def _rehash(checkpoint: Path) -> None:
-    """What an attacker does next: the manifest agrees with the planted files."""
-    manifest_path = checkpoint / "manifest.json"
-    manifest = json.loads(manifest_path.read_text())
-    for name, entry in manifest["files"].items():
-        data = (checkpoint / name).read_bytes()
-        entry["sha256"] = hashlib.sha256(data).hexdigest()
-        entry["bytes"] = len(data)
-    manifest_path.write_text(json.dumps(manifest))
 
 
 def _plant_metadata(checkpoint: Path, entry: str, marker: Path) -> Path:
@@ -121,10 +110,7 @@ def _plant(checkpoint: Path, kind: str, how: str, marker: Path) -> str:
         files = sorted(f for f in manifest["files"] if f.startswith(entry))
         planted = _plant_file(checkpoint, files[0], marker)
         name = files[0]
-    new_files = [str(p.relative_to(checkpoint)) for p in checkpoint.rglob("*") if p.is_file()]
-    manifest["files"] = {f: {"sha256": "", "bytes": 0} for f in new_files if f != "manifest.json"}
-    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
-    _rehash(checkpoint)
+    rehash(checkpoint)
     assert planted.exists()
     return name
 

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from phalanx.ddp.stats import Collective, Traffic
+
 
 @dataclass(frozen=True)
 class Piece:
@@ -101,9 +103,10 @@ class ShardedFlat:
         first = tensors[0]
         return cls([t.numel() for t in tensors], world_size, rank, first.dtype, first.device)
 
-    def blocks(self, flat: torch.Tensor, first: int, count: int) -> torch.Tensor:
-        """Blocks first..first+count-1 of an all-gather's output: a slice, no copy."""
-        return flat[first * self.block : (first + count) * self.block]
+    def gather_traffic(self, world_size: int) -> Traffic:
+        """An all-gather of these tensors (unpadded: what piece-wise broadcasts send)."""
+        nbytes = sum(self.numels) * self.dtype.itemsize
+        return Traffic.of(Collective.ALL_GATHER, world_size, other_bytes=nbytes)
 
     def padded_rows(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         """Parameter i's flattened values as (N, chunk), zero-padded at the end."""
@@ -128,10 +131,16 @@ class ShardedFlat:
             rows.append(self.padded_rows(flat.reshape(-1), i))
         return torch.cat(rows, dim=1).view(-1)
 
-    def own_block_input(self, pieces: Sequence[torch.Tensor]) -> torch.Tensor:
+    def own_block_input(
+        self, pieces: Sequence[torch.Tensor], gathered: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """This rank's block for an all-gather: its pieces (cast to the layout's dtype), each
-        followed by its padding, whose values nothing reads."""
-        block = torch.empty(self.block, dtype=self.dtype, device=self.device)
+        followed by its padding, whose values nothing reads. With `gathered` (the all-gather's
+        output), written in place into this rank's block of it: no copy at the gather."""
+        if gathered is not None:
+            block = gathered[self.rank * self.block : (self.rank + 1) * self.block]
+        else:
+            block = torch.empty(self.block, dtype=self.dtype, device=self.device)
         dst = [block[o : o + p.numel()] for o, p in zip(self.offsets, pieces) if p.numel()]
         src = [p.reshape(-1) for p in pieces if p.numel()]
         if dst:
