@@ -112,8 +112,13 @@ class NonFiniteGuard:
 
 
 def first_nonfinite(model: nn.Module) -> str | None:
-    """The name of this rank's first parameter (or piece) holding a NaN or an inf, or None."""
-    named = [(name, p.detach()) for name, p in model.named_parameters() if p.numel()]
+    """The name of this rank's first parameter (or shard) holding a NaN or an inf, or None.
+
+    Rank-local: a stage-3 (DTensor) parameter is looked at through its local shard, which
+    may be empty; the DTensor itself would make every norm a collective.
+    """
+    named = [(name, _local(p.detach())) for name, p in model.named_parameters()]
+    named = [(name, t) for name, t in named if t.numel()]
     if not named:
         return None
     # The largest magnitude: NaN and inf show, and unlike a 2-norm it cannot overflow.
@@ -121,6 +126,11 @@ def first_nonfinite(model: nn.Module) -> str | None:
     if bool(torch.isfinite(worst)):
         return None
     return next(name for name, p in named if not bool(torch.isfinite(p).all()))
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(tensor, "to_local", None)  # a DTensor
+    return to_local() if callable(to_local) else tensor
 
 
 def check_parameters(model: nn.Module, world: World, step: int) -> None:
