@@ -37,7 +37,11 @@ def _train_with_timeline(rank: int, world: int, out: str) -> dict[str, Any]:
         per_device_train_batch_size=4, gradient_accumulation_steps=2, report_to=[],
         disable_tqdm=True, ddp_backend="gloo", timeline=str(path),
     )  # fmt: skip
-    trainer = Trainer(_Regression(), args, train_dataset=data)
+    return _trace_of(Trainer(_Regression(), args, train_dataset=data), path, rank, world)
+
+
+def _trace_of(trainer: Trainer, path: Path, rank: int, world: int) -> dict[str, Any]:
+    """Train, write this rank's spans; rank 0 merges them: (pid, tid, name) and the steps."""
     trainer.train()
     assert trainer.timeline is not None
     trainer.timeline.write()
@@ -123,15 +127,7 @@ def _stage3_timeline(rank: int, world: int, out: str) -> dict[str, Any]:
         per_device_train_batch_size=4, report_to=[], disable_tqdm=True, ddp_backend="gloo",
         timeline=str(path),
     )  # fmt: skip
-    trainer = Trainer(_Blocks(), args, train_dataset=data)
-    trainer.train()
-    assert trainer.timeline is not None
-    trainer.timeline.write()
-    if rank != 0:
-        return {}
-    trace = timelines.merge(path, world, wait_s=30)
-    spans = [(e["pid"], e["tid"], e["name"]) for e in trace["traceEvents"] if e["ph"] == "X"]
-    return {"spans": spans, "steps": trace["phalanx"]["steps"]}
+    return _trace_of(Trainer(_Blocks(), args, train_dataset=data), path, rank, world)
 
 
 @pytest.mark.timeout(120)
