@@ -88,6 +88,44 @@ def _placement(rank: int) -> str:
     )
 
 
+class Fails(nn.Module):
+    """Raises in its forward when told to, after the first block has been gathered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+        self.fail = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = torch.tanh(self.blocks[0](x))
+        if self.fail:
+            raise ValueError("a bad batch")
+        return self.blocks[1](x)
+
+
+def _recovers(rank: int) -> str:
+    """After a forward raised mid-way, reset_iter_state() and the next step is a clean one."""
+    losses = []
+    for fail_first in (False, True):
+        torch.manual_seed(3)
+        model = Fails()
+        for block in model.blocks:
+            phalanx.fully_shard(block)
+        phalanx.fully_shard(model)
+        x, y = regression_batch(rank, 0, 0)
+        if fail_first:
+            model.fail = True
+            try:
+                model(x)
+            except ValueError:
+                model.reset_iter_state()  # type: ignore[operator]
+            model.fail = False
+        loss = mse_loss(model(x)[:, :4], y)
+        loss.backward()
+        losses.append(loss.item())
+    return "same" if losses[0] == losses[1] else f"differ: {losses}"
+
+
 SCENARIOS: dict[str, Callable[[int], str]] = {
     "used_outside_forward": _used_outside_forward,
     "wrapped_twice": _wrapped_twice,
@@ -102,6 +140,7 @@ SCENARIOS: dict[str, Callable[[int], str]] = {
         lambda: phalanx.fully_shard(nn.Linear(4, 4), reshard_after_forward=3)
     ),
     "scalar": lambda r: _error(lambda: phalanx.fully_shard(Scalar())),
+    "recovers": _recovers,
     "method": lambda r: _error(
         lambda: phalanx.fully_shard(nn.Linear(4, 4)).set_custom_all_gather(None)  # type: ignore[attr-defined]
     ),
@@ -131,6 +170,7 @@ def limits() -> list[Outcome]:
         ("reshard_size", "does not divide the 2 ranks"),
         ("scalar", "'scale' is a scalar"),
         ("method", "set_custom_all_gather is not supported"),
+        ("recovers", "same"),
     ],
 )
 def test_refusals_are_one_clear_error_on_every_rank(

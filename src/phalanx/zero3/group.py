@@ -113,10 +113,6 @@ class ParamGroup:
     def is_unsharded(self) -> bool:
         return self._storage is not None and self._storage.nbytes() == self._nbytes
 
-    @property
-    def unsharded_bytes(self) -> int:
-        return sum(p.shape.numel() for p in self.params) * self.dtype.itemsize
-
     def unsharded_params(self) -> list[nn.Parameter]:
         if self._storage is None:
             self._build_unsharded()
@@ -140,21 +136,20 @@ class ParamGroup:
         self._record_flight("gather", self._gather.work, out)
         return True
 
-    def finish_gather(self, post_forward: dist.ProcessGroup | None = None) -> float:
-        """Wait for the all-gather and write the unsharded parameters; the seconds waited."""
+    def finish_gather(self, post_forward: dist.ProcessGroup | None = None) -> None:
+        """Wait for the all-gather and write the unsharded parameters."""
         if self._storage is None:
             self._build_unsharded()
         self.start_gather(post_forward)
         if self._gather is None:
-            return 0.0
+            return
         state, self._gather = self._gather, None
-        gathered, waited = self._waited("gather", lambda: wait_all_gather(state))
+        gathered = self._waited("gather", lambda: wait_all_gather(state))
         assert self._storage is not None
         self._storage.resize_(self._nbytes)
         with torch.no_grad():
             self.layout.copy_out(gathered, self._writers)
         self._kept = None
-        return waited
 
     def free(self, keep: tuple[int, int] | None = None) -> None:
         """Free the unsharded storage; `keep=(first, count)`: keep those wire blocks first
@@ -200,7 +195,7 @@ class ParamGroup:
     def finish_reduce(self, state: ReduceScatterState, all_reduce: bool) -> PendingAllReduce | None:
         """Wait for the reduce-scatter. HSDP: start the all-reduce across replicas (returned)
         or, when `all_reduce` is off, keep the rows summed for later. 1-D: write the grads."""
-        out, _ = self._waited(
+        out = self._waited(
             "reduce-scatter", lambda: wait_reduce_scatter(state, self.info.shard_group)
         )
         if self.info.replicate_group is None:
@@ -218,18 +213,17 @@ class ParamGroup:
         return PendingAllReduce(work, out)
 
     def finish_all_reduce(self, pending: PendingAllReduce) -> None:
-        out, _ = self._waited("all-reduce", lambda: (pending.work.wait(), pending.output)[1])
-        self._write_grads(out)
+        self._write_grads(self._waited("all-reduce", lambda: _done(pending)))
 
-    def _waited(self, what: str, wait: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, float]:
-        """Wait for a collective: the result, and the seconds the training thread waited."""
+    def _waited(self, what: str, wait: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Wait for a collective, counting the time the training thread waited; its result."""
         start = time.perf_counter_ns()
         out = wait()
         end = time.perf_counter_ns()
         self.comm.wait_s += (end - start) / 1e9
         if self.timeline is not None:
             self.timeline.comm_waited(f"wait for {what} {self.label}", start, end)
-        return out, (end - start) / 1e9
+        return out
 
     def _record_flight(self, what: str, work: Any, tensor: torch.Tensor) -> None:
         if self.timeline is not None:
@@ -248,3 +242,8 @@ class ParamGroup:
                     p.sharded.grad = p.sharded_grad(local)  # a view of the output: no copy
                 else:  # a second synced backward before the step accumulates, as .grad would
                     p.sharded.grad._local_tensor.add_(local)  # type: ignore[attr-defined]
+
+
+def _done(pending: PendingAllReduce) -> torch.Tensor:
+    pending.work.wait()
+    return pending.output

@@ -93,10 +93,6 @@ class ShardedParam:
         for owner, name in self.owners:
             owner._parameters[name] = face
 
-    def is_registered(self, face: nn.Parameter) -> bool:
-        owner, name = self.owners[0]
-        return owner._parameters.get(name) is face
-
     def adopt_registered(self) -> None:
         """Follow a sharded parameter that was replaced in the module (`load_state_dict(...,
         assign=True)`, `to_empty`, `_apply`): it must stay a DTensor of the same layout."""

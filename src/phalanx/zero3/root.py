@@ -24,7 +24,7 @@ from phalanx.ddp.sync import broadcast_coalesced
 from phalanx.diagnostics import timeline as timelines
 from phalanx.errors import ConfigurationError
 from phalanx.nested import iter_tensors
-from phalanx.zero3.unit import Unit
+from phalanx.zero3.unit import Phase, Unit
 
 if TYPE_CHECKING:
     from phalanx.diagnostics.timeline import Timeline
@@ -141,5 +141,5 @@ class Root:
                 state.work.wait()
             u.reducing = None
             u.arrived = 0
-            u.phase = u.phase.IDLE
+            u.phase = Phase.IDLE
             u.reshard()
