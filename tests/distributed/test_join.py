@@ -155,6 +155,56 @@ def _throws(rank: int) -> dict[str, Any]:
     return {"error": None, "steps": steps}
 
 
+def _zero_under_join(rank: int, stage: int, divide: bool) -> dict[str, float]:
+    """ZeRO stage 1 or 2 under Join, the ranks out of batches stepping with the others
+    (shadow_round(send_local=True), as the Trainer's even_batches=False does): the model
+    must end as torch DDP + torch's Join leaves it (its last joiner's)."""
+    import phalanx
+    from phalanx.ddp.join import Shadowed
+
+    ref = _train(TorchDDP, TorchJoin, BNNet, rank, {}, {"divide_by_initial_world_size": divide})
+    torch.manual_seed(0)
+    net = BNNet()
+    model = phalanx.DistributedDataParallel(net)
+    opt = phalanx.ZeroRedundancyOptimizer(
+        model.parameters(), torch.optim.SGD, shard_gradients=stage == 2, lr=0.1, momentum=0.9
+    )
+    with phalanx.Join([model], divide_by_initial_world_size=divide) as join:
+        for step in range(BATCHES[rank]):
+            x, y = regression_batch(rank, step, 0)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        while (shadowed := join.shadow_round(send_local=True)) is not Shadowed.NOTHING_LEFT:
+            if shadowed is Shadowed.REDUCED:
+                opt.step()
+                opt.zero_grad()
+    ref_state, our_state = ref.state_dict(), net.state_dict()
+    diff = max((ref_state[k] - our_state[k]).abs().max().item() for k in ref_state)
+    return {"diff": diff}
+
+
+def _zero_left_alone(rank: int, stage: int) -> str:
+    """torch's join with ZeRO: a rank out of batches cannot shadow the optimizer's gather."""
+    import phalanx
+
+    torch.manual_seed(0)
+    model = phalanx.DistributedDataParallel(BNNet())
+    opt = phalanx.ZeroRedundancyOptimizer(
+        model.parameters(), torch.optim.SGD, shard_gradients=stage == 2, lr=0.1
+    )
+    try:
+        with phalanx.Join([model]):
+            for step in range(BATCHES[rank]):
+                x, y = regression_batch(rank, step, 0)
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+    except phalanx.ConfigurationError as exc:
+        return str(exc)
+    return "no error"
+
+
 def _join_scenarios(rank: int, world_size: int) -> dict[str, Any]:
     return run_scenarios(
         {
@@ -167,6 +217,12 @@ def _join_scenarios(rank: int, world_size: int) -> dict[str, Any]:
             "buckets": lambda: _parity(BNNet, rank, ddp_kwargs={"bucket_cap_mb": 0.001}),
             "model_join": lambda: _model_join(rank),
             "throws": lambda: _throws(rank),
+            "zero1": lambda: _zero_under_join(rank, 1, divide=True),
+            "zero1_not_initial": lambda: _zero_under_join(rank, 1, divide=False),
+            "zero2": lambda: _zero_under_join(rank, 2, divide=True),
+            "zero2_not_initial": lambda: _zero_under_join(rank, 2, divide=False),
+            "zero1_left_alone": lambda: _zero_left_alone(rank, 1),
+            "zero2_left_alone": lambda: _zero_left_alone(rank, 2),
         },
         rank,
     )
@@ -207,3 +263,27 @@ def test_throw_on_early_termination_raises_on_every_rank_naming_the_rank(
         assert got["error"] is not None, f"rank {o.rank} did not raise: {got}"
         assert "rank(s) [2] ran out of batches" in got["error"], got
         assert got["steps"] == 3, got  # everyone stops at the first iteration rank 2 lacks
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("scenario", ["zero1", "zero1_not_initial", "zero2", "zero2_not_initial"])
+def test_zero_under_join_ends_as_torch_ddp_and_join(join_run: list[Any], scenario: str) -> None:
+    """ZeRO-2's reduce-scatter averages over the ranks still training too (it kept 1/N)."""
+    for o in join_run:
+        got = o.value[scenario]
+        assert "error" not in got, got.get("error")
+        assert got["diff"] <= 1e-6, f"rank {o.rank}: {scenario} differs from torch: {got}"
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_under_torchs_join_is_one_clear_error_on_every_rank(
+    join_run: list[Any], stage: int
+) -> None:
+    """Was a gloo SIGABRT: the rank out of batches met the others' parameter all-gather."""
+    for o in join_run:
+        message = o.value[f"zero{stage}_left_alone"]
+        assert "rank(s) [2] ran out of batches under Join while a ZeroRedundancyOptimizer" in (
+            message
+        ), f"rank {o.rank}: {message}"
+        assert "\n" not in message

@@ -23,7 +23,7 @@ message in which some rank is missing makes every rank raise
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from types import TracebackType
 from typing import Any, NamedTuple
@@ -57,6 +57,9 @@ class JoinRound:
     """The ranks that have a batch for this iteration."""
     plan: list[int]
     """The training ranks' plan flags (the joinable's own layout; zeros if none trains)."""
+    cannot_shadow: list[int] = field(default_factory=list)
+    """Ranks out of batches that cannot take part in the training ranks' iterations (a
+    ZeroRedundancyOptimizer shards their model: its step is a collective too)."""
 
     @property
     def authority(self) -> int:
@@ -115,27 +118,45 @@ class Joinable(ABC):
     @abstractmethod
     def join_process_group(self) -> dist.ProcessGroup: ...
 
+    @property
+    def shadows_its_collectives(self) -> bool:
+        """False when a rank out of batches could not shadow every collective of a training
+        iteration (a ZeroRedundancyOptimizer's all-gather after the step)."""
+        return True
+
 
 def exchange_round(
-    joinable: Joinable, plan: list[int] | None, plan_size: int, stats: ReducerStats | None
+    joinable: Joinable,
+    plan: list[int] | None,
+    plan_size: int,
+    stats: ReducerStats | None,
+    can_shadow: bool = True,
 ) -> JoinRound:
-    """One message: `plan` from a training rank, None from a rank out of batches."""
+    """One message: `plan` from a training rank, None from a rank out of batches (-1 in its
+    slot when it cannot shadow the training ranks' iterations)."""
     group = joinable.join_process_group
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     message = torch.zeros(world_size + plan_size, dtype=torch.int64)
     if plan is not None:
         message[rank] = 1
         message[world_size:] = torch.tensor(plan, dtype=torch.int64)
+    elif not can_shadow:
+        message[rank] = -1
     message = message.to(joinable.join_device)
     dist.all_reduce(message, group=group)
     if stats is not None:
         nbytes = message.numel() * message.element_size()
         stats.add(Traffic.of(Collective.ALL_REDUCE, world_size, other_bytes=nbytes))
     values = message.tolist()
-    training = [r for r in range(world_size) if values[r]]
+    training = [r for r in range(world_size) if values[r] > 0]
     # Every training rank sends the same plan (they run the same program): sum / count.
     plan_sum = values[world_size:]
-    return JoinRound(world_size, training, [v // max(1, len(training)) for v in plan_sum])
+    plan_mean = [v // max(1, len(training)) for v in plan_sum]
+    cannot = [r for r in range(world_size) if values[r] < 0]
+    round_ = JoinRound(world_size, training, plan_mean, cannot)
+    if cannot and training:  # every rank sees it in the same message: all raise together
+        raise cannot_shadow(round_)
+    return round_
 
 
 class Join:
@@ -191,12 +212,19 @@ class Join:
             if not self._enable or exc_type is not None:
                 return  # an error inside the loop propagates as it is (as in torch)
             while not self._over:
-                self.shadow_round(send_local=False)
+                self._shadow_on_exit()
             for hook in self._hooks:
                 hook.post_hook(is_last_joiner=not self._shadowed)
         finally:
             for joinable in self._joinables:
                 joinable._join_config = JoinConfig.disabled()
+
+    def _shadow_on_exit(self) -> None:
+        """torch's join: shadow the others' iterations; a ZeRO-sharded model cannot (its
+        optimizer's all-gather would go unmatched), which every rank then hears of."""
+        can = all(j.shadows_its_collectives for j in self._joinables)
+        round_ = exchange_round(self._first, None, self._plan_size, self._stats, can)
+        self._take_part(round_, send_local=False)
 
     def shadow_round(self, send_local: bool = False) -> Shadowed:
         """Take part in the training ranks' next iteration without a batch.
@@ -207,6 +235,9 @@ class Join:
         epoch ended early, which keeps its optimizer state and step count in step.
         """
         round_ = exchange_round(self._first, None, self._plan_size, self._stats)
+        return self._take_part(round_, send_local)
+
+    def _take_part(self, round_: JoinRound, send_local: bool) -> Shadowed:
         if not round_.training:
             self._over = True
             return Shadowed.NOTHING_LEFT
@@ -228,6 +259,16 @@ class Join:
         if config.throw_on_early_termination and len(round_.training) < round_.world_size:
             raise early_termination(round_)
         return round_
+
+
+def cannot_shadow(round_: JoinRound) -> ConfigurationError:
+    return ConfigurationError(
+        f"rank(s) {round_.cannot_shadow} ran out of batches under Join while a "
+        "ZeroRedundancyOptimizer shards the model: a rank without a batch cannot take part in "
+        "the optimizer's parameter all-gather after the others' steps — give every rank the "
+        "same number of batches (phalanx.DistributedSampler pads; the Trainer's "
+        "even_batches=True), or use a plain optimizer with Join"
+    )
 
 
 def early_termination(round_: JoinRound) -> UnevenInputsError:

@@ -115,6 +115,11 @@ class JoinableDDP(Joinable):
     def join_process_group(self) -> dist.ProcessGroup:
         return self.process_group
 
+    @property
+    def shadows_its_collectives(self) -> bool:
+        """Not when a ZeroRedundancyOptimizer steps this model's pieces: its all-gather."""
+        return self.reducer.sharded_by() is None
+
     def set_join_divisor(self, round_: JoinRound) -> None:
         """divide_by_initial_world_size=False: average over the ranks training this round."""
         if not self._divide_by_initial_world_size:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -76,6 +76,9 @@ class Reducer:
         self.batched_copy = batched_copy
         self.stats = ReducerStats()
         self.reduction: BucketReduction = AllReduce(group)
+        self.sharded_by: Callable[[], object | None] = lambda: None
+        """A weak reference to the ZeroRedundancyOptimizer whose pieces these parameters are
+        (set by it): its step is a collective of its own, which Join must know about."""
         self.unused = UnusedParameters(self.params, find_unused_parameters, static_graph)
         self.counts = GradientCounts(self.names, static_graph)
         self.signals = StepSignals(group, self.params[0].device, self.stats)
@@ -152,10 +155,9 @@ class Reducer:
 
     def average_over(self, ranks: int) -> None:
         """Divide the summed gradients by `ranks` from now on (Join with
-        divide_by_initial_world_size=False: the ranks still training). Comm hooks
-        divide as they choose, as in torch."""
-        if isinstance(self.reduction, AllReduce):
-            self.reduction.set_divisor(ranks)
+        divide_by_initial_world_size=False: the ranks still training), whichever reduction
+        runs (comm hooks divide as they choose, as in torch)."""
+        self.reduction.set_divisor(ranks)
 
     def bucket_order(self) -> list[list[str]]:
         """Parameter names per bucket, in launch order (for logs and tests)."""

@@ -39,6 +39,10 @@ class BucketReduction(ABC):
         return None
 
     @abstractmethod
+    def set_divisor(self, divisor: int) -> None:
+        """Average over `divisor` ranks from now on (Join: the ranks still training)."""
+
+    @abstractmethod
     def launch(self, bucket: Bucket) -> Any:
         """Start the collective for a full bucket; return what `finish` needs."""
 
@@ -140,6 +144,9 @@ class CommHookReduction(BucketReduction):
         self._hook_stats = stats_of(state)
         """The hook's own counters when its state is a HookState (what it really sent)."""
         self._counted = (0, 0)  # (sent_bytes, collectives) of _hook_stats already booked
+
+    def set_divisor(self, divisor: int) -> None:
+        """A comm hook divides as it chooses (torch's rule): nothing to change here."""
 
     def launch(self, bucket: Bucket) -> Any:
         grad_bucket = GradBucket(

@@ -8,7 +8,7 @@ wrap time turns that into one error that names the parameter or buffer.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -43,19 +43,37 @@ def verify_same_state(
     params: Sequence[tuple[str, torch.Tensor]],
     buffers: Sequence[tuple[str, torch.Tensor]],
     group: dist.ProcessGroup,
+    settings: Mapping[str, object] | None = None,
 ) -> None:
-    """Raise the same error on every rank if any rank's parameters or buffers differ from rank
-    0's (names, shapes, dtypes), with one collective for both.
+    """Raise the same error on every rank if any rank's settings, parameters or buffers differ
+    from rank 0's (names, shapes, dtypes), with one collective for all three.
 
     `buffers` are those DDP broadcasts: a buffer of another shape would make
     the broadcast fail or silently leave replicas apart, and a buffer on one
-    rank only would wait out the collective timeout.
+    rank only would wait out the collective timeout. `settings` are what
+    shapes the collectives to come (the wrapper, bucket sizes, the sharding):
+    ranks that differ there would pair up different collectives and abort in
+    the backend, or hang.
     """
-    everyone: list[tuple[Signature, Signature] | None] = [None] * dist.get_world_size(group)
-    mine = (parameter_signature(params), parameter_signature(buffers))
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    mine = (dict(settings or {}), parameter_signature(params), parameter_signature(buffers))
     dist.all_gather_object(everyone, mine, group=group)
-    _raise_first_difference("parameter", [e[0] if e else None for e in everyone])
-    _raise_first_difference("buffer", [e[1] if e else None for e in everyone])
+    raise_if_settings_differ([e[0] if e else {} for e in everyone], "wrap")
+    _raise_first_difference("parameter", [e[1] if e else None for e in everyone])
+    _raise_first_difference("buffer", [e[2] if e else None for e in everyone])
+
+
+def raise_if_settings_differ(everyone: Sequence[Mapping[str, object]], where: str) -> None:
+    """One line naming the first setting whose value differs across ranks, and each rank's."""
+    keys = list(dict.fromkeys(k for settings in everyone for k in settings))
+    for key in keys:
+        values = [settings.get(key, "(unset)") for settings in everyone]
+        if any(v != values[0] for v in values):
+            per_rank = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
+            raise ConfigurationError(
+                f"ranks are configured differently: {key} differs ({per_rank}) — give every "
+                f"rank the same {key} (the {where} must shape the same collectives everywhere)"
+            )
 
 
 def _raise_first_difference(kind: str, everyone: list[Signature | None]) -> None:

@@ -43,6 +43,7 @@ class ReduceScatter(BucketReduction):
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.shards = shards
+        self._divisor = self.world_size
         self._outputs: dict[int, torch.Tensor] = {}
 
     def _layout(self, bucket: Bucket) -> ShardedFlat:
@@ -51,11 +52,14 @@ class ReduceScatter(BucketReduction):
         layout: ShardedFlat = bucket.reduction_state
         return layout
 
+    def set_divisor(self, divisor: int) -> None:
+        self._divisor = divisor
+
     def launch(self, bucket: Bucket) -> Any:
         layout = self._layout(bucket)
         with torch.no_grad():
             send = layout.reduce_scatter_input([p.grad for p in bucket.params])
-            scale_to_mean(send, self.world_size)
+            scale_to_mean(send, self._divisor)
         for p in bucket.params:
             p.grad = None  # the full gradient is not needed again: free it now
         received = torch.empty(layout.block, dtype=send.dtype, device=send.device)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -118,6 +119,9 @@ class ZeroRedundancyOptimizer(Optimizer):
         self._pull_hyperparameters()
         self._plan_gathers()
         self._initialized = True
+        me = weakref.ref(self)
+        for reducer in {id(r): r for p in self._params if (r := reducer_of(p))}.values():
+            reducer.sharded_by = me  # Join must know: this optimizer's step is a collective
         if shard_gradients:
             self._install_gradient_sharding()
 

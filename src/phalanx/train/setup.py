@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 from phalanx import zero3
 from phalanx.data.sampler import DistributedSampler
 from phalanx.ddp.module import DistributedDataParallel
+from phalanx.ddp.sync import raise_if_settings_differ
 from phalanx.errors import ConfigurationError
 from phalanx.optim.zero import ZeroRedundancyOptimizer
 from phalanx.runtime import World, init, shutdown
@@ -33,6 +34,22 @@ def join_world(args: TrainingArguments) -> tuple[World, bool]:
     created = not (dist.is_available() and dist.is_initialized())
     world = init(backend=args.ddp_backend, timeout=args.ddp_timeout)
     return world, created
+
+
+# Arguments a rank may set on its own: they shape no collective.
+PER_RANK_ARGUMENTS = ("dataloader_num_workers", "disable_tqdm", "report_to", "timeline")
+
+
+def check_same_arguments(args: TrainingArguments, world: World) -> None:
+    """Collective: the same TrainingArguments on every rank, or one line on every rank naming
+    the first that differs and each rank's value. Ranks that differ in zero_stage or
+    ddp_bucket_cap_mb would issue different collectives and abort in gloo (or hang in NCCL)."""
+    if not world.is_distributed:
+        return
+    mine = {k: v for k, v in args.to_dict().items() if k not in PER_RANK_ARGUMENTS}
+    everyone: list[Any] = [None] * world.world_size
+    dist.all_gather_object(everyone, mine, group=world.process_group)
+    raise_if_settings_differ(everyone, "TrainingArguments")
 
 
 def _check_precision(args: TrainingArguments, device: torch.device) -> None:

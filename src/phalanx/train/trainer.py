@@ -49,6 +49,7 @@ from phalanx.train.runlog import CommMeter, RunLog, emit
 from phalanx.train.schedules import make_scheduler
 from phalanx.train.setup import (
     build_optimizer,
+    check_same_arguments,
     check_user_optimizer,
     join_world,
     prepare_model,
@@ -124,6 +125,7 @@ class Trainer:
         """The process's timeline (phalanx.diagnostics.timeline), or None when off."""
         self._closed = False
         try:
+            check_same_arguments(self.args, self.world)  # before any collective of the run
             self._setup_model(model, optimizer)
             if train_dataset is not None:
                 self._setup_training(train_dataset)

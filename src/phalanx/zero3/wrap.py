@@ -66,7 +66,7 @@ def fully_shard(
     _check_placements(managed, shard_placement_fn)
     _refuse_parameters_of_other_units(module, managed)
     _move_to_device(module, managed, info)
-    _sync_initial_values(managed, info)
+    _sync_initial_values(managed, info, _settings(module, info, reshard, policy, ignored_params))
     params = [ShardedParam(p, fqn, owners, info) for p, fqn, owners in managed]
     for sp in params:
         sp.register(sp.sharded)
@@ -195,15 +195,28 @@ def _move_to_device(module: nn.Module, managed: list[Managed], info: MeshInfo) -
                 buffers_owner._buffers[name] = b.to(info.device)
 
 
-def _sync_initial_values(managed: list[Managed], info: MeshInfo) -> None:
+def _settings(
+    module: nn.Module, info: MeshInfo, reshard: Any, policy: Any, ignored: Any
+) -> dict[str, object]:
+    """What shapes this unit's collectives: every rank must agree (checked at wrap)."""
+    return {
+        "wrapper": f"phalanx.fully_shard({type(module).__name__})",
+        "mesh": tuple(info.mesh.shape),
+        "reshard_after_forward": reshard,
+        "mp_policy": str(policy),
+        "ignored_params": len(ignored or ()),
+    }
+
+
+def _sync_initial_values(
+    managed: list[Managed], info: MeshInfo, settings: dict[str, object]
+) -> None:
     """The same parameters on every rank (names, shapes, dtypes; else one clear error), then
     rank 0's values, as DDP starts: replicas agree whatever each rank's seed was. Meta
     parameters (initialised after fully_shard) are only checked."""
-    if not managed:
-        return
     group = info.mesh.get_group(0) if info.mesh.ndim == 1 else dist.group.WORLD
     assert group is not None
-    verify_same_state([(fqn, p) for p, fqn, _ in managed], [], group)
+    verify_same_state([(fqn, p) for p, fqn, _ in managed], [], group, settings)
     values = [p for p, _, _ in managed if not p.is_meta]
     if values and dist.get_world_size(group) > 1:
         broadcast_coalesced(values, group)
