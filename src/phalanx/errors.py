@@ -74,3 +74,9 @@ class OutputError(PhalanxError):
 class NonFiniteError(PhalanxError):
     """A gradient or a parameter became NaN or infinite: training would only spread it (the
     all-reduce hands one rank's NaN to every replica), and a checkpoint would keep it."""
+
+
+TRACEBACK_ENV = "PHALANX_TRACEBACK"
+"""Set to 1: an uncaught PhalanxError prints its whole traceback (phalanx/runtime/errorhook.py)."""
+TRACEBACK_FILE_ENV = "PHALANX_TRACEBACK_FILE"
+"""Where an uncaught PhalanxError's traceback is written; `phalanx launch --log-dir` sets it."""

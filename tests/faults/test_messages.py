@@ -83,3 +83,49 @@ def test_one_worker_is_one_worker_and_torch_rank_tags_are_not_doubled(tmp_path: 
     assert "[phalanx] starting 1 worker: rank 0 of 1, master" in result.stderr
     assert "[rank 0] Traceback (most recent call last):" in result.stderr.splitlines()
     assert "[rank 0] [rank9]: x" in result.stderr.splitlines()  # another rank's tag is kept
+
+
+WRONG_BACKEND = "import phalanx\nphalanx.init(backend='no-such-backend')\n"
+
+
+@pytest.mark.timeout(60)
+def test_an_uncaught_phalanx_error_in_a_users_script_is_one_line(tmp_path: Path) -> None:
+    """A script of the user's that meets a PhalanxError: its one line, not 52 of traceback;
+    PHALANX_TRACEBACK=1 gives the traceback back."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(WRONG_BACKEND)
+    plain = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=50
+    )
+    assert plain.returncode == 1
+    lines = plain.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ConfigurationError: backend 'no-such-backend'")
+    assert "PHALANX_TRACEBACK=1" in lines[0]
+    env = {**__import__("os").environ, "PHALANX_TRACEBACK": "1"}
+    full = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=50, env=env
+    )
+    assert full.returncode == 1 and "Traceback (most recent call last)" in full.stderr
+
+
+@pytest.mark.timeout(90)
+def test_under_the_launcher_each_rank_says_one_line_and_the_log_dir_keeps_the_traceback(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(WRONG_BACKEND)
+    logs = tmp_path / "logs"
+    result = launch(f"--nproc-per-node 2 --log-dir {logs}", script)
+    assert result.returncode != 0
+    for rank in (0, 1):
+        said = [line for line in result.stderr.splitlines() if line.startswith(f"[rank {rank}]")]
+        assert len(said) == 1, result.stderr
+        assert "ConfigurationError: backend 'no-such-backend'" in said[0]
+        traceback = (logs / f"rank_{rank}.traceback").read_text()
+        assert "Traceback (most recent call last)" in traceback
+    assert "ConfigurationError: backend 'no-such-backend'" in result.stderr.splitlines()[-1] or (
+        "backend 'no-such-backend'" in result.stderr
+    )

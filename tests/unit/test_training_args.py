@@ -346,3 +346,11 @@ def test_dict_batches_are_spread_only_into_forwards_that_name_them() -> None:
     assert not takes_keyword_batch(WholeDict(), {"x": torch.zeros(1)})
     assert not takes_keyword_batch(Keyword(), {"input_ids": 1, "mask": 2})  # mask is not named
     assert not takes_keyword_batch(Keyword(), [torch.zeros(1)])
+
+
+def test_a_keyword_typo_is_one_line_with_the_closest_field() -> None:
+    with pytest.raises(ConfigurationError) as exc:
+        TrainingArguments(output_dir="x", learning_rat=1e-3)  # type: ignore[call-arg]
+    assert str(exc.value) == (
+        "TrainingArguments has no field 'learning_rat' — did you mean 'learning_rate'?"
+    )

@@ -23,7 +23,7 @@ from types import FrameType
 from typing import IO, Any
 
 from phalanx.diagnostics.progress import PROGRESS_DIR_VAR
-from phalanx.errors import ConfigurationError
+from phalanx.errors import TRACEBACK_FILE_ENV, ConfigurationError
 from phalanx.launch.config import LaunchConfig
 from phalanx.launch.lifeline import LAUNCH_ID_ENV, Lifeline
 from phalanx.launch.meeting import Meeting
@@ -202,6 +202,9 @@ class Agent:
                                  master_port=port, base=self.environ, extra=extra)  # fmt: skip
                 env[LAUNCH_ID_ENV] = lifeline.launch_id  # the guard's way to find it (lifeline.py)
                 rank = cfg.global_rank(local_rank)
+                if plan.log_dir is not None and TRACEBACK_FILE_ENV not in env:
+                    # The console shows a PhalanxError's one line; the log dir keeps it whole.
+                    env[TRACEBACK_FILE_ENV] = str(plan.log_dir / f"rank_{rank}.traceback")
                 workers.append(spawn_worker(argv, env, rank, local_rank, self.sink, plan))
                 # At once, not after the whole group: a SIGKILL now must not orphan it.
                 lifeline.watch(workers[-1].pid)

@@ -27,6 +27,7 @@ from phalanx.diagnostics import progress
 from phalanx.errors import ConfigurationError, RendezvousError
 from phalanx.jobenv import LaunchInfo, detect_launch, launched_by_launcher
 from phalanx.runtime.backend import backend_names, claim_device, resolve_backend, select_device
+from phalanx.runtime.errorhook import install_error_hook
 from phalanx.runtime.exit import register_exit_hook, shutdown
 from phalanx.runtime.store import make_store
 from phalanx.runtime.world import World, describe_default_group
@@ -116,6 +117,7 @@ def init(backend: str | None = None, timeout: float | timedelta = DEFAULT_TIMEOU
     Calling `init` again, or after your own `dist.init_process_group`, returns
     a `World` for the existing group.
     """
+    install_error_hook()  # first: a wrong argument below is one line, not a traceback
     wait = parse_timeout(timeout)
     info = detect_launch(os.environ)
     if dist.is_initialized():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import os
 import types
 from collections.abc import Callable, Sequence
@@ -312,6 +313,19 @@ class Config:
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         field_types(cls)
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        """A keyword no field has is one line with the closest field's name (the dataclass's
+        own `__init__` would say only "unexpected keyword argument")."""
+        known: list[str] = (
+            [f.name for f in dataclasses.fields(cls)] if dataclasses.is_dataclass(cls) else []
+        )
+        for key in kwargs:
+            if known and key not in known:
+                close = difflib.get_close_matches(key, known, n=1)
+                hint = f"did you mean {close[0]!r}?" if close else "see its fields in the docs"
+                raise ConfigurationError(f"{cls.__name__} has no field {key!r} — {hint}")
+        return super().__new__(cls)
 
 
 def require(ok: bool, message: str) -> None:
