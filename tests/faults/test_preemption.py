@@ -91,7 +91,11 @@ def test_a_signal_on_one_rank_checkpoints_the_step_and_resume_is_bit_identical(
         for name, signum in (("sigterm", signal.SIGTERM), ("sigint", signal.SIGINT)):
             stop = run.value[name]
             assert stop["code"] == 128 + signum, stop
-            assert stop["message"] == f"stopped by {name.upper()} at step 3; saved checkpoint-3"
+            receiver = 1 if name == "sigterm" else 0
+            assert stop["message"] == (
+                f"stopped by {name.upper()} (received by rank {receiver}) at step 3; "
+                "saved checkpoint-3"
+            )
             assert stop["checkpoints"] == ["checkpoint-3"]
             assert stop["resumed_from"] == str(tmp_path / name / "checkpoint-3")
             assert stop["params"] == whole, f"{name}: the resumed run ended elsewhere"

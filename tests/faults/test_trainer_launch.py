@@ -69,12 +69,27 @@ def test_sigterm_to_the_launcher_saves_the_step_and_resume_is_bit_identical(
     out = tmp_path / "preempted"
     code, printed = _run(out, "", "--signal-after-step", 7, "--signal-launcher")
     assert code == 128 + signal.SIGTERM, printed
-    assert "stopped by SIGTERM at step 8; saved checkpoint-8" in printed
+    assert "stopped by SIGTERM (received by ranks 0, 1) at step 8; saved checkpoint-8" in printed
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-5", "checkpoint-8"]
     code, printed = _run(out, "", "--resume")
     assert code == 0, printed
     assert "resumed from checkpoint-8" in printed
     assert _identical(reference, out.with_suffix(".pt"))
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 30)
+def test_sigterm_to_one_worker_is_reported_as_its_preemption_save(tmp_path: Path) -> None:
+    """SIGTERM to rank 1 alone: both ranks save step 8 and exit 143; the summary names rank
+    1 as the one signalled and calls it a stop, not rank 0's failure (as it did before)."""
+    out = tmp_path / "preempted"
+    code, printed = _run(out, "", "--signal-after-step", 7, "--signal-rank", 1)
+    assert code == 128 + signal.SIGTERM, printed
+    stopped = [line for line in printed.splitlines() if line.startswith("[phalanx] STOPPED: ")]
+    assert stopped == [
+        "[phalanx] STOPPED: stopped by SIGTERM (received by rank 1) at step 8; saved "
+        "checkpoint-8 — resume with resume_from_checkpoint=True"
+    ], printed
+    assert "FAILED" not in printed and "first to fail" not in printed, printed
 
 
 @dataclass

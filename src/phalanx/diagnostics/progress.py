@@ -25,6 +25,7 @@ Imports no torch: the launcher reads the records with `read_record`.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import mmap
 import os
@@ -41,7 +42,9 @@ __all__ = [
     "PROGRESS_DIR_VAR",
     "Position",
     "collective",
+    "note_stop",
     "read_record",
+    "read_stop",
     "record_path",
     "stacks_path",
     "start",
@@ -78,6 +81,10 @@ def record_path(directory: Path, rank: int) -> Path:
 
 def stacks_path(directory: Path, rank: int) -> Path:
     return directory / f"rank_{rank}.stacks"
+
+
+def stop_path(directory: Path, rank: int) -> Path:
+    return directory / f"rank_{rank}.stopped"
 
 
 class _Recorder:
@@ -171,6 +178,23 @@ def step(value: int) -> None:
     """The Trainer is now in optimizer step `value` (1-based)."""
     if _recorder is not None:
         _recorder.set_step(value)
+
+
+def note_stop(text: str) -> None:
+    """This rank stops on purpose (a preemption save done): `phalanx launch` says `text`
+    instead of reporting the exit as a failure."""
+    raw = os.environ.get(PROGRESS_DIR_VAR)
+    if _recorder is not None and raw:
+        # An unwritable note only makes the summary read as a failure: nothing is lost.
+        with contextlib.suppress(OSError):
+            stop_path(Path(raw), _recorder.rank).write_text(text)
+
+
+def read_stop(directory: Path, rank: int) -> str | None:
+    try:
+        return stop_path(directory, rank).read_text()
+    except OSError:
+        return None
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Any
 
-from phalanx.diagnostics.progress import PROGRESS_DIR_VAR
+from phalanx.diagnostics.progress import PROGRESS_DIR_VAR, read_stop
 from phalanx.errors import TRACEBACK_FILE_ENV, ConfigurationError
 from phalanx.launch.config import LaunchConfig
 from phalanx.launch.lifeline import LAUNCH_ID_ENV, Lifeline
@@ -154,15 +154,23 @@ class Agent:
         """Find a stalled rank, stop the rest, report; None when another attempt is allowed."""
         max_restarts = self.config.max_restarts
         worker = failure.worker
-        self.sink.message(
-            f"rank {worker.rank} failed ({describe_returncode(failure.returncode)}); "
-            "stopping the other workers"
-        )
-        stall = find_stall(worker.rank, group.workers, progress_dir)
-        group.stop(signal.SIGTERM, self.config.grace_s, self.stop_request)
-        group.drain_output()
-        summary = failure_summary(worker, failure.returncode, self.config.node_rank, stall)
-        self.sink.message(summary)
+        stopped = read_stop(progress_dir, worker.rank)
+        if stopped is not None:  # a clean preemption save, every rank at the same step
+            self.sink.message(f"rank {worker.rank} stopped after saving; waiting for the others")
+            group.await_exit(self.config.grace_s)
+            group.stop(signal.SIGTERM, self.config.grace_s, self.stop_request)
+            group.drain_output()
+            self.sink.message(f"STOPPED: {stopped}")
+        else:
+            self.sink.message(
+                f"rank {worker.rank} failed ({describe_returncode(failure.returncode)}); "
+                "stopping the other workers"
+            )
+            stall = find_stall(worker.rank, group.workers, progress_dir)
+            group.stop(signal.SIGTERM, self.config.grace_s, self.stop_request)
+            group.drain_output()
+            summary = failure_summary(worker, failure.returncode, self.config.node_rank, stall)
+            self.sink.message(summary)
         if restart < max_restarts and not self._cancelled():
             self.sink.message(
                 f"restarting the worker group (restart {restart + 1} of {max_restarts})"

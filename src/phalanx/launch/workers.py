@@ -184,6 +184,12 @@ class WorkerGroup:
             worker.process.wait()
             self._lifeline.release(worker.pid)
 
+    def await_exit(self, grace_s: float) -> None:
+        """Give the workers up to `grace_s` to exit by themselves (a preemption save done)."""
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(w.process.poll() is None for w in self.workers):
+            time.sleep(_STOP_POLL_S)
+
     def _any_alive(self) -> bool:
         # poll() reaps the workers themselves, so only their descendants can keep a group alive.
         if any(w.process.poll() is None for w in self.workers):

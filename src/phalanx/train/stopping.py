@@ -22,7 +22,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
-from typing import Any
+from typing import Any, NamedTuple
 
 from phalanx.runtime import World
 
@@ -36,15 +36,23 @@ class TrainingStopped(SystemExit):
     signal's number; catch it to do more before exiting.
     """
 
-    def __init__(self, signum: int, step: int, checkpoint: str) -> None:
+    def __init__(
+        self, signum: int, step: int, checkpoint: str, received_by: list[int] | None = None
+    ) -> None:
         super().__init__(128 + signum)
         self.signum = signum
         self.step = step
         self.checkpoint = checkpoint
+        self.received_by = received_by or []
+        """The ranks the signal reached (the others stopped because they did)."""
 
     def __str__(self) -> str:
         name = signal.Signals(self.signum).name
-        return f"stopped by {name} at step {self.step}; saved {self.checkpoint}"
+        ranks = ", ".join(str(r) for r in self.received_by)
+        who = f" (received by rank{'s' if len(self.received_by) > 1 else ''} {ranks})"
+        return (
+            f"stopped by {name}{who if ranks else ''} at step {self.step}; saved {self.checkpoint}"
+        )
 
 
 class StopRequests:
@@ -80,16 +88,26 @@ class StopRequests:
             raise KeyboardInterrupt  # the second Ctrl-C: stop at once
         self.received.append(signum)
 
-    def agree(self) -> int | None:
-        """Collective at a step boundary: the signal every rank stops for, or None to go on.
-
-        SIGTERM wins over SIGINT when ranks received different ones.
-        """
+    def agree(self) -> Stop | None:
+        """Collective at a step boundary: the signal every rank stops for, and the ranks that
+        received it; None to go on. SIGTERM wins over SIGINT when ranks received different
+        ones."""
         if not self.enabled:
             return None
-        mine = [float(signum in self.received) for signum in STOP_SIGNALS]
+        world, rank = self.world.world_size, self.world.rank
+        mine = [0.0] * (world * len(STOP_SIGNALS))
+        for k, signum in enumerate(STOP_SIGNALS):
+            mine[k * world + rank] = float(signum in self.received)
         votes = self.world.all_reduce_sum(mine) if self.world.is_distributed else mine
-        for signum, count in zip(STOP_SIGNALS, votes, strict=True):
-            if count:
-                return signum
+        for k, signum in enumerate(STOP_SIGNALS):
+            ranks = [r for r in range(world) if votes[k * world + r]]
+            if ranks:
+                return Stop(signum, ranks)
         return None
+
+
+class Stop(NamedTuple):
+    """What the ranks agreed to stop for."""
+
+    signum: int
+    received_by: list[int]

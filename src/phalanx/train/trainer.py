@@ -59,7 +59,7 @@ from phalanx.train.setup import (
 )
 from phalanx.train.stateful import Entry
 from phalanx.train.step import StepRunner, autocast_for
-from phalanx.train.stopping import StopRequests, TrainingStopped
+from phalanx.train.stopping import Stop, StopRequests, TrainingStopped
 from phalanx.train.trainer_state import (
     Counters,
     ResumeWarning,
@@ -110,7 +110,7 @@ class Trainer:
         self._runlog: RunLog | None = None
         """The log window and totals of the train() call under way (phalanx.train.runlog)."""
         self._loss_before = 0.0
-        self._stopped_by: int | None = None
+        self._stopped_by: Stop | None = None
         """The signal the ranks agreed to stop for (train() then saves and exits)."""
         self._saved_step: int | None = None
         """The step output_dir holds a checkpoint of, written or resumed by this Trainer."""
@@ -373,14 +373,17 @@ class Trainer:
         if args.save_steps and (step % args.save_steps == 0 or step == self.max_steps):
             self.save_checkpoint()
 
-    def _stop_and_save(self, signum: int) -> TrainingStopped:
-        """Every rank agreed to stop: save at this step (unless done already) and say so."""
+    def _stop_and_save(self, stop: Stop) -> TrainingStopped:
+        """Every rank agreed to stop: save at this step (unless done already) and say so, on
+        the console and to the launcher, whose summary then names the rank signalled."""
         step = self.state.global_step
         path = Path(self.args.output_dir) / f"{PREFIX}{step}"
         if self._saved_step != step:
             path = self.save_checkpoint()
-        stopped = TrainingStopped(signum, step, path.name)
-        self._report.say(f"{stopped} — resume with resume_from_checkpoint=True")
+        stopped = TrainingStopped(stop.signum, step, path.name, stop.received_by)
+        note = f"{stopped} — resume with resume_from_checkpoint=True"
+        self._report.say(note)
+        progress.note_stop(note)
         return stopped
 
     # ---------------------------------------------------------------- logging
