@@ -129,3 +129,31 @@ def test_under_the_launcher_each_rank_says_one_line_and_the_log_dir_keeps_the_tr
     assert "ConfigurationError: backend 'no-such-backend'" in result.stderr.splitlines()[-1] or (
         "backend 'no-such-backend'" in result.stderr
     )
+
+
+JOIN = "import phalanx\nphalanx.init(backend='gloo', timeout=20)\n"
+
+
+@pytest.mark.timeout(90)
+def test_ranks_that_disagree_on_world_size_say_so_and_exit(tmp_path: Path) -> None:
+    """A hand-set environment: rank 0 says WORLD_SIZE=2, rank 1 says 3. Both name the
+    disagreement at once (it was blamed on the network interface, and rank 0 lived on)."""
+    import os
+    import subprocess
+    import sys
+
+    port = free_port()
+    procs = []
+    for rank, size in ((0, 2), (1, 3)):
+        env = {k: v for k, v in os.environ.items() if not k.endswith("_SOCKET_IFNAME")}
+        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size),
+                   LOCAL_WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   OMP_NUM_THREADS="1")  # fmt: skip
+        procs.append(subprocess.Popen([sys.executable, "-c", JOIN], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))  # fmt: skip
+    outputs = [p.communicate(timeout=60) for p in procs]  # well within ddp's 20 s timeout
+    for rank, (proc, (_, err)) in enumerate(zip(procs, outputs, strict=True)):
+        assert proc.returncode == 1, err
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and "the ranks disagree on WORLD_SIZE" in lines[0], err
+        assert f"rank {rank} was started with WORLD_SIZE={2 + rank}" in lines[0], err

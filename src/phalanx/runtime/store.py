@@ -143,11 +143,15 @@ def _host(info: LaunchInfo, wait: timedelta) -> dist.Store:
 
 
 def _wait_for_ranks(store: dist.Store, info: LaunchInfo, wait: timedelta) -> None:
-    """Like TCPStore's own wait for workers, but the error names the ranks that never came."""
+    """Like TCPStore's own wait for workers, but the error names the ranks that never came,
+    and a rank that joined with another world size at once."""
     deadline = time.monotonic() + wait.total_seconds()
     missing = list(range(1, info.world_size))
     while missing:
-        missing = [r for r in missing if not store.check([_JOINED_KEY.format(rank=r)])]
+        joined = [r for r in missing if store.check([_JOINED_KEY.format(rank=r)])]
+        for r in joined:
+            _raise_if_other_world(info, r, store.get(_JOINED_KEY.format(rank=r)).decode())
+        missing = [r for r in missing if r not in joined]
         if missing and time.monotonic() >= deadline:
             shown = ", ".join(str(r) for r in missing[:20]) + (" ..." if len(missing) > 20 else "")
             who = f"rank {shown}" if len(missing) == 1 else f"ranks {shown}"
@@ -176,8 +180,22 @@ def make_store(info: LaunchInfo, wait: timedelta) -> dist.Store:
         )
     except (RuntimeError, OSError) as exc:  # DistNetworkError / DistStoreError
         raise RendezvousError(_client_failure(info, wait, exc)) from exc
-    store.set(_JOINED_KEY.format(rank=info.rank), "1")
+    store.set(_JOINED_KEY.format(rank=info.rank), str(info.world_size))
+    if not info.agent_store:  # rank 0 hosts the store and wrote its world size there
+        owner = store.get(_OWNER_KEY).decode(errors="replace")
+        _raise_if_other_world(info, 0, owner.partition(" ")[0])
     return store
+
+
+def _raise_if_other_world(info: LaunchInfo, rank: int, their_size: str) -> None:
+    """A hand-set environment where the ranks disagree on WORLD_SIZE: said at once, by
+    both sides, instead of a failed connection blamed on the network interface."""
+    if their_size != str(info.world_size):
+        raise RendezvousError(
+            f"the ranks disagree on WORLD_SIZE: rank {info.rank} was started with "
+            f"WORLD_SIZE={info.world_size}, rank {rank} with WORLD_SIZE={their_size} — "
+            "export the same WORLD_SIZE on every rank"
+        )
 
 
 def serve_agent_store(argv: list[str] | None = None) -> None:
