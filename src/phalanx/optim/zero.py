@@ -19,12 +19,11 @@ can never drift apart.
 
 from __future__ import annotations
 
-import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,12 +31,12 @@ from torch.optim import Optimizer
 
 from phalanx.ddp.reductions import AllReduce
 from phalanx.ddp.registry import reducer_of
-from phalanx.ddp.stats import Collective, CommCounter
+from phalanx.ddp.stats import CommCounter
 from phalanx.errors import ConfigurationError, PhalanxError
 from phalanx.optim import zero_checkpoint, zero_state
-from phalanx.optim.collectives import is_gloo, start_all_gather, start_broadcast_pieces
 from phalanx.optim.grad_sharding import ReduceScatter
-from phalanx.optim.sharding import Piece, ShardedFlat, piece_of
+from phalanx.optim.sharding import Piece, piece_of
+from phalanx.optim.zero_gather import GatherPlan, ParameterGather
 
 # Updates whose step reads only each element's own gradient and state: cutting a tensor
 # between ranks leaves the math unchanged.
@@ -61,20 +60,6 @@ WHOLE_TENSOR = {
     "LBFGS": "searches along one direction over all parameters",
     "SparseAdam": "steps sparse gradients",
 }
-# All-gathers are issued in pieces of about this size, so the transient buffer stays small.
-GATHER_BUCKET_BYTES = 25 * 1024 * 1024
-# On gloo, parameters at least this large are broadcast piece by piece straight into their
-# storage (no flat buffer, no copies): 15 ms against 21 for the 8.4M MLP's gather at world 2.
-IN_PLACE_BYTES = 1024 * 1024
-
-
-class GatherPlan(NamedTuple):
-    """Parameters (indices) all-gathered together after a step, and how."""
-
-    layout: ShardedFlat
-    members: list[int]
-    in_place: bool
-    """gloo: each rank's piece of each parameter broadcast into place; else a flat buffer."""
 
 
 class ZeroRedundancyOptimizer(Optimizer):
@@ -106,7 +91,6 @@ class ZeroRedundancyOptimizer(Optimizer):
         self._consolidated: dict[str, Any] | None = None
         self._checked_wrapped = False
         self.stats = CommCounter()
-        self._buffers: dict[tuple[torch.device, torch.dtype, int], torch.Tensor] = {}
         """The parameter all-gathers after each step (stage 2's reduce-scatters are the
         reducer's: DistributedDataParallel.reducer.stats)."""
         super().__init__(params, defaults)
@@ -169,28 +153,7 @@ class ZeroRedundancyOptimizer(Optimizer):
                     local[key] = value
 
     def _plan_gathers(self) -> None:
-        """Group the parameters by (device, dtype) into all-gathers of bounded size; on gloo
-        the large ones apart, to be broadcast in place (`start_broadcast_pieces`)."""
-        self._gathers: list[GatherPlan] = []
-        in_place_ok = is_gloo(self.process_group)
-        open_lists: dict[tuple[torch.device, torch.dtype, bool], tuple[list[int], int]] = {}
-        for i, p in enumerate(self._params):
-            nbytes = p.numel() * p.element_size()
-            key = (p.device, p.dtype, in_place_ok and nbytes >= IN_PLACE_BYTES)
-            members, size = open_lists.get(key, ([], 0))
-            members.append(i)
-            size += nbytes
-            if size >= GATHER_BUCKET_BYTES:
-                self._gathers.append(self._gather_plan(members, key[2]))
-                members, size = [], 0
-            open_lists[key] = (members, size)
-        for (*_, in_place), (members, _) in open_lists.items():
-            if members:
-                self._gathers.append(self._gather_plan(members, in_place))
-
-    def _gather_plan(self, members: list[int], in_place: bool) -> GatherPlan:
-        layout = ShardedFlat.of([self._params[i] for i in members], self.world_size, self.rank)
-        return GatherPlan(layout, members, in_place)
+        self._gather = ParameterGather(self._params, self.process_group, self.stats)
 
     # -------------------------------------------------------------------- step
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -233,58 +196,17 @@ class ZeroRedundancyOptimizer(Optimizer):
         if step_each:
             for shard in self._shards:
                 shard.grad = None
-        in_flight: list[tuple[Any, GatherPlan, torch.Tensor | None]] = []
-        for k, plan in enumerate(self._gathers):
-            if step_each:
-                for i in plan.members:
-                    self._shards[i].grad = grads[i]
-                self.optim.step()
-                for i in plan.members:
-                    self._shards[i].grad = None
-            in_flight.append(self._start_gather(k, plan))
-            if len(in_flight) > 1:
-                self._finish_gather(*in_flight.pop(0))
-        for entry in in_flight:
-            self._finish_gather(*entry)
+
+        def step_plan(plan: GatherPlan) -> None:
+            for i in plan.members:
+                self._shards[i].grad = grads[i]
+            self.optim.step()
+            for i in plan.members:
+                self._shards[i].grad = None
+
+        self._gather.run(self._shards, step_plan if step_each else None)
         for shard, grad in zip(self._shards, grads):
             shard.grad = grad
-
-    def _start_gather(
-        self, k: int, plan: GatherPlan
-    ) -> tuple[Any, GatherPlan, torch.Tensor | None]:
-        if plan.in_place:  # every piece broadcast straight into its parameter: no copies
-            flats = [self._params[i].detach().view(-1) for i in plan.members]
-            work = start_broadcast_pieces(flats, plan.layout, self.process_group)
-            self.stats.add(plan.layout.gather_traffic(self.world_size))
-            return work, plan, None
-        out = self._gather_buffer(plan.layout, k)  # plan k-2's gather is done by now
-        block = plan.layout.own_block_input([self._shards[i] for i in plan.members], out)
-        state = start_all_gather(out, block, self.process_group)
-        self.stats.count(Collective.ALL_GATHER, out, self.world_size)
-        return state.work, plan, out
-
-    def _finish_gather(self, work: Any, plan: GatherPlan, out: torch.Tensor | None) -> None:
-        start = time.perf_counter()
-        work.wait()
-        self.stats.wait_s += time.perf_counter() - start
-        if out is not None:
-            plan.layout.copy_out(out, [self._params[i] for i in plan.members])
-
-    def _gather_buffer(self, layout: ShardedFlat, slot: int) -> torch.Tensor:
-        """An all-gather output for `layout`, from two kept buffers per (device, dtype), the
-        size of the largest gather: at most two gathers are in flight, and a buffer freshly
-        allocated each step was paid again in page faults (17 ms a step of the 8.4M MLP)."""
-        key = (layout.device, layout.dtype, slot % 2)
-        size = max(
-            p.layout.world_size * p.layout.block
-            for p in self._gathers
-            if p.layout.dtype == layout.dtype and not p.in_place
-        )
-        buffer = self._buffers.get(key)
-        if buffer is None or buffer.numel() < size:
-            buffer = torch.empty(size, dtype=layout.dtype, device=layout.device)
-            self._buffers[key] = buffer
-        return buffer[: layout.world_size * layout.block]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the model's gradients and the shards' (stage 2 keeps only the latter)."""
