@@ -143,3 +143,24 @@ def buffer_sync(
     if forward_sync_buffers is None:
         return broadcast, broadcast
     return forward_sync_buffers, True
+
+
+def collective_settings(
+    bucket_caps: Sequence[int],
+    tune_bucket_size: bool,
+    find_unused_parameters: bool,
+    gradient_as_bucket_view: bool,
+    static_graph: bool,
+    forward_sync_buffers: bool,
+) -> dict[str, object]:
+    """What shapes a DDP wrapper's collectives: every rank must agree (checked at wrap)."""
+    return {
+        "wrapper": "phalanx.DistributedDataParallel",
+        "bucket_cap_mb (bucket sizes in MiB)": (
+            "auto" if tune_bucket_size else [c / 2**20 for c in bucket_caps]
+        ),
+        "find_unused_parameters": find_unused_parameters,
+        "gradient_as_bucket_view": gradient_as_bucket_view,
+        "static_graph": static_graph,
+        "buffer broadcast (broadcast_buffers)": forward_sync_buffers,
+    }

@@ -163,24 +163,15 @@ class DistributedDataParallel(TorchSurface, nn.Module, JoinableDDP):
         every rank rank 0's values: replicas start identical."""
         params = self._managed_parameters()
         checked = named_buffers if with_buffers or self.forward_sync_buffers else []
-        verify_same_state(params, checked, self.process_group, self._collective_settings())
+        settings = arguments.collective_settings(
+            self._bucket_caps, self._tune_bucket_size, self.find_unused_parameters,
+            self.gradient_as_bucket_view, self.static_graph, self.forward_sync_buffers,
+        )  # fmt: skip
+        verify_same_state(params, checked, self.process_group, settings)
         state: list[torch.Tensor] = [p for _, p in params]
         if with_buffers:
             state += self._buffers_to_sync
         broadcast_coalesced(state, self.process_group)
-
-    def _collective_settings(self) -> dict[str, object]:
-        """What shapes this wrapper's collectives: every rank must agree (checked at wrap)."""
-        return {
-            "wrapper": "phalanx.DistributedDataParallel",
-            "bucket_cap_mb (bucket sizes in MiB)": (
-                "auto" if self._tune_bucket_size else [c / 2**20 for c in self._bucket_caps]
-            ),
-            "find_unused_parameters": self.find_unused_parameters,
-            "gradient_as_bucket_view": self.gradient_as_bucket_view,
-            "static_graph": self.static_graph,
-            "buffer broadcast (broadcast_buffers)": self.forward_sync_buffers,
-        }
 
     def _managed_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """The module's parameters DDP synchronises: all but the ignored ones."""
