@@ -43,6 +43,11 @@ def tbf_args(gbit: float) -> list[str]:
     return ["tbf", "rate", f"{gbit:g}gbit", "burst", str(burst), "latency", "100ms"]
 
 
+def _needs_root(exc: BaseException, what: str) -> SystemExit:
+    detail = getattr(exc, "stderr", "") or exc
+    return SystemExit(f"network namespaces need root and iproute2 ({detail}) — run as root, {what}")
+
+
 def _run(*cmd: str) -> None:
     subprocess.run(cmd, check=True, capture_output=True, text=True)
 
@@ -54,11 +59,7 @@ def shaped_namespace(gbit: float) -> Iterator[str]:
     try:
         _run("ip", "netns", "add", name)
     except (OSError, subprocess.CalledProcessError) as exc:
-        detail = getattr(exc, "stderr", "") or exc
-        raise SystemExit(
-            f"--link-gbit needs root and iproute2 to make a network namespace ({detail}) "
-            "— run as root, or leave --link-gbit out to measure over plain loopback"
-        ) from exc
+        raise _needs_root(exc, "or leave --link-gbit out to measure over plain loopback") from exc
     try:
         inside = ("ip", "netns", "exec", name)
         _run(*inside, "ip", "link", "set", "lo", "up")
@@ -117,11 +118,7 @@ def two_hosts(gbit: float, subnet: str = "10.213.9") -> Iterator[TwoHosts]:
                 _run("ip", "-n", ns, "link", "set", "lo", "up")
                 _run(*inside, "tc", "qdisc", "add", "dev", dev, "root", *tbf_args(gbit))
         except (OSError, subprocess.CalledProcessError) as exc:
-            detail = getattr(exc, "stderr", "") or exc
-            raise SystemExit(
-                f"two hosts need root and iproute2 to make network namespaces ({detail}) "
-                "— run as root"
-            ) from exc
+            raise _needs_root(exc, "to build the two hosts") from exc
         yield hosts
     finally:
         for ns in made:

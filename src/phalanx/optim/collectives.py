@@ -158,10 +158,3 @@ def wait_reduce_scatter(state: ReduceScatterState, group: dist.ProcessGroup | No
 def all_gather(output: torch.Tensor, block: torch.Tensor, group: dist.ProcessGroup | None) -> None:
     """The blocking form of `start_all_gather`."""
     wait_all_gather(start_all_gather(output, block, group))
-
-
-def reduce_scatter(
-    output: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup | None
-) -> None:
-    """The blocking form of `start_reduce_scatter`."""
-    wait_reduce_scatter(start_reduce_scatter(output, send, group), group)
