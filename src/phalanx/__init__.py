@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from phalanx.ddp.join import Join
     from phalanx.ddp.module import DistributedDataParallel
     from phalanx.diagnostics.replicas import check_replicas
+    from phalanx.offload import DiskOffloadPolicy, offload_optimizer
     from phalanx.optim.diloco import DiLoCo
     from phalanx.optim.local_sgd import LocalSGD
     from phalanx.optim.zero import ZeroRedundancyOptimizer
@@ -60,6 +61,8 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "FSDPModule": ("phalanx.zero3", "FSDPModule"),
     "OffloadPolicy": ("phalanx.zero3", "OffloadPolicy"),
     "CPUOffloadPolicy": ("phalanx.zero3", "CPUOffloadPolicy"),
+    "DiskOffloadPolicy": ("phalanx.offload", "DiskOffloadPolicy"),
+    "offload_optimizer": ("phalanx.offload", "offload_optimizer"),
     "UnshardHandle": ("phalanx.zero3", "UnshardHandle"),
     "register_fsdp_forward_method": ("phalanx.zero3", "register_fsdp_forward_method"),
 }
@@ -68,6 +71,7 @@ __all__ = [
     "CPUOffloadPolicy",
     "ConfigurationError",
     "DiLoCo",
+    "DiskOffloadPolicy",
     "DistributedDataParallel",
     "DistributedSampler",
     "FSDPModule",
@@ -89,6 +93,7 @@ __all__ = [
     "fully_shard",
     "init",
     "launched_by_launcher",
+    "offload_optimizer",
     "register_fsdp_forward_method",
     "shutdown",
 ]

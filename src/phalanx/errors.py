@@ -14,6 +14,7 @@ __all__ = [
     "MasterUnreachableError",
     "NonFiniteError",
     "NotSupportedError",
+    "OffloadError",
     "OutputError",
     "PhalanxError",
     "PortTakenError",
@@ -52,6 +53,11 @@ class UnevenInputsError(ReducerError):
 class NotSupportedError(PhalanxError, NotImplementedError):
     """A torch feature phalanx does not provide on purpose: the message says why, and what
     to use instead (never silently ignored)."""
+
+
+class OffloadError(PhalanxError):
+    """Offloaded state cannot be written: its directory is unwritable, or its disk is full.
+    Raised on every rank of the step (each names the rank whose disk failed)."""
 
 
 class RendezvousError(PhalanxError):

@@ -45,6 +45,8 @@ _MERGE_WAIT_S = 20.0
 # About 20 spans per step: 200k spans keep the first ~10k steps (tens of MB) of a long
 # run and then stop recording, rather than grow without bound.
 MAX_SPANS = 200_000
+TRACKS = ("compute", "comm", "io")
+"""Each rank's tracks: the training thread, collectives in flight, offload file I/O."""
 
 
 @dataclass
@@ -222,15 +224,17 @@ def merge(path: str | Path, world_size: int, wait_s: float = _MERGE_WAIT_S) -> d
     events: list[dict[str, Any]] = []
     for data in ranks:
         rank, shift = data["rank"], data["origin_ns"] - base
-        for tid, track in enumerate(("compute", "comm")):
-            events.append(_meta(rank, tid, f"rank {rank} {track}"))
+        used = {"compute", "comm"} | {span[1] for span in data["spans"]}
+        for tid, track in enumerate(TRACKS):
+            if track in used:
+                events.append(_meta(rank, tid, f"rank {rank} {track}"))
         for name, track, start, dur, args in data["spans"]:
             events.append(
                 {
                     "name": name,
                     "ph": "X",
                     "pid": rank,
-                    "tid": 1 if track == "comm" else 0,
+                    "tid": TRACKS.index(track) if track in TRACKS else 0,
                     "ts": (start + shift) / 1000,
                     "dur": dur / 1000,
                     "args": args,

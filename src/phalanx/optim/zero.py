@@ -33,6 +33,7 @@ from phalanx.ddp.reductions import AllReduce
 from phalanx.ddp.registry import reducer_of
 from phalanx.ddp.stats import CommCounter
 from phalanx.errors import ConfigurationError, PhalanxError
+from phalanx.offload import DiskOffloadPolicy, offload_optimizer
 from phalanx.optim import zero_checkpoint, zero_state
 from phalanx.optim.grad_sharding import ReduceScatter
 from phalanx.optim.sharding import Piece, piece_of
@@ -73,6 +74,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         parameters_as_bucket_view: bool = False,
         overlap_with_ddp: bool = False,
         shard_gradients: bool = False,
+        offload_policy: DiskOffloadPolicy | None = None,
         **defaults: Any,
     ) -> None:
         _check_arguments(optimizer_class, overlap_with_ddp)
@@ -100,6 +102,8 @@ class ZeroRedundancyOptimizer(Optimizer):
             [self._local_group(g) for g in self.param_groups], **defaults
         )
         """The local optimizer over this rank's pieces (real tensors it steps)."""
+        if offload_policy is not None:  # its state in files, stepped a window at a time
+            offload_optimizer(self.optim, offload_policy, self.process_group)
         self._pull_hyperparameters()
         self._plan_gathers()
         self._initialized = True

@@ -30,6 +30,7 @@ from phalanx.train.schedules import ScheduleName
 
 DEFAULT_REPORT_TO: tuple[Reporter, ...] = ("console", "jsonl")
 ZeroStage = Literal[0, 1, 2, 3]
+ZeroOffload = Literal["cpu", "disk"]
 CommHookName = Literal["allreduce", "fp16", "bf16", "powersgd"]
 SyncMethod = Literal["ddp", "local_sgd", "diloco"]
 _Args = TypeVar("_Args", bound="TrainingArguments")
@@ -99,6 +100,17 @@ class TrainingArguments(Config):
     """Under zero_stage=3, the class names of the modules that become units (e.g. "Block",
     "GPT2Block", "LlamaDecoderLayer"); None takes the model's repeated blocks (the heaviest
     list of modules of one class). The root is always a unit too."""
+    zero_offload: ZeroOffload | None = None
+    """Where ZeRO's sharded state lives when device memory is short: "disk" keeps the
+    optimizer state (stages 1-3) and, at stage 3, the sharded parameters and gradients in
+    files under zero_offload_dir, the optimizer step streaming them a window at a time;
+    "cpu" keeps stage 3's shards in host memory (FSDP2's CPUOffloadPolicy; on a CPU
+    device, where they already are, it changes nothing). None: no offload."""
+    zero_offload_dir: str | None = None
+    """The directory for zero_offload="disk" files (a local disk; each process makes its
+    own scratch directory in it, removed at exit); None: output_dir/offload."""
+    zero_offload_window_mb: float = 64.0
+    """How much offloaded state the optimizer step holds in memory at a time."""
 
     # ----------------------------------------------------------- logging, evaluation, saving
     logging_steps: int = 10

@@ -135,6 +135,27 @@ def _check_ddp(args: TrainingArguments) -> None:
         f"zero3_units={args.zero3_units} only means something with zero_stage=3 — set "
         "zero_stage=3, or drop zero3_units",
     )
+    require(
+        args.zero_offload is None or args.zero_stage > 0,
+        f"zero_offload={args.zero_offload!r} offloads ZeRO's sharded state, and zero_stage=0 "
+        "shards nothing — set zero_stage to 1, 2 or 3 (3 offloads the parameters too)",
+    )
+    require(
+        args.zero_offload != "cpu" or args.zero_stage == 3,
+        f"zero_offload='cpu' moves stage 3's shards to host memory; at zero_stage="
+        f"{args.zero_stage} use zero_offload='disk' (the optimizer state in files), or "
+        "zero_stage=3",
+    )
+    require(
+        args.zero_offload_dir is None or args.zero_offload == "disk",
+        "zero_offload_dir is where zero_offload='disk' writes — set zero_offload='disk', "
+        "or drop zero_offload_dir",
+    )
+    require(
+        args.zero_offload_window_mb > 0,
+        f"zero_offload_window_mb={args.zero_offload_window_mb} must be > 0 — it is how much "
+        "offloaded state the optimizer step holds at a time (e.g. 64)",
+    )
 
 
 def check_combinations(args: TrainingArguments) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,8 +19,16 @@ from phalanx.data.sampler import DistributedSampler
 from phalanx.ddp.module import DistributedDataParallel
 from phalanx.ddp.sync import raise_if_settings_differ
 from phalanx.errors import ConfigurationError
+from phalanx.offload import (
+    CPUOffloadPolicy,
+    DiskOffloadPolicy,
+    OffloadPolicy,
+    offload_optimizer,
+    streamer_of,
+)
 from phalanx.optim.zero import ZeroRedundancyOptimizer
 from phalanx.runtime import World, init, shutdown
+from phalanx.runtime.hostmem import return_freed_memory
 from phalanx.train.args import TrainingArguments
 
 
@@ -67,8 +76,11 @@ def _check_precision(args: TrainingArguments, device: torch.device) -> None:
 
 def prepare_model(model: nn.Module, args: TrainingArguments, device: torch.device) -> nn.Module:
     """Check the precision fits the device, turn on gradient checkpointing if asked, and
-    move the model to this rank's device."""
+    move the model to this rank's device. At stage 3 or under offload, host memory freed
+    goes back to the kernel (runtime/hostmem.py)."""
     _check_precision(args, device)
+    if args.zero_stage == 3 or args.zero_offload is not None:
+        return_freed_memory()  # the point of these runs is less host memory: see hostmem.py
     if args.gradient_checkpointing:
         _enable_gradient_checkpointing(model)
     return model.to(device)
@@ -118,15 +130,30 @@ def build_optimizer(model: nn.Module, args: TrainingArguments, world: World) -> 
         {"params": no_decay, "weight_decay": 0.0},
     ]
     groups = [g for g in groups if g["params"]]
+    disk = offload_policy(args)
+    disk = disk if isinstance(disk, DiskOffloadPolicy) else None
     if args.zero_stage in (0, 3):  # stage 3's AdamW steps the model's DTensor shards
-        return AdamW(groups, lr=args.learning_rate)
+        optimizer = AdamW(groups, lr=args.learning_rate)
+        return optimizer if disk is None else offload_optimizer(optimizer, disk)
     return ZeroRedundancyOptimizer(
         groups,
         AdamW,
         process_group=world.process_group,
         shard_gradients=args.zero_stage == 2 and world.is_distributed,
+        offload_policy=disk,
         lr=args.learning_rate,
     )
+
+
+def offload_policy(args: TrainingArguments) -> OffloadPolicy | None:
+    """zero_offload as a policy: "disk" under zero_offload_dir (default output_dir/offload),
+    "cpu" FSDP2's CPUOffloadPolicy."""
+    if args.zero_offload == "disk":
+        path = args.zero_offload_dir or str(Path(args.output_dir) / "offload")
+        return DiskOffloadPolicy(path=path, window_mb=args.zero_offload_window_mb)
+    if args.zero_offload == "cpu":
+        return CPUOffloadPolicy()
+    return None
 
 
 def check_user_optimizer(optimizer: Optimizer, args: TrainingArguments) -> None:
@@ -192,7 +219,7 @@ def wrap_model(model: nn.Module, args: TrainingArguments, world: World) -> nn.Mo
     if args.zero_stage == 3:
         if zero3.unit_of(model) is None:
             policy = zero3.by_class_names(args.zero3_units) if args.zero3_units else None
-            zero3.shard_model(model, policy)
+            zero3.shard_model(model, policy, offload_policy=offload_policy(args))
         return model
     if not world.is_distributed or args.sync_method != "ddp":
         # One rank has nothing to all-reduce; local SGD / DiLoCo sync parameters themselves.
@@ -204,6 +231,16 @@ def wrap_model(model: nn.Module, args: TrainingArguments, world: World) -> nn.Mo
         process_group=world.process_group,
         **asdict(args.ddp_options()),
     )
+
+
+def release_offload(optimizer: Optimizer | None) -> None:
+    """Finish the offloaded optimizer's writes and remove its scratch directory (the model's
+    offloaded shards stay readable: their files are unlinked, not unmapped)."""
+    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's local one
+    streamer = streamer_of(inner) if isinstance(inner, Optimizer) else None
+    if streamer is not None:
+        streamer.close()
+        streamer.files.close()
 
 
 def release(wrapped: nn.Module | None, owns_group: bool) -> None:

@@ -54,6 +54,7 @@ from phalanx.train.setup import (
     join_world,
     prepare_model,
     release,
+    release_offload,
     train_loader,
     wrap_model,
 )
@@ -441,6 +442,7 @@ class Trainer:
         local: PeriodicSync | None = self.__dict__.get("periodic_sync")
         if local is not None:
             local.close()  # unhook the optimizer, which outlives the Trainer
+        release_offload(self.__dict__.get("optimizer"))
         release(wrapped, self._owns_group)
 
     def _check_open(self) -> None:

@@ -14,7 +14,12 @@ from torch import nn
 from phalanx.ddp.stats import CommCounter
 from phalanx.zero3.module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from phalanx.zero3.params import ShardUseError, is_sharded
-from phalanx.zero3.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from phalanx.zero3.policies import (
+    CPUOffloadPolicy,
+    DiskOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+)
 from phalanx.zero3.policy import Policy, by_class_names, repeated_blocks, shard_model
 from phalanx.zero3.root import unit_of
 from phalanx.zero3.state import (
@@ -32,6 +37,7 @@ from phalanx.zero3.wrap import fully_shard, units
 
 __all__ = [
     "CPUOffloadPolicy",
+    "DiskOffloadPolicy",
     "FSDPModule",
     "MixedPrecisionPolicy",
     "OffloadPolicy",

@@ -53,13 +53,19 @@ class ParamGroup:
     """One flat buffer of unsharded parameters, one all-gather, one reduce-scatter."""
 
     def __init__(
-        self, params: list[ShardedParam], info: MeshInfo, dtype: torch.dtype, on_grad: GradHook
+        self,
+        params: list[ShardedParam],
+        info: MeshInfo,
+        device: torch.device,
+        dtype: torch.dtype,
+        on_grad: GradHook,
     ) -> None:
         self.params = params
         self.info = info
         self.dtype = dtype
         """The unsharded parameters' (compute) dtype: the all-gather runs in it."""
-        self.device = params[0].local.device
+        self.device = device
+        """Where the unit computes (the shards may live elsewhere: zero3/home.py)."""
         self.layout = ShardedFlat(
             [p.shape.numel() for p in params],
             info.shard_size,
@@ -237,11 +243,7 @@ class ParamGroup:
             for p, piece in zip(self.params, self.layout.piece_views(out)):
                 if not p.sharded.requires_grad:
                     continue
-                local = piece.to(p.sharded.dtype).view(p.local_shape)
-                if p.sharded.grad is None:
-                    p.sharded.grad = p.sharded_grad(local)  # a view of the output: no copy
-                else:  # a second synced backward before the step accumulates, as .grad would
-                    p.sharded.grad._local_tensor.add_(local)  # type: ignore[attr-defined]
+                p.set_grad(piece.to(p.sharded.dtype))  # on the device: a view, no copy
 
 
 def _done(pending: PendingAllReduce) -> torch.Tensor:

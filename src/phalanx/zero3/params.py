@@ -30,6 +30,7 @@ from torch import nn
 
 from phalanx.errors import ConfigurationError, PhalanxError
 from phalanx.optim.sharding import Piece, piece_of, row_numel
+from phalanx.zero3.home import Home
 from phalanx.zero3.mesh import MeshInfo
 
 if TYPE_CHECKING:
@@ -46,7 +47,9 @@ class ShardUseError(PhalanxError, RuntimeError):
 class ShardedParam:
     """A parameter's two faces and where it is registered (see the glossary above)."""
 
-    def __init__(self, param: nn.Parameter, fqn: str, owners: Owners, info: MeshInfo) -> None:
+    def __init__(
+        self, param: nn.Parameter, fqn: str, owners: Owners, info: MeshInfo, home: Home
+    ) -> None:
         if param.dim() == 0:
             raise ConfigurationError(
                 f"parameter '{fqn}' is a scalar: fully_shard shards parameters on dim 0, as "
@@ -57,17 +60,21 @@ class ShardedParam:
         """Its name in the model the root unit sees (relative to its unit until then)."""
         self.shape = param.shape
         self.info = info
+        self.home = home
+        self.grad_home: torch.Tensor | None = None
+        """Offloaded: the gradient shard's buffer at home (made at the first reduction)."""
         self.piece: Piece = piece_of(
             param.numel(), info.shard_size, info.shard_rank, row_numel(param.shape)
         )
         rows = self.rows
         local = param.detach()[rows[0] : rows[1]]
         local = local.clone() if not local.is_meta else torch.empty_like(local)
-        if local.device.type != "meta" and local.device != info.device:
+        if local.device.type != "meta" and local.device != info.device and not home.away:
             local = local.to(info.device)
+        local = home.keep(local.contiguous())
         self.spec = _spec(info, param.shape, param.dtype)
         self.sharded: nn.Parameter = _mark(
-            nn.Parameter(_dtensor(local.contiguous(), self.spec), requires_grad=param.requires_grad)
+            nn.Parameter(_dtensor(local, self.spec), requires_grad=param.requires_grad)
         )
         self.unsharded: nn.Parameter | None = None
         """Created by the unit's group at its first gather (on the sharded parameter's device)."""
@@ -115,15 +122,37 @@ class ShardedParam:
                 f"{tuple(current.placements)}, not {tuple(self.info.placements)} — distribute "
                 "it on the unit's mesh and placements (distribute_tensor)"
             )
+        requires_grad = self.sharded.requires_grad
+        local = current._local_tensor
+        kept = self.home.keep(local.contiguous())
+        if kept is not local:  # offloaded: the replacement goes home too
+            current = _dtensor(kept, current._spec)
         if not isinstance(current, nn.Parameter):
-            current = nn.Parameter(current, requires_grad=self.sharded.requires_grad)
+            current = nn.Parameter(current, requires_grad=requires_grad)
         self.sharded = _mark(current)
         self.spec = _spec(self.info, self.shape, current.dtype)
+        self.grad_home = None
         self.register(current)
 
     def sharded_grad(self, local: torch.Tensor) -> DTensor:
         """A gradient for the sharded parameter from its local part (a view, no copy)."""
         return _dtensor(local.view(self.local_shape), self.spec)
+
+    def set_grad(self, local: torch.Tensor) -> None:
+        """Give the sharded parameter `local` as its gradient, or add it to the one it has
+        (a second synced backward before the step accumulates, as .grad would). Offloaded:
+        through the gradient's buffer at home."""
+        grad = self.sharded.grad
+        if grad is not None:
+            grad._local_tensor.add_(local.view(self.local_shape))  # type: ignore[attr-defined]
+            return
+        if self.home.away:
+            if self.grad_home is None:
+                self.grad_home = self.home.tensor(self.local_shape, self.sharded.dtype)
+            if self.grad_home is not None:
+                self.grad_home.copy_(local.view(self.local_shape))
+                local = self.grad_home
+        self.sharded.grad = self.sharded_grad(local)
 
 
 _MARK = "_phalanx_sharded"

@@ -1,4 +1,5 @@
-"""FSDP2's policy objects, by its names: mixed precision, and where sharded state lives.
+"""FSDP2's policy objects, by its names: mixed precision, and where sharded state lives
+(the offload policies are phalanx.offload's: stages 1-2 use them too).
 
 A script written for torch's FSDP2 passes these (its own classes or ours:
 both are read by field name), so each field is honoured or refused by name,
@@ -12,7 +13,17 @@ from typing import Any
 
 import torch
 
-from phalanx.errors import ConfigurationError, NotSupportedError
+from phalanx.errors import ConfigurationError
+from phalanx.offload.policies import CPUOffloadPolicy, DiskOffloadPolicy, OffloadPolicy
+
+__all__ = [
+    "CPUOffloadPolicy",
+    "DiskOffloadPolicy",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "mixed_precision",
+    "offload",
+]
 
 
 @dataclass(frozen=True)
@@ -37,18 +48,6 @@ class MixedPrecisionPolicy:
         return self.reduce_dtype or self.param_dtype or unsharded
 
 
-@dataclass
-class OffloadPolicy:
-    """No offloading: sharded parameters, gradients and optimizer state stay on the device."""
-
-
-@dataclass
-class CPUOffloadPolicy(OffloadPolicy):
-    """Sharded parameters and gradients in host memory, the optimizer steps there (FSDP2)."""
-
-    pin_memory: bool = True
-
-
 def mixed_precision(policy: Any) -> MixedPrecisionPolicy:
     """Ours or torch's (`torch.distributed.fsdp.MixedPrecisionPolicy`), read by field name."""
     if policy is None:
@@ -65,22 +64,19 @@ def mixed_precision(policy: Any) -> MixedPrecisionPolicy:
 
 
 def offload(policy: Any, device: torch.device) -> OffloadPolicy:
-    """`OffloadPolicy()` (none) or `CPUOffloadPolicy`: on a CPU mesh the sharded state is
-    already in host memory, so CPU offload is what runs; on an accelerator it is refused."""
+    """`OffloadPolicy()` (none), `CPUOffloadPolicy` (ours or torch's; pinning only off a
+    CPU mesh) or `DiskOffloadPolicy`."""
     if policy is None:
         return OffloadPolicy()
     kind = type(policy).__name__
     if kind == "OffloadPolicy":
         return OffloadPolicy()
+    if isinstance(policy, DiskOffloadPolicy):
+        return policy
     if kind == "CPUOffloadPolicy":
-        if device.type != "cpu":
-            raise NotSupportedError(
-                f"offload_policy=CPUOffloadPolicy on a {device.type} mesh: phalanx does not "
-                "yet move sharded state to host memory — drop offload_policy, or use ZeRO "
-                "stage 1/2 with a smaller model per rank"
-            )
-        return CPUOffloadPolicy(pin_memory=bool(getattr(policy, "pin_memory", True)))
+        pin = bool(getattr(policy, "pin_memory", True)) and device.type != "cpu"
+        return CPUOffloadPolicy(pin_memory=pin)
     raise ConfigurationError(
-        f"offload_policy={policy!r} is not an OffloadPolicy — pass phalanx.OffloadPolicy() "
-        "or phalanx.CPUOffloadPolicy()"
+        f"offload_policy={policy!r} is not an OffloadPolicy — pass phalanx.OffloadPolicy(), "
+        "phalanx.CPUOffloadPolicy() or phalanx.DiskOffloadPolicy(path)"
     )

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from torch import nn
 
 from phalanx.errors import ConfigurationError
-from phalanx.zero3.policies import MixedPrecisionPolicy
+from phalanx.zero3.policies import MixedPrecisionPolicy, OffloadPolicy
 from phalanx.zero3.wrap import fully_shard
 
 Policy = Callable[[nn.Module], Iterable[nn.Module]]
@@ -25,14 +25,15 @@ def _params(module: nn.Module) -> int:
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:
-    """The members of the heaviest ModuleList (or Sequential) whose members share one class."""
+    """The members of the heaviest ModuleList (or Sequential) whose members that hold
+    parameters share one class (a Sequential's activations and dropouts hold none)."""
     best: list[nn.Module] = []
     best_weight = 0
     for module in model.modules():
-        if not isinstance(module, nn.ModuleList | nn.Sequential) or len(module) < 2:
+        if not isinstance(module, nn.ModuleList | nn.Sequential):
             continue
-        members = list(module)
-        if len({type(m) for m in members}) != 1 or not any(_params(m) for m in members):
+        members = [m for m in module if _params(m)]
+        if len(members) < 2 or len({type(m) for m in members}) != 1:
             continue
         weight = sum(_params(m) for m in members)
         if weight > best_weight:
@@ -65,9 +66,12 @@ def _contains(outer: nn.Module, inner: nn.Module) -> bool:
 
 
 def shard_model(
-    model: nn.Module, policy: Policy | None = None, mp_policy: MixedPrecisionPolicy | None = None
+    model: nn.Module,
+    policy: Policy | None = None,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy: OffloadPolicy | None = None,
 ) -> nn.Module:
     """fully_shard each unit the policy picks (default: the repeated blocks), then the root."""
     for unit in (policy or repeated_blocks)(model):
-        fully_shard(unit, mp_policy=mp_policy)
-    return fully_shard(model, mp_policy=mp_policy)
+        fully_shard(unit, mp_policy=mp_policy, offload_policy=offload_policy)
+    return fully_shard(model, mp_policy=mp_policy, offload_policy=offload_policy)

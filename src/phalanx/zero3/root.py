@@ -24,6 +24,7 @@ from phalanx.ddp.sync import broadcast_coalesced
 from phalanx.diagnostics import timeline as timelines
 from phalanx.errors import ConfigurationError
 from phalanx.nested import iter_tensors
+from phalanx.zero3.group import ParamGroup, PendingAllReduce
 from phalanx.zero3.unit import Phase, Unit
 
 if TYPE_CHECKING:
@@ -73,6 +74,10 @@ class Root:
         )
         for u in self.units:
             u.record_to(self.timeline)
+        self._in_flight: Unit | None = None
+        """The unit whose reduce-scatter went out last: the next launch waits for it (FSDP2's
+        rule), so one unit's whole-size gradient buffers are alive at a time, not all."""
+        self._all_reduces: list[tuple[ParamGroup, PendingAllReduce]] = []
         self._forward_span: AbstractContextManager[None] | None = None
         self._backward_start = 0
         # DDP's rule, kept for parity with it: buffers follow rank 0 before the first forward
@@ -120,15 +125,23 @@ class Root:
             self.timeline.backward_started()
         self._end.queue()
 
+    def reduce_launched(self, unit: Unit) -> None:
+        """`unit`'s reduce-scatter is out: finish the one before it, which has had `unit`'s
+        whole backward to arrive (HSDP's all-reduces go on in flight, block-sized)."""
+        previous, self._in_flight = self._in_flight, unit
+        if previous is not None and previous is not unit:
+            self._all_reduces += previous.finish_reduce()
+
     def end_of_backward(self) -> None:
         """Every unit's gradients reduced into the shards; every unit freed."""
         if self.timeline is not None:  # its waits are booked one by one (comm_waited)
             now = time.perf_counter_ns()
             self.timeline.backward_waited(now, now)
         for u in self.units:
-            if u.requires_gradient_sync and u.arrived and u.reducing is None:
+            if u.requires_gradient_sync and u.arrived and u.reducing is None and not u.reduced:
                 u.launch_reduce()  # a unit some of whose parameters went unused
-        pending = [entry for u in self.units for entry in u.finish_reduce()]
+        pending = self._all_reduces + [entry for u in self.units for entry in u.finish_reduce()]
+        self._all_reduces, self._in_flight = [], None
         for group, all_reduce in pending:
             group.finish_all_reduce(all_reduce)
         for u in self.units:
@@ -140,6 +153,11 @@ class Root:
             for _, state in u.reducing or []:
                 state.work.wait()
             u.reducing = None
+            u.reduced = False
             u.arrived = 0
+        for _, pending in self._all_reduces:
+            pending.work.wait()
+        self._all_reduces, self._in_flight = [], None
+        for u in self.units:
             u.phase = Phase.IDLE
             u.reshard()

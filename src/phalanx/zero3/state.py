@@ -23,6 +23,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from phalanx.errors import CheckpointError
+from phalanx.offload.stream import streamer_of
 
 # torch.distributed.checkpoint is imported where it is used: it costs seconds of CPU at
 # import, in every process, sharded or not.
@@ -115,6 +116,9 @@ def load_optimizer_sharded(model: nn.Module, optim: Optimizer, directory: Path) 
     from phalanx import safe_dcp
 
     _refuse_flat_pieces(directory)
+    streamer = streamer_of(optim)
+    if streamer is not None:  # offloaded: its state made in files, a window at a time
+        streamer.init_state(optim)
     state = {"optimizer": get_optimizer_state_dict(model, optim)}
     safe_dcp.load(state, directory)
     set_optimizer_state_dict(model, optim, state["optimizer"])

@@ -71,6 +71,8 @@ class Unit:
         self.backward_prefetch: list[Unit] | None = None
         self.arrived = 0
         self.reducing: list[tuple[ParamGroup, ReduceScatterState]] | None = None
+        self.reduced = False
+        """This iteration's reduction is finished (the root may finish it mid-backward)."""
         self.groups: list[ParamGroup] = []
         self.timeline: Timeline | None = None
         """Where its gathers and reductions are recorded (set by the root, or the Trainer)."""
@@ -87,10 +89,11 @@ class Unit:
             p.adopt_registered()
         by_key: dict[tuple[torch.device, torch.dtype], list[ShardedParam]] = {}
         for p in self.params:
-            by_key.setdefault((p.local.device, self._compute_dtype(p)), []).append(p)
+            device = self.info.device if p.home.away else p.local.device
+            by_key.setdefault((device, self._compute_dtype(p)), []).append(p)
         self.groups = [
-            ParamGroup(members, self.info, dtype, self._on_grad)
-            for (_, dtype), members in by_key.items()
+            ParamGroup(members, self.info, device, dtype, self._on_grad)
+            for (device, dtype), members in by_key.items()
         ]
         self.record_to(self.timeline)
         self.expected = sum(p.sharded.requires_grad for p in self.params)
@@ -175,13 +178,15 @@ class Unit:
             self.reshard()
 
     def launch_reduce(self) -> None:
-        if self.reducing is not None:
+        if self.reducing is not None or self.reduced:
             return
         self.reducing = []
         for g in self.groups:
             state = g.start_reduce(self.policy.gradient_dtype(g.dtype), self.divisor)
             if state is not None:
                 self.reducing.append((g, state))
+        if self.root is not None:
+            self.root.reduce_launched(self)
 
     def finish_reduce(self) -> list[tuple[ParamGroup, PendingAllReduce]]:
         """Wait for the reduce-scatters; HSDP's all-reduces are returned in flight."""
@@ -190,11 +195,13 @@ class Unit:
             all_reduce = g.finish_reduce(state, self.requires_all_reduce)
             if all_reduce is not None:
                 pending.append((g, all_reduce))
+        self.reduced = self.reducing is not None
         self.reducing = None
         return pending
 
     def end_iteration(self) -> None:
         self.arrived = 0
+        self.reduced = False
         self.phase = Phase.IDLE
         if self.reshard_after_backward:
             self.reshard()

@@ -20,6 +20,7 @@ from torch import nn
 from phalanx.ddp.sync import broadcast_coalesced, verify_same_state
 from phalanx.errors import ConfigurationError, NotSupportedError
 from phalanx.runtime.exit import register_exit_hook
+from phalanx.zero3.home import home_of
 from phalanx.zero3.hooks import post_forward, pre_forward
 from phalanx.zero3.mesh import MeshInfo, check_reshard_size, mesh_info, post_forward_group
 from phalanx.zero3.module import FSDPModule, swap_class
@@ -53,22 +54,23 @@ def fully_shard(
         or keep 1/k of them to gather back within groups of k ranks (an int k); None:
         False for the root, True for the others.
     shard_placement_fn: may return None or Shard(0) (dim 0 is what phalanx shards).
-    mp_policy: MixedPrecisionPolicy (ours or torch's). offload_policy: OffloadPolicy(), or
-        CPUOffloadPolicy() on a CPU mesh. ignored_params: left whole, never reduced.
+    mp_policy: MixedPrecisionPolicy (ours or torch's). offload_policy: OffloadPolicy(),
+        CPUOffloadPolicy() (shards in host memory) or DiskOffloadPolicy(path) (in files).
+        ignored_params: left whole, never reduced.
     broadcast_buffers: (phalanx's) rank 0's buffers before a forward, DDP's rule.
     Returns `module`, now an instance of `phalanx.FSDPModule`.
     """
     _refuse(module, unsupported)
     info = mesh_info(mesh)
     policy = mixed_precision(mp_policy)
-    offload(offload_policy, info.device)
+    home = home_of(offload(offload_policy, info.device), info.device)
     reshard = check_reshard_size(reshard_after_forward, info)
     managed = _managed_parameters(module, set(ignored_params or ()))
     _check_placements(managed, shard_placement_fn)
     _refuse_parameters_of_other_units(module, managed)
     _move_to_device(module, managed, info)
     _sync_initial_values(managed, info, _settings(module, info, reshard, policy, ignored_params))
-    params = [ShardedParam(p, fqn, owners, info) for p, fqn, owners in managed]
+    params = [ShardedParam(p, fqn, owners, info, home) for p, fqn, owners in managed]
     for sp in params:
         sp.register(sp.sharded)
     group = post_forward_group(info, reshard) if isinstance(reshard, int) and reshard > 1 else None

@@ -1,0 +1,65 @@
+"""Offloaded state: the policies, tensors in files (`files.py`) and the optimizer step that
+streams them (`stream.py`). ZeRO's stages 1-3 use them; see docs/zero.md, "Offload"."""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+from phalanx.errors import ConfigurationError
+from phalanx.offload.files import OffloadFiles, shared_files, sweep_dead_runs
+from phalanx.offload.policies import CPUOffloadPolicy, DiskOffloadPolicy, OffloadPolicy
+from phalanx.offload.stream import IOStats, Streamer, stream_optimizer, streamer_of
+
+__all__ = [
+    "CPUOffloadPolicy",
+    "DiskOffloadPolicy",
+    "IOStats",
+    "OffloadFiles",
+    "OffloadPolicy",
+    "Streamer",
+    "offload_optimizer",
+    "shared_files",
+    "stream_optimizer",
+    "streamer_of",
+    "sweep_dead_runs",
+]
+
+OptimizerT = TypeVar("OptimizerT", bound=Optimizer)
+
+
+def offload_optimizer(
+    optimizer: OptimizerT, policy: DiskOffloadPolicy, group: dist.ProcessGroup | None = None
+) -> OptimizerT:
+    """Keep `optimizer`'s state in files under `policy.path` and step it a window at a time.
+
+    Call it once the optimizer is built (over a fully_shard model's parameters,
+    or any model's): the state it creates from then on, or loads, goes to
+    files. `group`: the ranks that step together (default: the parameters'
+    mesh, else every rank); a full disk on one of them is raised on all.
+    Returns `optimizer` itself, whose class is now `Offloaded<Class>`.
+    """
+    if not isinstance(policy, DiskOffloadPolicy):
+        raise ConfigurationError(
+            f"offload_optimizer(policy={policy!r}) needs a phalanx.DiskOffloadPolicy(path) — "
+            "CPUOffloadPolicy needs no call: the state is made where the shards are"
+        )
+    if group is None and dist.is_available() and dist.is_initialized():
+        group = _group_of(optimizer)
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    files = shared_files(policy.path, rank, "DiskOffloadPolicy.path")
+    stream_optimizer(optimizer, files, policy.window_bytes, group)
+    return optimizer
+
+
+def _group_of(optimizer: Optimizer) -> dist.ProcessGroup | None:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            mesh = getattr(p, "device_mesh", None)
+            if mesh is not None and mesh.ndim == 1:
+                return mesh.get_group()
+            if mesh is not None:
+                return dist.group.WORLD
+    return dist.group.WORLD

@@ -1,0 +1,245 @@
+"""Tensors that live in files: the scratch directory of one process's offloaded state.
+
+Each tensor is a shared memory mapping of its own file, so it is an ordinary
+CPU tensor to everything that reads it (the optimizer, clipping, DCP saves):
+no tool needs to know it is on disk, and none can read a stale copy. What is
+resident is the kernel's business, steered by advice (`prefetch` ahead of
+use, `release` behind it: written back, then dropped), which keeps this
+process's share of host memory to a window around what it is working on, and
+lets the kernel reclaim the rest under a memory limit. Why mappings rather
+than reads into buffers: docs/zero.md, "Offload".
+
+The directory is scratch: fresh for each process (never reused, so a restart
+cannot read an earlier run's file), removed at a clean exit; one left by a
+killed run is removed by the next run that finds its owner dead. Every file
+is allocated whole when created (`posix_fallocate`): a full disk is an error
+at that moment, never a SIGBUS when a page is later written.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import mmap
+import os
+import shutil
+import socket
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from phalanx.errors import OffloadError
+
+__all__ = ["OffloadFiles", "Region", "shared_files", "sweep_dead_runs"]
+
+PAGE = mmap.PAGESIZE
+_MADV_WILLNEED = 3
+_MADV_DONTNEED = 4
+_MADV_PAGEOUT = 21  # Linux 5.4+: reclaim these pages now
+_MADV_POPULATE_READ = 22  # Linux 5.14+: fault these pages in now
+_MS_SYNC = 4
+_PREFIX = "phalanx-offload"
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+# ctypes releases the GIL around these calls: advice runs beside the training thread.
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.msync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+@dataclass(frozen=True)
+class Region:
+    """One file-backed tensor's mapping: where it starts and how many bytes it spans."""
+
+    address: int
+    nbytes: int
+    path: Path
+
+    def pages(self) -> tuple[int, int]:
+        """The page-aligned (address, length) covering the region."""
+        start = self.address - self.address % PAGE
+        stop = -(-(self.address + self.nbytes) // PAGE) * PAGE
+        return start, stop - start
+
+
+class OffloadFiles:
+    """A process's offload directory under `parent`, and the file-backed tensors in it."""
+
+    def __init__(self, parent: str | os.PathLike[str], rank: int, what: str) -> None:
+        self.parent = Path(parent)
+        self.what = what
+        """What the directory is for, named in errors (e.g. "zero_offload_dir")."""
+        sweep_dead_runs(self.parent)
+        try:
+            self.parent.mkdir(parents=True, exist_ok=True)
+            host = socket.gethostname().replace("-", "_")
+            self.directory = Path(
+                tempfile.mkdtemp(prefix=f"{_PREFIX}-{host}-{os.getpid()}-rank{rank}-", dir=parent)
+            )
+        except OSError as e:
+            raise OffloadError(
+                f"{what}={self.parent}: cannot create the offload directory there "
+                f"({e.strerror or e}) — point it at a writable directory on a local disk"
+            ) from None
+        self._regions: dict[int, Region] = {}
+        self._count = 0
+        self._closed = False
+        atexit.register(self.close)
+
+    def tensor(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A zero-filled tensor backed by a new file of its own (allocated whole)."""
+        numel = 1
+        for size in shape:
+            numel *= int(size)
+        nbytes = numel * dtype.itemsize
+        if nbytes == 0:
+            return torch.zeros(shape, dtype=dtype)
+        self._count += 1
+        path = self.directory / f"{self._count:06d}.bin"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            self._allocate(fd, nbytes, path)
+            mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)  # the mapping keeps the file; the descriptor is not needed
+        # The tensor holds the mapping (its buffer) alive; the file lives as long as it does.
+        flat = torch.frombuffer(mapping, dtype=dtype, count=numel)
+        self._regions[flat.data_ptr()] = Region(flat.data_ptr(), nbytes, path)
+        return flat.view(shape)
+
+    def copy(self, source: torch.Tensor) -> torch.Tensor:
+        """`source`'s values in a new file-backed tensor of its shape and dtype."""
+        out = self.tensor(source.shape, source.dtype)
+        with torch.no_grad():
+            out.copy_(source)
+        return out
+
+    def _allocate(self, fd: int, nbytes: int, path: Path) -> None:
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise OffloadError(
+                    f"{self.what}={self.parent}: the disk is full ({nbytes / 2**20:.1f} MB "
+                    f"more needed for offloaded state) — free space there, or point "
+                    f"{self.what} at a larger disk"
+                ) from None
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise OffloadError(
+                    f"{self.what}={self.parent}: cannot write offload file {path.name} "
+                    f"({e.strerror or e}) — point it at a writable directory on a local disk"
+                ) from None
+            os.ftruncate(fd, nbytes)  # a filesystem without fallocate: sparse, best effort
+
+    def region(self, tensor: torch.Tensor) -> Region | None:
+        """The mapping `tensor` (a file-backed tensor, or a view of one) lies in."""
+        base = tensor.untyped_storage().data_ptr()
+        return self._regions.get(base)
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        return self.region(tensor) is not None
+
+    # ------------------------------------------------------------------ advice
+    def populate(self, tensors: list[torch.Tensor]) -> None:
+        """Read these tensors' pages into memory and map them (blocking: call it off the
+        training thread, ahead of use)."""
+        for region in self._regions_of(tensors):
+            if _madvise(region, _MADV_POPULATE_READ) != 0:  # before Linux 5.14: read ahead
+                _madvise(region, _MADV_WILLNEED)
+
+    def release(self, tensors: list[torch.Tensor]) -> None:
+        """Write these tensors' dirty pages back, then drop them from memory (blocking: call
+        it off the training thread)."""
+        for region in self._regions_of(tensors):
+            start, length = region.pages()
+            _libc.msync(start, length, _MS_SYNC)
+            if _madvise(region, _MADV_PAGEOUT) != 0:  # older kernels: at least unmap them
+                _madvise(region, _MADV_DONTNEED)
+
+    def _regions_of(self, tensors: list[torch.Tensor]) -> list[Region]:
+        return [r for t in tensors if (r := self.region(t)) is not None]
+
+    def resident_bytes(self) -> int:
+        """How many bytes of the files are in this process's memory now (mincore)."""
+        total = 0
+        for region in self._regions.values():
+            total += _resident(region)
+        return total
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self._regions.values())
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Remove the directory (the mappings stay valid until their tensors are freed)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._regions.clear()
+        shutil.rmtree(self.directory, ignore_errors=True)
+        with contextlib.suppress(Exception):
+            atexit.unregister(self.close)
+
+
+def _madvise(region: Region, advice: int) -> int:
+    start, length = region.pages()
+    return int(_libc.madvise(start, length, advice))
+
+
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+
+
+def _resident(region: Region) -> int:
+    start, length = region.pages()
+    vec = ctypes.create_string_buffer(length // PAGE)
+    if _libc.mincore(start, length, vec) != 0:
+        return 0
+    return sum(b & 1 for b in vec.raw) * PAGE
+
+
+def sweep_dead_runs(parent: Path) -> list[Path]:
+    """Remove offload directories under `parent` left by processes of this host that are gone
+    (a killed run's scratch: nothing reads it, it only takes disk). Returns what was removed."""
+    host = socket.gethostname().replace("-", "_")
+    removed: list[Path] = []
+    if not parent.is_dir():
+        return removed
+    for entry in parent.glob(f"{_PREFIX}-{host}-*"):
+        parts = entry.name[len(_PREFIX) + 1 + len(host) + 1 :].split("-")
+        if not parts or not parts[0].isdigit() or _alive(int(parts[0])):
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        removed.append(entry)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+_SHARED: dict[str, OffloadFiles] = {}
+
+
+def shared_files(parent: str | os.PathLike[str], rank: int, what: str) -> OffloadFiles:
+    """This process's one offload directory under `parent` (made at the first call)."""
+    key = os.path.abspath(parent)
+    files = _SHARED.get(key)
+    if files is None or files.closed:
+        files = _SHARED[key] = OffloadFiles(parent, rank, what)
+    return files

@@ -1,0 +1,338 @@
+"""An optimizer step over state in files, one window at a time.
+
+`stream_optimizer(optimizer, files)` makes `optimizer.step()` walk its
+parameters in windows of about `window_bytes` of state: while the optimizer's
+own step (torch's, unchanged: hooks run once around the whole step) updates
+window i, an I/O thread has window i+1's pages read in and window i-1's
+written back and dropped. State tensors the optimizer creates on its first
+step are moved into files as each window finishes, so the whole state never
+exists in memory; a state loaded from a checkpoint is moved the same way.
+
+Cutting the step by parameters changes nothing for an elementwise optimizer
+(every one ZeRO accepts): each parameter's update reads only its own
+gradient and state.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+from phalanx.errors import OffloadError
+from phalanx.offload.files import OffloadFiles
+
+if TYPE_CHECKING:
+    from phalanx.diagnostics.timeline import Timeline
+
+__all__ = ["IOStats", "stream_optimizer", "streamer_of"]
+
+_STREAMER = "_phalanx_streamer"
+
+
+@dataclass
+class IOStats:
+    """What the offloaded steps cost: bytes through the files, and the step's waits."""
+
+    read_bytes: int = 0
+    written_bytes: int = 0
+    io_s: float = 0.0
+    """Time the I/O thread spent reading and writing."""
+    wait_s: float = 0.0
+    """Time the training thread waited for a window's pages (the exposed I/O)."""
+    step_s: float = 0.0
+    """Wall time of the offloaded optimizer steps."""
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor; any other tensor itself."""
+    return getattr(t, "_local_tensor", t)
+
+
+class Streamer:
+    """The windowed step of one optimizer whose state lives in `files`."""
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        files: OffloadFiles,
+        window_bytes: int,
+        group: dist.ProcessGroup | None,
+    ) -> None:
+        self.files = files
+        self.window_bytes = max(1, window_bytes)
+        self.group = group
+        """Ranks that step together: an offload failure on one is raised on all of them."""
+        self.stats = IOStats()
+        self.timeline: Timeline | None = None
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="phalanx-offload")
+        self._writes: list[Future[None]] = []
+        base = type(optimizer).step
+        self._raw_step: Callable[[Optimizer], Any] = getattr(base, "__wrapped__", base)
+
+    # ------------------------------------------------------------------- plan
+    def windows(
+        self, optimizer: Optimizer, only: set[int] | None = None
+    ) -> list[list[list[torch.Tensor]]]:
+        """The parameters (`only`: those with these ids) cut into windows: for each window,
+        each group's members in it."""
+        windows: list[list[list[torch.Tensor]]] = []
+        current = [[] for _ in optimizer.param_groups]  # type: list[list[torch.Tensor]]
+        size = 0
+        for g, group in enumerate(optimizer.param_groups):
+            for p in group["params"]:
+                if only is not None and id(p) not in only:
+                    continue
+                cost = self._cost(optimizer, p)
+                if size and size + cost > self.window_bytes:
+                    windows.append(current)
+                    current, size = [[] for _ in optimizer.param_groups], 0
+                current[g].append(p)
+                size += cost
+        if size:
+            windows.append(current)
+        return windows
+
+    def _cost(self, optimizer: Optimizer, p: torch.Tensor) -> int:
+        state = optimizer.state.get(p)
+        nbytes = local(p).numel() * p.element_size()
+        if not state:  # not created yet: Adam's two moments, as a guess
+            return 4 * nbytes
+        return 2 * nbytes + sum(local(v).nbytes for v in state.values() if torch.is_tensor(v))
+
+    def _tensors(
+        self, optimizer: Optimizer, params: list[list[torch.Tensor]]
+    ) -> list[torch.Tensor]:
+        """Every file-backed tensor a window's step reads or writes."""
+        out = []
+        for members in params:
+            for p in members:
+                out.append(local(p))
+                if p.grad is not None:
+                    out.append(local(p.grad))
+                out += [local(v) for v in optimizer.state.get(p, {}).values() if torch.is_tensor(v)]
+        return [t for t in out if self.files.holds(t)]
+
+    # ------------------------------------------------------------------- step
+    def step(self, optimizer: Optimizer) -> None:
+        """The optimizer's step, window by window; an offload failure on any rank of
+        `group` raises on every one of them after its own step."""
+        start = time.perf_counter()
+        failure: str | None = None
+        try:
+            self._step_windows(optimizer)
+        except OffloadError as e:
+            failure = str(e)
+        finally:
+            self.stats.step_s += time.perf_counter() - start
+        self._agree(failure)
+
+    def _step_windows(
+        self,
+        optimizer: Optimizer,
+        only: set[int] | None = None,
+        free_grads: list[torch.Tensor] | None = None,
+    ) -> None:
+        """Step window by window (`only`: these parameters' ids; `free_grads`: drop these
+        parameters' gradients once their window is stepped)."""
+        groups = optimizer.param_groups
+        originals = [g["params"] for g in groups]
+        windows = self.windows(optimizer, only)
+        drop = {id(p) for p in free_grads or ()}
+        try:
+            ahead = self._read(self._tensors(optimizer, windows[0])) if windows else None
+            for i, window in enumerate(windows):
+                tensors = self._tensors(optimizer, window)
+                if ahead is not None:
+                    self._wait(ahead)
+                if i + 1 < len(windows):
+                    ahead = self._read(self._tensors(optimizer, windows[i + 1]))
+                for group, members in zip(groups, window):
+                    group["params"] = members
+                self._raw_step(optimizer)
+                stepped = [p for members in window for p in members]
+                moved = self.adopt(optimizer, stepped)
+                for p in stepped:
+                    if id(p) in drop:
+                        p.grad = None
+                self._write(tensors + moved)
+        finally:
+            for group, members in zip(groups, originals):
+                group["params"] = members
+
+    def adopt(self, optimizer: Optimizer, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Move the state of `params` that is still in memory into files; the moved."""
+        moved = []
+        for p in params:
+            state = optimizer.state.get(p)
+            if not state:
+                continue
+            for key, value in state.items():
+                if not torch.is_tensor(value) or self.files.holds(local(value)):
+                    continue
+                if local(value).numel() <= 1:  # step counts and other scalars stay in memory
+                    continue
+                state[key] = self._in_file(value)
+                moved.append(local(state[key]))
+        return moved
+
+    @torch.no_grad()
+    def init_state(self, optimizer: Optimizer) -> None:
+        """Create every parameter's state, in files, before a checkpoint is loaded into it.
+
+        torch's state-dict tools do this with one step at lr 0 over zero gradients
+        for every parameter at once, which would hold every gradient and the whole
+        state in memory; here it is the same step, a window at a time.
+        """
+        missing = [
+            p for g in optimizer.param_groups for p in g["params"] if not optimizer.state.get(p)
+        ]
+        if not missing:
+            return
+        lrs = [g["lr"] for g in optimizer.param_groups]
+        for g in optimizer.param_groups:
+            g["lr"] = 0.0 if not torch.is_tensor(g["lr"]) else torch.zeros_like(g["lr"])
+        made: list[torch.Tensor] = []
+        try:
+            for p in missing:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                    made.append(p)
+            self._step_windows(optimizer, only=set(map(id, missing)), free_grads=made)
+        finally:
+            for g, lr in zip(optimizer.param_groups, lrs):
+                g["lr"] = lr
+            for p in made:
+                p.grad = None
+        self.drain()
+
+    def adopt_all(self, optimizer: Optimizer) -> None:
+        """Every parameter's state into files, one window at a time (after a load)."""
+        for window in self.windows(optimizer):
+            moved = self.adopt(optimizer, [p for members in window for p in members])
+            self._write(moved)
+        self.drain()
+
+    def _in_file(self, value: torch.Tensor) -> torch.Tensor:
+        inner = local(value)
+        copy = self.files.copy(inner.contiguous())
+        if inner is value:
+            return copy
+        from torch.distributed.tensor import DTensor
+
+        assert isinstance(value, DTensor)
+        return DTensor.from_local(
+            copy,
+            value.device_mesh,
+            value.placements,
+            run_check=False,
+            shape=value.shape,
+            stride=value.stride(),
+        )
+
+    # --------------------------------------------------------------------- io
+    def _read(self, tensors: list[torch.Tensor]) -> Future[None]:
+        nbytes = sum(t.nbytes for t in tensors)
+        self.stats.read_bytes += nbytes
+        return self._io.submit(self._timed, "read", self.files.populate, tensors, nbytes)
+
+    def _write(self, tensors: list[torch.Tensor]) -> None:
+        nbytes = sum(t.nbytes for t in tensors)
+        self.stats.written_bytes += nbytes
+        self._writes.append(
+            self._io.submit(self._timed, "write", self.files.release, tensors, nbytes)
+        )
+        while len(self._writes) > 2:  # at most two windows being written: a bounded window
+            self._wait(self._writes.pop(0))
+
+    def _timed(
+        self,
+        what: str,
+        work: Callable[[list[torch.Tensor]], None],
+        tensors: list[torch.Tensor],
+        nbytes: int,
+    ) -> None:
+        start = time.perf_counter_ns()
+        work(tensors)
+        end = time.perf_counter_ns()
+        self.stats.io_s += (end - start) / 1e9
+        if self.timeline is not None:
+            self.timeline.add(f"offload {what}", "io", start, end, bytes=nbytes)
+
+    def _wait(self, future: Future[None]) -> None:
+        start = time.perf_counter_ns()
+        future.result()
+        end = time.perf_counter_ns()
+        self.stats.wait_s += (end - start) / 1e9
+        if self.timeline is not None and end - start > 10_000:
+            self.timeline.add("wait for offload", "compute", start, end)
+
+    def drain(self) -> None:
+        """Wait for every write in flight (before a checkpoint's files are read, or exit)."""
+        while self._writes:
+            self._wait(self._writes.pop(0))
+
+    def _agree(self, failure: str | None) -> None:
+        group = self.group
+        if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+            if failure is not None:
+                raise OffloadError(failure)
+            return
+        flag = torch.tensor([0 if failure is None else 1], dtype=torch.int32)
+        dist.all_reduce(flag, group=group)
+        if not int(flag.item()):
+            return
+        messages: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(messages, failure, group=group)
+        rank, message = next((r, m) for r, m in enumerate(messages) if m is not None)
+        where = "" if failure is not None else f"rank {dist.get_global_rank(group, rank)}: "
+        raise OffloadError(where + message)
+
+    def close(self) -> None:
+        self.drain()
+        self._io.shutdown(wait=True)
+
+
+def stream_optimizer(
+    optimizer: Optimizer,
+    files: OffloadFiles,
+    window_bytes: int,
+    group: dist.ProcessGroup | None = None,
+) -> Streamer:
+    """Make `optimizer.step()` stream its state through files (see the module doc); its
+    class becomes a subclass of its own, so isinstance checks, hooks and schedulers hold."""
+    existing = streamer_of(optimizer)
+    if existing is not None:
+        return existing
+    streamer = Streamer(optimizer, files, window_bytes, group)
+    cls = type(optimizer)
+    streamed = type(
+        f"Offloaded{cls.__name__}", (cls,), {"step": _streamed_step, "__module__": cls.__module__}
+    )
+    optimizer.__class__ = streamed
+    optimizer._patch_step_function()  # hooks run around the whole step
+    setattr(optimizer, _STREAMER, streamer)
+    optimizer.register_load_state_dict_post_hook(lambda opt: streamer.adopt_all(opt))
+    return streamer
+
+
+def streamer_of(optimizer: Optimizer) -> Streamer | None:
+    return getattr(optimizer, _STREAMER, None)
+
+
+@torch.no_grad()
+def _streamed_step(self: Optimizer, closure: Callable[[], Any] | None = None) -> Any:
+    loss = None
+    if closure is not None:
+        with torch.enable_grad():
+            loss = closure()
+    streamer = streamer_of(self)
+    assert streamer is not None
+    streamer.step(self)
+    return loss

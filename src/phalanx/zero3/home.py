@@ -1,0 +1,79 @@
+"""Where a unit's sharded parameters and their gradients live: the device, host memory, or files.
+
+The offload policy picks the home; the unit computes on the mesh's device
+either way. A shard away from the device is copied there by its unit's
+all-gather (the gather's input is built on the device), and the reduced
+gradient rows are copied back into a gradient buffer kept at home for each
+parameter, made once, so a step allocates nothing there.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from phalanx.offload.files import OffloadFiles, shared_files
+from phalanx.zero3.policies import CPUOffloadPolicy, DiskOffloadPolicy, OffloadPolicy
+
+
+class Home:
+    """The device itself: shards are made where the mesh computes."""
+
+    away = False
+    """Whether shards live somewhere other than the compute device."""
+
+    def tensor(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor | None:
+        """A home for a gradient shard; None: the reduce-scatter's output serves as one."""
+        return None
+
+    def keep(self, local: torch.Tensor) -> torch.Tensor:
+        """`local` (a new shard, possibly on the device) as it lives at home."""
+        return local
+
+
+class HostHome(Home):
+    """CPUOffloadPolicy: host memory, pinned for the copies when the device is not the CPU."""
+
+    def __init__(self, device: torch.device, pin: bool) -> None:
+        self.away = device.type != "cpu"
+        self.pin = pin and self.away
+
+    def tensor(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor | None:
+        if not self.away:
+            return None
+        return torch.zeros(shape, dtype=dtype, pin_memory=self.pin)
+
+    def keep(self, local: torch.Tensor) -> torch.Tensor:
+        if not self.away or local.is_meta or local.device.type == "cpu":
+            return local
+        host = torch.empty(local.shape, dtype=local.dtype, pin_memory=self.pin)
+        host.copy_(local)
+        return host
+
+
+class FileHome(Home):
+    """DiskOffloadPolicy: one file per shard and per gradient shard, in this process's
+    scratch directory under the policy's path."""
+
+    away = True
+
+    def __init__(self, files: OffloadFiles) -> None:
+        self.files = files
+
+    def tensor(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor | None:
+        return self.files.tensor(shape, dtype)
+
+    def keep(self, local: torch.Tensor) -> torch.Tensor:
+        if local.is_meta or self.files.holds(local):
+            return local
+        return self.files.copy(local)
+
+
+def home_of(policy: OffloadPolicy, device: torch.device) -> Home:
+    if isinstance(policy, DiskOffloadPolicy):
+        if not policy.params:
+            return Home()
+        return FileHome(shared_files(policy.path, dist.get_rank(), "DiskOffloadPolicy.path"))
+    if isinstance(policy, CPUOffloadPolicy):
+        return HostHome(device, policy.pin_memory)
+    return Home()
