@@ -115,3 +115,104 @@ def test_disk_offload_equals_in_memory(tmp_path: Path, stage: int) -> None:
         diff = (plain - disk).abs().max().item()
         assert diff <= 1e-6, (key, diff)
     assert list((tmp_path / "scratch").iterdir()) == []
+
+
+def _resume(rank: int, world: int, out: str, stage: int) -> dict[str, Any]:
+    """12 steps straight (saving at 6 and 12), then a new Trainer resumed from the save at
+    6 to 12, both with disk offload."""
+    root = Path(out)
+    results = {}
+    for name in ("straight", "resumed"):
+        args = _args(
+            root / name,
+            zero_stage=stage,
+            max_steps=12,
+            save_steps=6,
+            gradient_accumulation_steps=2,
+            zero_offload="disk",
+            zero_offload_dir=str(root / "scratch"),
+            zero_offload_window_mb=0.001,
+        )
+        trainer = Trainer(model=_Net(), args=args, train_dataset=_data(), loss_fn=_xent)
+        resume = str(root / "straight" / "checkpoint-6") if name == "resumed" else None
+        trainer.train(resume_from_checkpoint=resume)
+        results[name] = _full_params(trainer, stage)
+        trainer.close()
+    return results
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_offloaded_run_resumes_bit_identical(tmp_path: Path, stage: int) -> None:
+    """The resumed run loads the checkpoint into fresh files (its first run's scratch
+    directory is gone) and ends where the uninterrupted run ends, bit for bit."""
+    value = run_workers(_resume, 2, str(tmp_path), stage, timeout=240)[0].value
+    for key in value["straight"]:
+        assert value["straight"][key] == value["resumed"][key], key
+    assert list((tmp_path / "scratch").iterdir()) == []
+
+
+class _Wide(torch.nn.Module):
+    """1 MB of parameters: 0.5 MB per rank of shards, as much of gradients, twice that of
+    Adam's state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(256, 512), torch.nn.Tanh(), torch.nn.Linear(512, 256)
+        )
+
+    def forward(self, batch: list[torch.Tensor]) -> torch.Tensor:
+        return self.net(batch[0])
+
+
+def _offload_into(rank: int, world: int, out: str, scratch: str) -> str:
+    import phalanx
+
+    phalanx.init(backend="gloo")
+    torch.manual_seed(0)
+    model = _Wide()
+    args = _args(
+        Path(out),
+        zero_stage=3,
+        max_steps=2,
+        zero_offload="disk",
+        zero_offload_dir=scratch,
+    )
+    data = torch.utils.data.TensorDataset(torch.randn(32, 256), torch.randn(32, 256))
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=data,
+        loss_fn=lambda out, batch: torch.nn.functional.mse_loss(out, batch[1]),
+    )
+    trainer.train()
+    return "trained"
+
+
+def test_a_full_offload_disk_is_one_line_on_every_rank(tmp_path: Path, small_disk: Path) -> None:
+    """4 MB of tmpfs holds the shards and their gradients but not Adam's state: the first
+    step fails on every rank with the disk named, whichever rank's disk filled."""
+    outcomes = run_workers(
+        _offload_into, 2, str(tmp_path / "out"), str(small_disk), init_pg=False, allow_errors=True
+    )
+    for o in outcomes:
+        assert o.error_type == "OffloadError", (o.error_type, o.error)
+        assert f"zero_offload_dir={small_disk}: the disk is full" in (o.error or "")
+        assert "\n" not in (o.error or "").strip()
+    assert not list((tmp_path / "out").glob("checkpoint-*"))
+
+
+def test_an_unwritable_offload_dir_is_one_line_on_every_rank(
+    tmp_path: Path, read_only_dir: Path
+) -> None:
+    outcomes = run_workers(
+        _offload_into,
+        2,
+        str(tmp_path / "out"),
+        str(read_only_dir),
+        init_pg=False,
+        allow_errors=True,
+    )
+    for o in outcomes:
+        assert o.error_type == "OffloadError", (o.error_type, o.error)
+        assert f"zero_offload_dir={read_only_dir}: cannot create" in (o.error or "")

@@ -24,6 +24,7 @@ from phalanx.offload import (
     DiskOffloadPolicy,
     OffloadPolicy,
     offload_optimizer,
+    shared_files,
     streamer_of,
 )
 from phalanx.optim.zero import ZeroRedundancyOptimizer
@@ -146,10 +147,13 @@ def build_optimizer(model: nn.Module, args: TrainingArguments, world: World) -> 
 
 
 def offload_policy(args: TrainingArguments) -> OffloadPolicy | None:
-    """zero_offload as a policy: "disk" under zero_offload_dir (default output_dir/offload),
-    "cpu" FSDP2's CPUOffloadPolicy."""
+    """zero_offload as a policy: "disk" under zero_offload_dir (default output_dir/offload;
+    this process's scratch directory is made now, so an unwritable one fails before any
+    step, in words naming zero_offload_dir), "cpu" FSDP2's CPUOffloadPolicy."""
     if args.zero_offload == "disk":
         path = args.zero_offload_dir or str(Path(args.output_dir) / "offload")
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        shared_files(path, rank, "zero_offload_dir")
         return DiskOffloadPolicy(path=path, window_mb=args.zero_offload_window_mb)
     if args.zero_offload == "cpu":
         return CPUOffloadPolicy()
