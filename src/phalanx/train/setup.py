@@ -237,7 +237,7 @@ def wrap_model(model: nn.Module, args: TrainingArguments, world: World) -> nn.Mo
     )
 
 
-def release_offload(optimizer: Optimizer | None) -> None:
+def _release_offload(optimizer: Optimizer | None) -> None:
     """Finish the offloaded optimizer's writes and remove its scratch directory (the model's
     offloaded shards stay readable: their files are unlinked, not unmapped)."""
     inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's local one
@@ -247,12 +247,14 @@ def release_offload(optimizer: Optimizer | None) -> None:
         streamer.files.close()
 
 
-def release(wrapped: nn.Module | None, owns_group: bool) -> None:
-    """Unhook DDP from the model, and destroy the process group if we created it.
+def release(wrapped: nn.Module | None, owns_group: bool, optimizer: Optimizer | None) -> None:
+    """Unhook DDP from the model, remove the optimizer's offload scratch directory, and
+    destroy the process group if we created it.
 
     The model outlives the Trainer (`trainer.model`): left hooked, its
     parameters would keep reporting gradients to a reducer nobody drives.
     """
+    _release_offload(optimizer)
     if isinstance(wrapped, DistributedDataParallel):
         wrapped.reducer.remove_hooks()
     if owns_group:

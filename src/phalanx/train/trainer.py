@@ -54,7 +54,6 @@ from phalanx.train.setup import (
     join_world,
     prepare_model,
     release,
-    release_offload,
     train_loader,
     wrap_model,
 )
@@ -442,8 +441,7 @@ class Trainer:
         local: PeriodicSync | None = self.__dict__.get("periodic_sync")
         if local is not None:
             local.close()  # unhook the optimizer, which outlives the Trainer
-        release_offload(self.__dict__.get("optimizer"))
-        release(wrapped, self._owns_group)
+        release(wrapped, self._owns_group, self.__dict__.get("optimizer"))
 
     def _check_open(self) -> None:
         if self._closed:
