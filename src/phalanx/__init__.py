@@ -36,6 +36,7 @@ if TYPE_CHECKING:
         OffloadPolicy,
         UnshardHandle,
         fully_shard,
+        materialize,
         register_fsdp_forward_method,
     )
 
@@ -56,6 +57,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "LocalSGD": ("phalanx.optim.local_sgd", "LocalSGD"),
     "DiLoCo": ("phalanx.optim.diloco", "DiLoCo"),
     "fully_shard": ("phalanx.zero3", "fully_shard"),
+    "materialize": ("phalanx.zero3", "materialize"),
     "check_replicas": ("phalanx.diagnostics.replicas", "check_replicas"),
     "MixedPrecisionPolicy": ("phalanx.zero3", "MixedPrecisionPolicy"),
     "FSDPModule": ("phalanx.zero3", "FSDPModule"),
@@ -93,6 +95,7 @@ __all__ = [
     "fully_shard",
     "init",
     "launched_by_launcher",
+    "materialize",
     "offload_optimizer",
     "register_fsdp_forward_method",
     "shutdown",

@@ -31,6 +31,7 @@ from phalanx.optim.zero import ZeroRedundancyOptimizer
 from phalanx.runtime import World, init, shutdown
 from phalanx.runtime.hostmem import return_freed_memory
 from phalanx.train.args import TrainingArguments
+from phalanx.zero3.meta_init import has_meta_tensors, materialize
 
 
 def join_world(args: TrainingArguments) -> tuple[World, bool]:
@@ -75,16 +76,25 @@ def _check_precision(args: TrainingArguments, device: torch.device) -> None:
         )
 
 
-def prepare_model(model: nn.Module, args: TrainingArguments, device: torch.device) -> nn.Module:
+def prepare_model(model: nn.Module, args: TrainingArguments, world: World) -> nn.Module:
     """Check the precision fits the device, turn on gradient checkpointing if asked, and
     move the model to this rank's device. At stage 3 or under offload, host memory freed
-    goes back to the kernel (runtime/hostmem.py)."""
-    _check_precision(args, device)
+    goes back to the kernel (runtime/hostmem.py).
+
+    A model built on the meta device is given rank 0's initial values here, whole,
+    below stage 3; at stage 3 it stays meta until `wrap_model` has sharded it, so
+    that each rank only ever holds its shards (zero3/meta_init.py).
+    """
+    _check_precision(args, world.device)
     if args.zero_stage == 3 or args.zero_offload is not None:
         return_freed_memory()  # the point of these runs is less host memory: see hostmem.py
     if args.gradient_checkpointing:
         _enable_gradient_checkpointing(model)
-    return model.to(device)
+    if has_meta_tensors(model):
+        if args.zero_stage == 3:
+            return model  # fully_shard moves what is not meta to the device
+        materialize(model, world.device, group=world.process_group)
+    return model.to(world.device)
 
 
 def _enable_gradient_checkpointing(model: nn.Module) -> None:
@@ -224,6 +234,8 @@ def wrap_model(model: nn.Module, args: TrainingArguments, world: World) -> nn.Mo
         if zero3.unit_of(model) is None:
             policy = zero3.by_class_names(args.zero3_units) if args.zero3_units else None
             zero3.shard_model(model, policy, offload_policy=offload_policy(args))
+        if has_meta_tensors(model):
+            materialize(model, world.device, group=world.process_group)
         return model
     if not world.is_distributed or args.sync_method != "ddp":
         # One rank has nothing to all-reduce; local SGD / DiLoCo sync parameters themselves.

@@ -135,7 +135,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
     def _setup_model(self, model: nn.Module, optimizer: Optimizer | None) -> None:
-        self.model: nn.Module = prepare_model(model, self.args, self.world.device)
+        self.model: nn.Module = prepare_model(model, self.args, self.world)
         """The unwrapped module: what you save, export, or evaluate yourself."""
         self.wrapped_model: nn.Module = wrap_model(self.model, self.args, self.world)
         """What the loop calls: phalanx DDP with more than one rank, else the model itself."""

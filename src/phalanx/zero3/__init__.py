@@ -12,6 +12,7 @@ from __future__ import annotations
 from torch import nn
 
 from phalanx.ddp.stats import CommCounter
+from phalanx.zero3.meta_init import Materialized, has_meta_tensors, materialize
 from phalanx.zero3.module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from phalanx.zero3.params import ShardUseError, is_sharded
 from phalanx.zero3.policies import (
@@ -39,6 +40,7 @@ __all__ = [
     "CPUOffloadPolicy",
     "DiskOffloadPolicy",
     "FSDPModule",
+    "Materialized",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "Policy",
@@ -50,10 +52,12 @@ __all__ = [
     "full_optimizer_state_dict",
     "full_state_dict",
     "fully_shard",
+    "has_meta_tensors",
     "is_sharded",
     "load_full_state_dict",
     "load_model_sharded",
     "load_optimizer_sharded",
+    "materialize",
     "plain_optimizer_state",
     "register_fsdp_forward_method",
     "repeated_blocks",
