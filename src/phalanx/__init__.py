@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from phalanx.optim.local_sgd import LocalSGD
     from phalanx.optim.zero import ZeroRedundancyOptimizer
     from phalanx.runtime import World, init, launched_by_launcher, shutdown
-    from phalanx.train import Trainer, TrainingArguments
+    from phalanx.train import EarlyStoppingCallback, Trainer, TrainerCallback, TrainingArguments
     from phalanx.zero3 import (
         CPUOffloadPolicy,
         FSDPModule,
@@ -49,6 +49,8 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "launched_by_launcher": ("phalanx.runtime", "launched_by_launcher"),
     "Trainer": ("phalanx.train", "Trainer"),
     "TrainingArguments": ("phalanx.train", "TrainingArguments"),
+    "TrainerCallback": ("phalanx.train", "TrainerCallback"),
+    "EarlyStoppingCallback": ("phalanx.train", "EarlyStoppingCallback"),
     "DistributedDataParallel": ("phalanx.ddp.module", "DistributedDataParallel"),
     "DistributedSampler": ("phalanx.data.sampler", "DistributedSampler"),
     "Join": ("phalanx.ddp.join", "Join"),
@@ -76,6 +78,7 @@ __all__ = [
     "DiskOffloadPolicy",
     "DistributedDataParallel",
     "DistributedSampler",
+    "EarlyStoppingCallback",
     "FSDPModule",
     "Join",
     "LocalSGD",
@@ -85,6 +88,7 @@ __all__ = [
     "PhalanxError",
     "ReducerError",
     "Trainer",
+    "TrainerCallback",
     "TrainingArguments",
     "UnevenInputsError",
     "UnshardHandle",

@@ -24,7 +24,7 @@ from phalanx.train.fields import Config, FieldType, field_type, field_types
 class _WithExtras(TrainingArguments):
     """A user's own arguments: TrainingArguments plus a few fields of the supported kinds."""
 
-    warmup_ratio: float = 0.0
+    dropout_rate: float = 0.0
     """Fraction of the run spent warming up, for scripts that prefer it to warmup_steps."""
     tags: list[str] = field(default_factory=list)
     """Free-form labels the script writes next to its metrics."""
@@ -82,7 +82,8 @@ def test_an_annotation_that_does_not_resolve_is_a_clear_error() -> None:
 def test_every_training_argument_has_a_supported_type() -> None:
     kinds = field_types(TrainingArguments)
     assert list(kinds) == [f.name for f in fields(TrainingArguments)]
-    assert kinds["lr_scheduler_type"].choices == ("constant", "linear", "cosine")
+    assert kinds["lr_scheduler_type"].choices[:3] == ("constant", "linear", "cosine")
+    assert "cosine_with_restarts" in kinds["lr_scheduler_type"].choices  # Hugging Face's
     assert kinds["report_to"] == FieldType(
         "report_to", str, ("console", "jsonl", "csv", "tensorboard"), is_list=True
     )
@@ -138,7 +139,10 @@ def test_literal_choices_are_checked_in_the_constructor() -> None:
     assert args.report_to == ["console", "csv"]
     with pytest.raises(ConfigurationError, match=r"zero_stage='0' is a str, not one of \[0, 1"):
         TrainingArguments(zero_stage="0")  # type: ignore[arg-type]
-    with pytest.raises(ConfigurationError, match="use one of \\['constant', 'linear', 'cosine'\\]"):
+    with pytest.raises(
+        ConfigurationError,
+        match="use one of \\['constant', 'linear', 'cosine', 'constant_with_warmup'",
+    ):
         TrainingArguments(lr_scheduler_type="step")  # type: ignore[arg-type]
 
 
@@ -166,24 +170,24 @@ def test_help_lists_the_choices(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         TrainingArguments.from_cli(["--help"])
     text = capsys.readouterr().out
-    assert "{constant,linear,cosine}" in text and "{0,1,2,3}" in text
+    assert "{constant,linear,cosine,constant_with_warmup," in text and "{0,1,2,3}" in text
 
 
 def test_a_subclass_gets_flags_checks_and_help_for_its_own_fields(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     args = _WithExtras.from_cli(
-        ["--warmup_ratio", "1", "--tags", "a", "b", "--layer-sizes", "64", "32",
+        ["--dropout_rate", "1", "--tags", "a", "b", "--layer-sizes", "64", "32",
          "--precision", "TF32", "--max_steps", "3"]
     )  # fmt: skip
     assert isinstance(args, _WithExtras)
-    assert (args.warmup_ratio, args.tags, args.layer_sizes) == (1.0, ["a", "b"], [64, 32])
+    assert (args.dropout_rate, args.tags, args.layer_sizes) == (1.0, ["a", "b"], [64, 32])
     assert (args.precision, args.max_steps) == ("tf32", 3)
     assert _WithExtras.from_cli(["--layer_sizes", "none"]).layer_sizes is None
     with pytest.raises(ConfigurationError, match="invalid int value: 'x'"):
         _WithExtras.from_cli(["--layer_sizes", "1", "x"])
-    with pytest.raises(ConfigurationError, match=r"warmup_ratio='0\.1' is a str, not a number"):
-        _WithExtras(warmup_ratio="0.1")  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match=r"dropout_rate='0\.1' is a str, not a number"):
+        _WithExtras(dropout_rate="0.1")  # type: ignore[arg-type]
     docs = field_docs(_WithExtras)
     assert (
         "Free-form labels" in docs["tags"]

@@ -56,7 +56,7 @@ BAD_VALUES: list[tuple[str, Any, str]] = [
     ("learning_rate", -1e-3, "learning_rate=-0.001"),
     ("learning_rate", math.nan, "learning_rate=nan"),
     ("weight_decay", -0.1, "weight_decay=-0.1"),
-    ("lr_scheduler_type", "polynomial", "lr_scheduler_type='polynomial' is unknown"),
+    ("lr_scheduler_type", "step", "lr_scheduler_type='step' is unknown"),
     ("warmup_steps", -1, "warmup_steps=-1"),
     ("max_grad_norm", -1.0, "max_grad_norm=-1.0"),
     ("logging_steps", 0, "logging_steps=0"),
@@ -354,3 +354,57 @@ def test_a_keyword_typo_is_one_line_with_the_closest_field() -> None:
     assert str(exc.value) == (
         "TrainingArguments has no field 'learning_rat' — did you mean 'learning_rate'?"
     )
+
+
+def test_hugging_faces_schedules_are_transformers_own() -> None:
+    transformers = pytest.importorskip("transformers")
+    from phalanx.train.schedules import make_scheduler
+
+    def lrs(scheduler: Any) -> list[float]:
+        out = []
+        for _ in range(20):
+            out.append(scheduler.get_last_lr()[0])
+            scheduler.optimizer.step()
+            scheduler.step()
+        return out
+
+    def optimizer() -> torch.optim.Optimizer:
+        return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+
+    ours = make_scheduler(optimizer(), "cosine_with_restarts", 4, 20, {"num_cycles": 2})
+    theirs = transformers.get_cosine_with_hard_restarts_schedule_with_warmup(
+        optimizer(), 4, 20, num_cycles=2
+    )
+    assert lrs(ours) == lrs(theirs)
+    with pytest.raises(ConfigurationError, match="do not apply to lr_scheduler_type='linear'"):
+        make_scheduler(optimizer(), "linear", 0, 10, {"power": 2})
+
+
+@pytest.mark.parametrize(
+    ("warmup_steps", "warmup_ratio", "expected"), [(3, 0.0, 3), (0.25, 0.0, 5), (0, 0.1, 2)]
+)
+def test_warmup_reads_steps_or_a_fraction_as_hugging_face_5(
+    warmup_steps: float, warmup_ratio: float, expected: int
+) -> None:
+    from phalanx.train.schedules import warmup_steps_for
+
+    args = TrainingArguments(warmup_steps=warmup_steps, warmup_ratio=warmup_ratio)
+    assert warmup_steps_for(args.warmup_steps, args.warmup_ratio, 20) == expected
+
+
+def test_hugging_faces_derived_defaults() -> None:
+    args = TrainingArguments(load_best_model_at_end=True, eval_strategy="steps", save_steps=20)
+    assert (args.eval_steps, args.metric_for_best_model, args.greater_is_better) == (
+        10,
+        "loss",
+        False,
+    )
+    args = TrainingArguments(metric_for_best_model="accuracy")
+    assert args.greater_is_better is True and args.eval_strategy == "no"
+    assert TrainingArguments(eval_steps=5).eval_strategy == "steps"  # phalanx's own default
+    assert TrainingArguments(report_to=["none"]).report_to == []
+    assert TrainingArguments(lr_scheduler_kwargs='{"power": 2}').lr_scheduler_kwargs == {"power": 2}
+    with pytest.raises(ConfigurationError, match="save_strategy='epoch' and eval_strategy='steps'"):
+        TrainingArguments(load_best_model_at_end=True, eval_strategy="steps", save_strategy="epoch")
+    with pytest.raises(ConfigurationError, match='eval_strategy="no"'):
+        TrainingArguments(save_strategy="best")

@@ -11,6 +11,13 @@ from __future__ import annotations
 
 from phalanx.errors import CheckpointError, NonFiniteError, OutputError
 from phalanx.train.args import TrainingArguments
+from phalanx.train.callbacks import (
+    CallbackError,
+    CallbackState,
+    EarlyStoppingCallback,
+    TrainerCallback,
+    TrainerControl,
+)
 from phalanx.train.checkpointer import CheckpointFallbackWarning
 from phalanx.train.evaluation import EvalPrediction
 from phalanx.train.stateful import ShardedStateful, Stateful
@@ -19,8 +26,11 @@ from phalanx.train.trainer import Trainer, TrainOutput
 from phalanx.train.trainer_state import ResumeWarning
 
 __all__ = [
+    "CallbackError",
+    "CallbackState",
     "CheckpointError",
     "CheckpointFallbackWarning",
+    "EarlyStoppingCallback",
     "EvalPrediction",
     "NonFiniteError",
     "OutputError",
@@ -29,6 +39,8 @@ __all__ = [
     "Stateful",
     "TrainOutput",
     "Trainer",
+    "TrainerCallback",
+    "TrainerControl",
     "TrainingArguments",
     "TrainingStopped",
 ]

@@ -22,7 +22,7 @@ from typing import Any, Literal, TypeVar
 
 from phalanx.ddp.module import DEFAULT_BUCKET_CAP_MB
 from phalanx.ddp.options import DDPOptions
-from phalanx.train.args_checks import check_combinations, check_values
+from phalanx.train.args_checks import check_combinations, check_values, resolve_hf_defaults
 from phalanx.train.fields import Config, check_fields
 from phalanx.train.metrics import Reporter
 from phalanx.train.nonfinite import NonFiniteAction
@@ -33,6 +33,9 @@ ZeroStage = Literal[0, 1, 2, 3]
 ZeroOffload = Literal["cpu", "disk"]
 CommHookName = Literal["allreduce", "fp16", "bf16", "powersgd"]
 SyncMethod = Literal["ddp", "local_sgd", "diloco"]
+Strategy = Literal["no", "steps", "epoch"]
+SaveStrategy = Literal["no", "steps", "epoch", "best"]
+OptimName = Literal["adamw_torch", "adamw_torch_fused", "sgd", "adagrad", "rmsprop"]
 _Args = TypeVar("_Args", bound="TrainingArguments")
 
 
@@ -77,9 +80,21 @@ class TrainingArguments(Config):
     weight_decay: float = 0.0
     """AdamW weight decay, applied to matrices only (not to biases and norm weights)."""
     lr_scheduler_type: ScheduleName = "linear"
-    """Learning-rate shape after warmup: "constant", "linear" (to 0) or "cosine" (to 0)."""
-    warmup_steps: int = 0
-    """Optimizer steps over which the learning rate rises linearly from 0."""
+    """Learning-rate shape after warmup: "constant", "linear" (to 0) or "cosine" (to 0),
+    phalanx's own; Hugging Face's others ("constant_with_warmup", "cosine_with_restarts",
+    "polynomial", "inverse_sqrt", "cosine_with_min_lr", "warmup_stable_decay") through
+    transformers' own get_scheduler (the `hf` extra)."""
+    lr_scheduler_kwargs: dict[str, Any] | None = None
+    """Extra arguments of the schedule (HF's: e.g. {"num_cycles": 2} for
+    cosine_with_restarts, {"power": 2.0} for polynomial)."""
+    warmup_steps: float = 0
+    """Optimizer steps over which the learning rate rises linearly from 0; a value in
+    (0, 1) is a fraction of the run's steps (Hugging Face 5's reading)."""
+    warmup_ratio: float = 0.0
+    """The warmup as a fraction of the run's steps (used when warmup_steps is 0)."""
+    optim: OptimName = "adamw_torch"
+    """The optimizer the Trainer builds, by Hugging Face's names: "adamw_torch",
+    "adamw_torch_fused", "sgd", "adagrad", "rmsprop" (torch's own)."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this after the all-reduce; 0 turns clipping off."""
 
@@ -115,12 +130,32 @@ class TrainingArguments(Config):
     # ----------------------------------------------------------- logging, evaluation, saving
     logging_steps: int = 10
     """Log loss, learning rate, throughput and communication wait every this many steps."""
+    eval_strategy: Strategy | None = None
+    """When to evaluate on eval_dataset: "steps" (every eval_steps), "epoch", or "no";
+    None (phalanx's default) is "steps" when eval_steps > 0, else "no"."""
     eval_steps: int = 0
-    """Evaluate on eval_dataset every this many steps; 0 evaluates only when you call evaluate()."""
+    """Evaluate every this many steps; 0: every logging_steps under eval_strategy="steps",
+    else only when you call evaluate()."""
+    save_strategy: SaveStrategy = "steps"
+    """When to write a checkpoint: "steps" (every save_steps, and at the end), "epoch",
+    "best" (each time metric_for_best_model improves), or "no"."""
     save_steps: int = 500
     """Write a checkpoint every this many steps and at the end; 0 never saves."""
     save_total_limit: int | None = None
-    """Keep only the newest this-many checkpoints; None keeps all of them."""
+    """Keep only the newest this-many checkpoints (and the best one, with
+    load_best_model_at_end); None keeps all of them."""
+    load_best_model_at_end: bool = False
+    """At the end, load the model of the checkpoint whose evaluation was the best by
+    metric_for_best_model (saves and evaluations must then fall on the same steps)."""
+    metric_for_best_model: str | None = None
+    """The evaluation metric that ranks checkpoints ("eval_" may be left out); None is
+    "loss" when load_best_model_at_end is set."""
+    greater_is_better: bool | None = None
+    """Whether a larger metric_for_best_model is better; None: False for a name ending in
+    "loss", else True."""
+    resume_from_checkpoint: str | None = None
+    """A checkpoint to resume from when train() is called without one (Hugging Face keeps
+    this field too); "true" resumes from the newest in output_dir."""
     report_to: list[Reporter] = field(default_factory=lambda: list(DEFAULT_REPORT_TO))
     """Where metrics go: any of "console", "jsonl", "csv", "tensorboard" (needs the
     tensorboard package); an empty list logs nowhere."""
@@ -199,6 +234,7 @@ class TrainingArguments(Config):
         check_fields(self)  # types from the annotations, before any value check reads them
         if self.ddp_backend is not None:
             self.ddp_backend = self.ddp_backend.strip().lower()
+        resolve_hf_defaults(self)
         check_values(self)
         check_combinations(self)
 

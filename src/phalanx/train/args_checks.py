@@ -15,12 +15,27 @@ if TYPE_CHECKING:
     from phalanx.train.args import TrainingArguments
 
 
+def resolve_hf_defaults(args: TrainingArguments) -> None:
+    """The defaults Hugging Face derives from other fields, resolved once so that every
+    reader (the loop, callbacks written for HF) sees plain values."""
+    if args.eval_strategy is None:
+        args.eval_strategy = "steps" if args.eval_steps > 0 else "no"
+    if args.eval_strategy == "steps" and args.eval_steps == 0:
+        args.eval_steps = args.logging_steps
+    wants_best = args.load_best_model_at_end or args.save_strategy == "best"
+    if wants_best and args.metric_for_best_model is None:
+        args.metric_for_best_model = "loss"
+    if args.metric_for_best_model is not None and args.greater_is_better is None:
+        args.greater_is_better = not args.metric_for_best_model.endswith("loss")
+
+
 def check_values(args: TrainingArguments) -> None:
     _check_run_length(args)
     _check_batches(args)
     _check_even_batches(args)
     _check_optimizer(args)
     _check_reporting(args)
+    _check_strategies(args)
     _check_ddp(args)
     check_sync(args)
 
@@ -41,6 +56,44 @@ def _check_run_length(args: TrainingArguments) -> None:
         f"max_steps={args.max_steps} trains nothing — pass a positive number of optimizer "
         "steps, or -1 to train for num_train_epochs",
     )
+
+
+def _check_strategies(args: TrainingArguments) -> None:
+    """Hugging Face's rules for evaluation, saving and the best model, in one line each."""
+    require(
+        args.warmup_steps >= 0 and (args.warmup_steps < 1 or args.warmup_steps.is_integer()),
+        f"warmup_steps={args.warmup_steps} must be a whole number of steps, or a fraction in "
+        "(0, 1) of the run's steps",
+    )
+    require(
+        0 <= args.warmup_ratio < 1,
+        f"warmup_ratio={args.warmup_ratio} must be in [0, 1) — it is a fraction of the steps",
+    )
+    if args.eval_strategy == "no" and args.save_strategy == "best":
+        require(
+            False,
+            'save_strategy="best" saves when an evaluation improves, but '
+            'eval_strategy="no" — set eval_strategy="steps" or "epoch"',
+        )
+    if not args.load_best_model_at_end:
+        return
+    require(
+        args.eval_strategy != "no",
+        'load_best_model_at_end needs evaluations to rank checkpoints, but eval_strategy="no" '
+        '— set eval_strategy="steps" (with eval_steps) or "epoch"',
+    )
+    require(
+        args.save_strategy in (args.eval_strategy, "best"),
+        f"load_best_model_at_end needs a checkpoint at every evaluation, but save_strategy="
+        f"{args.save_strategy!r} and eval_strategy={args.eval_strategy!r} — give them the "
+        'same value, or save_strategy="best"',
+    )
+    if args.save_strategy == "steps":
+        require(
+            args.save_steps > 0 and args.save_steps % args.eval_steps == 0,
+            f"load_best_model_at_end needs each save to follow an evaluation, but save_steps="
+            f"{args.save_steps} is not a multiple of eval_steps={args.eval_steps} — make it one",
+        )
 
 
 def _check_batches(args: TrainingArguments) -> None:

@@ -217,11 +217,13 @@ def remove_torn(output_dir: Path) -> list[Path]:
     return torn
 
 
-def rotate_checkpoints(output_dir: Path, keep: int | None) -> list[Path]:
-    """Delete all but the newest `keep` checkpoints; return what was deleted."""
+def rotate_checkpoints(
+    output_dir: Path, keep: int | None, protect: Path | None = None
+) -> list[Path]:
+    """Delete all but the newest `keep` checkpoints (and `protect`); return what was deleted."""
     if keep is None:
         return []
-    doomed = [path for _, path in list_checkpoints(output_dir)[keep:]]
+    doomed = [path for _, path in list_checkpoints(output_dir)[keep:] if path != protect]
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
     return doomed

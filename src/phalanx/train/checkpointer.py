@@ -89,6 +89,8 @@ class Checkpointer:
         self.world = world
         self.output_dir = output_dir
         self.keep = keep
+        self.protect: Path | None = None
+        """A checkpoint rotation keeps whatever its age (load_best_model_at_end's best)."""
 
     # ------------------------------------------------------------------ save
     def save(
@@ -127,7 +129,7 @@ class Checkpointer:
 
         def seal_on_main() -> None:
             sealed.append(seal(tmp, step, placements, written))
-            rotate_checkpoints(self.output_dir, self.keep)
+            rotate_checkpoints(self.output_dir, self.keep, self.protect)
 
         self._turn(tmp, step, seal_on_main, everyone=False)
         size = checkpoint_bytes(read_manifest(sealed[0])) if sealed else 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import json
 import os
 import types
 from collections.abc import Callable, Sequence
@@ -23,13 +24,19 @@ from phalanx.errors import ConfigurationError
 
 SUPPORTED_KINDS = (
     "int, float, bool, str, Literal[...] of str or of int, float | Literal[...] of str, "
-    "X | None, list[X]"
+    "dict[str, Any], X | None, list[X]"
 )
 # What the command line (and a string for a list field) reads as None or an empty list.
 NONE_WORDS = ("none", "null")
 _SCALARS = (int, float, bool, str)
 _ANY_OF = {int: "integers", float: "numbers", bool: "True/False values", str: "strings"}
-_ONE = {int: "an integer", float: "a number", bool: "True or False", str: "a string"}
+_ONE = {
+    int: "an integer",
+    float: "a number",
+    bool: "True or False",
+    str: "a string",
+    dict: "a dict (JSON on the command line)",
+}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -64,11 +71,15 @@ class FieldType:
             value = [value]
         if isinstance(value, tuple):
             value = list(value)
+        if isinstance(value, list) and [str(v).strip().lower() for v in value] == ["none"]:
+            return None if self.optional else []  # HF's report_to=["none"]
         if isinstance(value, list):
             return [self._normalize_item(item) for item in value]
         return value
 
     def _normalize_item(self, value: Any) -> Any:
+        if self.scalar is dict and isinstance(value, str):
+            return _read_json_object(value)  # HF takes a JSON string for its dict fields too
         if self.words and isinstance(value, str):
             return next((w for w in self.words if w == value.strip().lower()), value)
         if self.scalar is float and isinstance(value, int) and not isinstance(value, bool):
@@ -167,6 +178,8 @@ class FieldType:
             return _read_bool
         if self.words:
             return self._number_or_word
+        if self.scalar is dict:
+            return _read_json_object
         return self.scalar
 
     def _number_or_word(self, raw: str) -> Any:
@@ -180,6 +193,15 @@ class FieldType:
         raise argparse.ArgumentTypeError(
             f"invalid choice: {raw!r} (choose from {', '.join(map(str, self.choices))})"
         )
+
+
+def _read_json_object(raw: str) -> Any:
+    """A JSON object from a string; anything else is returned for check() to refuse."""
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return raw
+    return value if isinstance(value, dict) else raw
 
 
 def _read_bool(raw: str) -> bool:
@@ -233,6 +255,8 @@ def field_type(owner: type, name: str, hint: Any) -> FieldType:
     item = get_args(inner)[0] if is_list else inner
     if item in _SCALARS:
         return FieldType(name, item, (), optional, is_list)
+    if get_origin(item) is dict and get_args(item) == (str, Any) and not is_list:
+        return FieldType(name, dict, (), optional, False)
     words = _number_or_words(inner)
     if words is not None:
         return FieldType(name, words[0], (), optional, False, words[1])

@@ -90,8 +90,9 @@ class RunLog:
             if result.stepped:  # a skipped step's loss is not finite: it stays out of the mean
                 tracker.add_step(result.loss, result.grad_norm)
 
-    def log(self, step: int, extra: Mapping[str, float]) -> None:
-        """Reduce the window over ranks (every rank calls this), log it on rank 0, reset it."""
+    def log(self, step: int, extra: Mapping[str, float]) -> dict[str, float]:
+        """Reduce the window over ranks (every rank calls this), log it on rank 0, reset it;
+        what was logged (the same on every rank)."""
         window = self.window
         steps = max(1, window.steps)
         reduced = window.reduce(self.world, self.comm.wait_s())
@@ -103,6 +104,7 @@ class RunLog:
         metrics.update(extra)
         emit(self.report, self.timeline, step, metrics)
         window.reset(self.comm.wait_s())
+        return metrics
 
     def summary(self) -> dict[str, float]:
         """Collective: the whole call's loss, throughput and wall time."""

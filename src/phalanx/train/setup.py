@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.optim import AdamW, Optimizer
+from torch.optim import SGD, Adagrad, AdamW, Optimizer, RMSprop
 from torch.utils.data import DataLoader, Dataset
 
 from phalanx import zero3
@@ -119,7 +119,8 @@ def _enable_gradient_checkpointing(model: nn.Module) -> None:
 
 
 def build_optimizer(model: nn.Module, args: TrainingArguments, world: World) -> Optimizer:
-    """AdamW; weight decay on matrices only, since decaying biases and norm gains hurts.
+    """AdamW (or `args.optim`); weight decay on matrices only, since decaying biases and
+    norm gains hurts.
 
     Under ZeRO the same two groups go to a ZeroRedundancyOptimizer over AdamW,
     built after the model is wrapped (stage 2 hooks the wrapper's reducer). A
@@ -143,17 +144,30 @@ def build_optimizer(model: nn.Module, args: TrainingArguments, world: World) -> 
     groups = [g for g in groups if g["params"]]
     disk = offload_policy(args)
     disk = disk if isinstance(disk, DiskOffloadPolicy) else None
-    if args.zero_stage in (0, 3):  # stage 3's AdamW steps the model's DTensor shards
-        optimizer = AdamW(groups, lr=args.learning_rate)
+    cls, defaults = OPTIMIZERS[args.optim]
+    if args.zero_stage in (0, 3):  # stage 3's optimizer steps the model's DTensor shards
+        optimizer = cls(groups, lr=args.learning_rate, **defaults)
         return optimizer if disk is None else offload_optimizer(optimizer, disk)
     return ZeroRedundancyOptimizer(
         groups,
-        AdamW,
+        cls,
         process_group=world.process_group,
         shard_gradients=args.zero_stage == 2 and world.is_distributed,
         offload_policy=disk,
         lr=args.learning_rate,
+        **defaults,
     )
+
+
+# TrainingArguments.optim, by Hugging Face's names: torch's own optimizers, all elementwise
+# (what ZeRO's sharding needs: each element's update reads only its own state).
+OPTIMIZERS: dict[str, tuple[Any, dict[str, Any]]] = {  # (an Optimizer class, its extras)
+    "adamw_torch": (AdamW, {}),
+    "adamw_torch_fused": (AdamW, {"fused": True}),
+    "sgd": (SGD, {}),
+    "adagrad": (Adagrad, {}),
+    "rmsprop": (RMSprop, {}),
+}
 
 
 def offload_policy(args: TrainingArguments) -> OffloadPolicy | None:

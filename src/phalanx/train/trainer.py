@@ -14,58 +14,31 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch import nn
-from torch.optim import Optimizer
 from torch.utils.data import Dataset
 
-from phalanx import zero3
-from phalanx.data.sampler import DistributedSampler
-from phalanx.ddp.module import DistributedDataParallel
 from phalanx.diagnostics import progress
 from phalanx.diagnostics import timeline as timelines
 from phalanx.diagnostics.replicas import check_replicas
 from phalanx.errors import ConfigurationError
-from phalanx.optim.local_sgd import PeriodicSync
-from phalanx.train.args import TrainingArguments
-from phalanx.train.batches import LossFn, step_groups
+from phalanx.train.batches import step_groups
 from phalanx.train.checkpoint import PREFIX
-from phalanx.train.checkpointer import Checkpointer
-from phalanx.train.comm import PerRank, attach_comm_hook, make_periodic_sync
-from phalanx.train.evaluation import ComputeMetrics, EvalSetup, evaluate_model
-from phalanx.train.nonfinite import NonFiniteGuard, check_parameters
+from phalanx.train.evaluation import EvalSetup, evaluate_model
+from phalanx.train.flow import due_after_step, metric_key, record_evaluation, record_save
+from phalanx.train.nonfinite import check_parameters
 from phalanx.train.outputdir import prepare_output_dir, restart_note
-from phalanx.train.report import RunReport, human_size
+from phalanx.train.report import human_size
 from phalanx.train.rng import seed_everything
 from phalanx.train.runlog import CommMeter, RunLog, emit
-from phalanx.train.schedules import make_scheduler
-from phalanx.train.setup import (
-    build_optimizer,
-    check_same_arguments,
-    check_user_optimizer,
-    join_world,
-    prepare_model,
-    release,
-    train_loader,
-    wrap_model,
-)
-from phalanx.train.stateful import Entry
-from phalanx.train.step import StepRunner, autocast_for
-from phalanx.train.stopping import Stop, StopRequests, TrainingStopped
+from phalanx.train.stopping import Stop, TrainingStopped
+from phalanx.train.trainer_setup import TrainerSetup
 from phalanx.train.trainer_state import (
-    Counters,
     ResumeWarning,
-    RngStreams,
-    SamplerPosition,
-    ShardedModel,
     TrainState,
     resume_warning,
 )
@@ -86,158 +59,12 @@ class TrainOutput:
     resumed_from: str | None
 
 
-class Trainer:
-    """Train `model` on `train_dataset` as `args` says; see docs/trainer.md."""
+class Trainer(TrainerSetup):
+    """Train `model` on `train_dataset` as `args` says; see docs/trainer.md.
 
-    def __init__(
-        self,
-        model: nn.Module,
-        args: TrainingArguments | None = None,
-        train_dataset: Dataset[Any] | None = None,
-        eval_dataset: Dataset[Any] | None = None,
-        loss_fn: LossFn | None = None,
-        optimizer: Optimizer | None = None,
-        collate_fn: Callable[[list[Any]], Any] | None = None,
-        compute_metrics: ComputeMetrics | None = None,
-    ) -> None:
-        self.args = args if args is not None else TrainingArguments()
-        self.train_dataset = train_dataset
-        self.eval_dataset = eval_dataset
-        self.loss_fn = loss_fn
-        self.collate_fn = collate_fn
-        self.compute_metrics = compute_metrics
-        self.state = TrainState()
-        self._runlog: RunLog | None = None
-        """The log window and totals of the train() call under way (phalanx.train.runlog)."""
-        self._loss_before = 0.0
-        self._stopped_by: Stop | None = None
-        """The signal the ranks agreed to stop for (train() then saves and exits)."""
-        self._saved_step: int | None = None
-        """The step output_dir holds a checkpoint of, written or resumed by this Trainer."""
-        self.sampler: DistributedSampler | None = None
-        self.world, self._owns_group = join_world(self.args)
-        """Rank, world size, device, and the group: one of one rank for a plain process."""
-        self._report = RunReport(self.world, self.args)
-        path = self.args.timeline or os.environ.get(timelines.ENV)
-        self.timeline = (
-            timelines.start(path, self.world.rank, self.world.world_size) if path else None
-        )
-        """The process's timeline (phalanx.diagnostics.timeline), or None when off."""
-        self._closed = False
-        try:
-            check_same_arguments(self.args, self.world)  # before any collective of the run
-            self._setup_model(model, optimizer)
-            if train_dataset is not None:
-                self._setup_training(train_dataset)
-        except BaseException:
-            self.close()  # a Trainer that could not be made must not keep its group
-            raise
-
-    # ------------------------------------------------------------------ setup
-    def _setup_model(self, model: nn.Module, optimizer: Optimizer | None) -> None:
-        self.model: nn.Module = prepare_model(model, self.args, self.world)
-        """The unwrapped module: what you save, export, or evaluate yourself."""
-        self.wrapped_model: nn.Module = wrap_model(self.model, self.args, self.world)
-        """What the loop calls: phalanx DDP with more than one rank, else the model itself."""
-        if isinstance(self.wrapped_model, DistributedDataParallel):
-            self.wrapped_model.timeline = self.timeline
-        for unit in zero3.units(self.wrapped_model):  # stage 3: its gathers and reductions
-            unit.record_to(self.timeline)
-        self.comm_state = attach_comm_hook(self.wrapped_model, self.args, self.world)
-        """PowerSGD's state (error feedback, warm-start Qs) when ddp_comm_hook="powersgd"."""
-        if optimizer is not None:
-            check_user_optimizer(optimizer, self.args)
-        self.optimizer = (
-            optimizer
-            if optimizer is not None
-            else build_optimizer(self.model, self.args, self.world)
-        )
-        """AdamW, or under zero_stage 1/2 a phalanx.ZeroRedundancyOptimizer over AdamW."""
-        self.periodic_sync = make_periodic_sync(self.model, self.optimizer, self.args, self.world)
-        """phalanx.LocalSGD or DiLoCo under sync_method "local_sgd" / "diloco", else None."""
-        self.scaler = torch.amp.GradScaler("cuda") if self.args.fp16 else None
-
-    def _setup_training(self, dataset: Dataset[Any]) -> None:
-        args = self.args
-        self.sampler = DistributedSampler(
-            dataset,
-            num_replicas=self.world.world_size,
-            rank=self.world.rank,
-            shuffle=True,
-            seed=args.seed,
-            pad=args.even_batches,
-        )
-        # Its own generator: making an iterator must not draw from the global RNG,
-        # or a resumed run (which makes one mid-epoch) would shift the dropout masks.
-        self._loader_generator = torch.Generator()
-        self.train_loader = train_loader(
-            dataset, self.sampler, args, self.collate_fn, self._loader_generator
-        )
-        self.micro_batches_per_epoch = len(self.train_loader)
-        if not args.even_batches:  # the longest rank's epoch: every rank counts the same steps
-            lengths: list[int] = self.world.all_gather_object(len(self.train_loader))
-            self.micro_batches_per_epoch = max(lengths)
-        steps_per_epoch = math.ceil(self.micro_batches_per_epoch / args.gradient_accumulation_steps)
-        self.max_steps = (
-            args.max_steps
-            if args.max_steps > 0
-            else math.ceil(args.num_train_epochs * steps_per_epoch)
-        )
-        self.scheduler = make_scheduler(
-            self.optimizer, args.lr_scheduler_type, args.warmup_steps, self.max_steps
-        )
-        self._checkpointer = Checkpointer(self.world, Path(args.output_dir), args.save_total_limit)
-        self._guard = NonFiniteGuard(
-            self.world, args.on_nonfinite_grad, args.max_consecutive_skips, self._report.say
-        )
-        self._stop_requests = StopRequests(self.world)
-        self._stepper = StepRunner(
-            self.model,
-            self.wrapped_model,
-            self.optimizer,
-            self.scheduler,
-            self.scaler,
-            args,
-            self.world,
-            self._guard,
-            self.timeline,
-        )
-        self._make_entries()
-
-    def _make_entries(self) -> None:
-        """The adapters over the loop's own state (see trainer_state.py), for `self.state`."""
-        assert self.sampler is not None
-        self._counters = Counters(self.state, self.args, self.world)
-        self._position = SamplerPosition(
-            self.sampler, self.state, self.args, self.micro_batches_per_epoch
-        )
-        self._rng = RngStreams()
-
-    def checkpoint_states(self) -> dict[str, Entry]:
-        """Everything a checkpoint holds, one entry each: new state is one more entry here.
-
-        The placement of each (stateful.py) says who writes it: the ZeRO
-        optimizer is sharded, "rng" per rank, the rest replicated. "trainer"
-        comes first: it loads the counters the others' messages use.
-        """
-        sharded = self.args.zero_stage == 3  # the model holds pieces: both go through DCP
-        states: dict[str, Entry] = {
-            "trainer": self._counters,
-            "model": ShardedModel(self.model) if sharded else self.model,
-            "optimizer": ShardedModel(self.model, self.optimizer) if sharded else self.optimizer,
-            "scheduler": self.scheduler,
-        }
-        local = self.comm_state if self.comm_state is not None else self.periodic_sync
-        if local is not None:  # after model and optimizer: LocalSGD's holds this rank's own
-            states["comm"] = PerRank(local)
-        if self.scaler is not None:
-            states["scaler"] = self.scaler
-        states["sampler"] = self._position
-        states["rng"] = self._rng
-        return states
-
-    def _autocast(self) -> AbstractContextManager[Any]:
-        return autocast_for(self.args, self.world.device)
+    Its construction (joining the world, the model, the data, the callbacks) is
+    `TrainerSetup`'s (trainer_setup.py); the loop, logging, evaluation and saving are here.
+    """
 
     # ------------------------------------------------------------------ train
     def train(self, resume_from_checkpoint: bool | str | Path | None = None) -> TrainOutput:
@@ -252,7 +79,10 @@ class Trainer:
         self._check_open()
         if self.train_dataset is None:
             raise ConfigurationError("train() needs a train_dataset — pass one to the Trainer")
-        resume = resume_from_checkpoint if resume_from_checkpoint is not None else False
+        resume = resume_from_checkpoint
+        if resume is None:  # HF's field; "true" (any case) is True
+            field = self.args.resume_from_checkpoint
+            resume = False if field is None else (True if field.lower() == "true" else field)
         restart = restart_note()
         if restart is not None:
             self._report.say(f"{restart}: " + ("resuming…" if resume else "starting afresh"))
@@ -270,14 +100,32 @@ class Trainer:
             self._report.open(self.max_steps, self.state.global_step, keep_until)
         self._rng.restore()  # last, so nothing above can shift the dropout masks
         self._saved_step = self.state.global_step if self._resumed_here(resumed_from) else None
+        self._callbacks.control._new_training()
+        self._callbacks.fire("on_train_begin")
+        self._callbacks.agree()
         try:
             with self._stop_requests.installed(self.args.save_on_signal):
                 self._loop()
                 if self._stopped_by is not None:
                     raise self._stop_and_save(self._stopped_by)
+            self._load_best_model()
+            self._callbacks.fire("on_train_end")
+            self._callbacks.agree()
         finally:
             self._report.close()
         return self._output(resumed_from)
+
+    def _load_best_model(self) -> None:
+        """load_best_model_at_end: the model of the best evaluation's checkpoint, on every rank."""
+        best = self.state.best_model_checkpoint
+        if not self.args.load_best_model_at_end or best is None:
+            return
+        if self.state.best_global_step != self.state.global_step:  # else it is the model now
+            self._checkpointer.load(Path(best), {"model": self.checkpoint_states()["model"]})
+        self._report.say(
+            f"loaded the best model: {Path(best).name} ({metric_key(self.args)} "
+            f"{self.state.best_metric:.6g})"
+        )
 
     def _resumed_here(self, resumed_from: str | None) -> bool:
         """Whether the checkpoint resumed from is output_dir's own: no need to write it again."""
@@ -318,10 +166,17 @@ class Trainer:
         random numbers would otherwise have drawn them for a step never trained) and
         once after the last step, so a signal during it is honoured as well.
         """
+        control = self._callbacks.control
+        control._new_epoch()
+        self._callbacks.fire("on_epoch_begin")
         with uneven_inputs(self.wrapped_model, self.args.even_batches) as shadow:
             self._stepper.shadow = shadow
             steps = self._epoch_steps()
             while not self._stop_agreed() and self.state.global_step < self.max_steps:
+                if control.should_training_stop:
+                    return True
+                if control.should_epoch_stop:
+                    return False
                 batches, expected = next(steps, ([], 0))
                 if shadow is None:  # no one to shadow: a loader shorter than its len() ends here
                     expected = len(batches)
@@ -348,6 +203,8 @@ class Trainer:
         )
 
     def _train_step(self, batches: list[Any], expected: int) -> None:
+        self._callbacks.control._new_step()
+        self._callbacks.fire("on_step_begin")
         result = self._stepper.run(batches, expected, self.loss_fn, self.state)
         self.state.batches_done += expected
         self.state.global_step += 1
@@ -355,10 +212,12 @@ class Trainer:
         assert self._runlog is not None
         self._runlog.add(result)
         self._report.advance()
+        self._callbacks.fire("on_step_end")
         self._after_step()
 
     def _after_step(self) -> None:
-        """Between steps, on every rank alike: replica check, logging, evaluation, saving."""
+        """Between steps, on every rank alike: replica check, logging, evaluation, saving, as
+        the strategies and the callbacks (agreed between ranks: flow.py) say."""
         step, args = self.state.global_step, self.args
         local = self.periodic_sync
         if local is not None and step == self.max_steps:
@@ -366,12 +225,21 @@ class Trainer:
         in_sync = local is None or local.in_sync  # the same on every rank
         if args.replica_check_steps and step % args.replica_check_steps == 0 and in_sync:
             check_replicas(self.wrapped_model, self.world.process_group)
-        if step % args.logging_steps == 0:
+        epoch_ended = self.state.batches_done >= self.micro_batches_per_epoch
+        if epoch_ended:
+            self._callbacks.fire("on_epoch_end")
+        self._callbacks.agree()
+        due = due_after_step(args, step, self.max_steps, epoch_ended, self._callbacks.control)
+        if due.log:
             self._log()
-        if args.eval_steps and step % args.eval_steps == 0:
-            self.evaluate()
-        if args.save_steps and (step % args.save_steps == 0 or step == self.max_steps):
+        save = due.save
+        if due.evaluate and (self.eval_dataset is not None or args.eval_strategy != "no"):
+            best = record_evaluation(args, self.state, self.evaluate())
+            save = save or (args.save_strategy == "best" and best)
+        if save:
             self.save_checkpoint()
+        if due.log or due.evaluate or save:
+            self._callbacks.agree()  # what on_log, on_evaluate and on_save asked for
 
     def _stop_and_save(self, stop: Stop) -> TrainingStopped:
         """Every rank agreed to stop: save at this step (unless done already) and say so, on
@@ -397,7 +265,7 @@ class Trainer:
         }
         if self.args.on_nonfinite_grad == "skip":
             extra["skipped_steps"] = float(state.skipped_steps)
-        self._runlog.log(state.global_step, extra)
+        self._callbacks.log(self._runlog.log(state.global_step, extra))
 
     def _sync_loss(self) -> dict[str, float]:
         """Collective: fold this call's step losses into state.loss_sum; the call's summary."""
@@ -423,32 +291,6 @@ class Trainer:
             resumed_from=resumed_from,
         )
 
-    def close(self) -> None:
-        """Let go of the process group; the Trainer cannot train or evaluate afterwards.
-
-        Unhooks DDP from the model (`trainer.model` stays usable) and destroys
-        the group if this Trainer created it. At interpreter exit the group is
-        torn down by the hook `phalanx.init()` registers; call this to release
-        it earlier.
-        """
-        if self._closed:
-            return
-        self._closed = True
-        # A constructor that failed half-way (a bad model) may have no wrapped model yet.
-        wrapped = self.__dict__.get("wrapped_model")
-        if wrapped is not None:
-            self.wrapped_model = self.model
-        local: PeriodicSync | None = self.__dict__.get("periodic_sync")
-        if local is not None:
-            local.close()  # unhook the optimizer, which outlives the Trainer
-        release(wrapped, self._owns_group, self.__dict__.get("optimizer"))
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ConfigurationError(
-                "this Trainer was closed and has let go of the process group — make a new one"
-            )
-
     # ------------------------------------------------------ evaluate and save
     def evaluate(self, eval_dataset: Dataset[Any] | None = None) -> dict[str, float]:
         """eval_loss over the whole eval set (each sample once) plus compute_metrics' results.
@@ -469,6 +311,8 @@ class Trainer:
         )
         metrics = evaluate_model(self.model, dataset, setup, self.compute_metrics)
         emit(self._report, self.timeline, self.state.global_step, metrics)
+        self._callbacks.log(metrics)
+        self._callbacks.fire("on_evaluate", metrics=metrics)
         return metrics
 
     def save_checkpoint(self) -> Path:
@@ -480,9 +324,15 @@ class Trainer:
         check_parameters(self.model, self.world, step)  # never a NaN checkpoint over good ones
         self._sync_loss()
         notes = {"args.json": json.dumps(self.args.to_dict(), indent=1).encode()}
+        best = self.state.best_model_checkpoint
+        self._checkpointer.protect = (
+            Path(best) if self.args.load_best_model_at_end and best else None
+        )
         with timelines.span_of(self.timeline, "checkpoint save"):
             saved = self._checkpointer.save(self.checkpoint_states(), step, notes)
         self._saved_step = step
+        record_save(self.state, saved.path)
+        self._callbacks.fire("on_save")
         self._report.say(
             f"saved {saved.path.name} ({human_size(saved.bytes)}, {saved.seconds:.2f} s)"
         )

@@ -70,6 +70,12 @@ class TrainState:
     global_step, as their data was used up."""
     skipped_in_a_row: int = 0
     """How many of the latest steps were skipped, one after the other."""
+    best_metric: float | None = None
+    """The best metric_for_best_model seen in an evaluation so far."""
+    best_global_step: int | None = None
+    """The step of that evaluation."""
+    best_model_checkpoint: str | None = None
+    """The checkpoint written at that step, if one was."""
 
 
 class Counters:
@@ -91,6 +97,9 @@ class Counters:
             "loss_sum": self.state.loss_sum,
             "skipped_steps": self.state.skipped_steps,
             "skipped_in_a_row": self.state.skipped_in_a_row,
+            "best_metric": self.state.best_metric,
+            "best_global_step": self.state.best_global_step,
+            "best_model_checkpoint": self.state.best_model_checkpoint,
             "world_size": self.world.world_size,
             "args": self.args.to_dict(),
         }
@@ -101,6 +110,9 @@ class Counters:
         self.state.loss_sum = float(state_dict["loss_sum"])
         self.state.skipped_steps = int(state_dict.get("skipped_steps", 0))
         self.state.skipped_in_a_row = int(state_dict.get("skipped_in_a_row", 0))
+        self.state.best_metric = state_dict.get("best_metric")
+        self.state.best_global_step = state_dict.get("best_global_step")
+        self.state.best_model_checkpoint = state_dict.get("best_model_checkpoint")
         saved_args = state_dict["args"]
         self.changes = [
             f"{name} {saved_args.get(name)!r} → {getattr(self.args, name)!r}"

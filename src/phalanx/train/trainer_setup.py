@@ -1,0 +1,276 @@
+"""`TrainerSetup`: what a Trainer is made of, built in the order a run needs it.
+
+Joining the world (a one-rank group for a plain process), the model on its
+device (materialised from the meta device, sharded at stage 3, wrapped in DDP
+with more than one rank), the optimizer, the data and its sampler, the
+schedule, the checkpointer and its entries, and the callbacks; and `close()`,
+which lets go of them. The loop that uses them is `Trainer`'s (trainer.py).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+from torch.utils.data import Dataset
+
+from phalanx import zero3
+from phalanx.data.sampler import DistributedSampler
+from phalanx.ddp.module import DistributedDataParallel
+from phalanx.diagnostics import timeline as timelines
+from phalanx.errors import ConfigurationError
+from phalanx.optim.local_sgd import PeriodicSync
+from phalanx.train.args import TrainingArguments
+from phalanx.train.batches import LossFn
+from phalanx.train.callbacks import Callbacks
+from phalanx.train.checkpointer import Checkpointer
+from phalanx.train.comm import PerRank, attach_comm_hook, make_periodic_sync
+from phalanx.train.evaluation import ComputeMetrics
+from phalanx.train.nonfinite import NonFiniteGuard
+from phalanx.train.report import RunReport
+from phalanx.train.runlog import RunLog
+from phalanx.train.schedules import make_scheduler, warmup_steps_for
+from phalanx.train.setup import (
+    build_optimizer,
+    check_same_arguments,
+    check_user_optimizer,
+    join_world,
+    prepare_model,
+    release,
+    train_loader,
+    wrap_model,
+)
+from phalanx.train.stateful import Entry
+from phalanx.train.step import StepRunner, autocast_for
+from phalanx.train.stopping import Stop, StopRequests
+from phalanx.train.trainer_state import (
+    Counters,
+    RngStreams,
+    SamplerPosition,
+    ShardedModel,
+    TrainState,
+)
+
+
+class TrainerSetup:
+    """A Trainer's construction and teardown: the world, the model and optimizer, the data,
+    the callbacks, and the checkpoint entries over them (the loop is `Trainer`'s)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        args: TrainingArguments | None = None,
+        train_dataset: Dataset[Any] | None = None,
+        eval_dataset: Dataset[Any] | None = None,
+        loss_fn: LossFn | None = None,
+        optimizer: Optimizer | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        compute_metrics: ComputeMetrics | None = None,
+        callbacks: list[Any] | None = None,
+    ) -> None:
+        self.args = args if args is not None else TrainingArguments()
+        self.train_dataset = train_dataset
+        self.eval_dataset = eval_dataset
+        self.loss_fn = loss_fn
+        self.collate_fn = collate_fn
+        self.compute_metrics = compute_metrics
+        self.state = TrainState()
+        self._runlog: RunLog | None = None
+        """The log window and totals of the train() call under way (phalanx.train.runlog)."""
+        self._loss_before = 0.0
+        self._stopped_by: Stop | None = None
+        """The signal the ranks agreed to stop for (train() then saves and exits)."""
+        self._saved_step: int | None = None
+        """The step output_dir holds a checkpoint of, written or resumed by this Trainer."""
+        self.sampler: DistributedSampler | None = None
+        self.world, self._owns_group = join_world(self.args)
+        """Rank, world size, device, and the group: one of one rank for a plain process."""
+        self._report = RunReport(self.world, self.args)
+        path = self.args.timeline or os.environ.get(timelines.ENV)
+        self.timeline = (
+            timelines.start(path, self.world.rank, self.world.world_size) if path else None
+        )
+        """The process's timeline (phalanx.diagnostics.timeline), or None when off."""
+        self._closed = False
+        try:
+            check_same_arguments(self.args, self.world)  # before any collective of the run
+            self._setup_model(model, optimizer)
+            if train_dataset is not None:
+                self._setup_training(train_dataset)
+            self._callbacks = self._setup_callbacks(callbacks)
+        except BaseException:
+            self.close()  # a Trainer that could not be made must not keep its group
+            raise
+
+    # ------------------------------------------------------------------ setup
+    def _setup_model(self, model: nn.Module, optimizer: Optimizer | None) -> None:
+        self.model: nn.Module = prepare_model(model, self.args, self.world)
+        """The unwrapped module: what you save, export, or evaluate yourself."""
+        self.wrapped_model: nn.Module = wrap_model(self.model, self.args, self.world)
+        """What the loop calls: phalanx DDP with more than one rank, else the model itself."""
+        if isinstance(self.wrapped_model, DistributedDataParallel):
+            self.wrapped_model.timeline = self.timeline
+        for unit in zero3.units(self.wrapped_model):  # stage 3: its gathers and reductions
+            unit.record_to(self.timeline)
+        self.comm_state = attach_comm_hook(self.wrapped_model, self.args, self.world)
+        """PowerSGD's state (error feedback, warm-start Qs) when ddp_comm_hook="powersgd"."""
+        if optimizer is not None:
+            check_user_optimizer(optimizer, self.args)
+        self.optimizer = (
+            optimizer
+            if optimizer is not None
+            else build_optimizer(self.model, self.args, self.world)
+        )
+        """AdamW, or under zero_stage 1/2 a phalanx.ZeroRedundancyOptimizer over AdamW."""
+        self.periodic_sync = make_periodic_sync(self.model, self.optimizer, self.args, self.world)
+        """phalanx.LocalSGD or DiLoCo under sync_method "local_sgd" / "diloco", else None."""
+        self.scaler = torch.amp.GradScaler("cuda") if self.args.fp16 else None
+
+    def _setup_training(self, dataset: Dataset[Any]) -> None:
+        args = self.args
+        self.sampler = DistributedSampler(
+            dataset,
+            num_replicas=self.world.world_size,
+            rank=self.world.rank,
+            shuffle=True,
+            seed=args.seed,
+            pad=args.even_batches,
+        )
+        # Its own generator: making an iterator must not draw from the global RNG,
+        # or a resumed run (which makes one mid-epoch) would shift the dropout masks.
+        self._loader_generator = torch.Generator()
+        self.train_loader = train_loader(
+            dataset, self.sampler, args, self.collate_fn, self._loader_generator
+        )
+        self.micro_batches_per_epoch = len(self.train_loader)
+        if not args.even_batches:  # the longest rank's epoch: every rank counts the same steps
+            lengths: list[int] = self.world.all_gather_object(len(self.train_loader))
+            self.micro_batches_per_epoch = max(lengths)
+        steps_per_epoch = math.ceil(self.micro_batches_per_epoch / args.gradient_accumulation_steps)
+        self.max_steps = (
+            args.max_steps
+            if args.max_steps > 0
+            else math.ceil(args.num_train_epochs * steps_per_epoch)
+        )
+        warmup = warmup_steps_for(args.warmup_steps, args.warmup_ratio, self.max_steps)
+        self.scheduler = make_scheduler(
+            self.optimizer, args.lr_scheduler_type, warmup, self.max_steps, args.lr_scheduler_kwargs
+        )
+        self._checkpointer = Checkpointer(self.world, Path(args.output_dir), args.save_total_limit)
+        self._guard = NonFiniteGuard(
+            self.world, args.on_nonfinite_grad, args.max_consecutive_skips, self._report.say
+        )
+        self._stop_requests = StopRequests(self.world)
+        self._stepper = StepRunner(
+            self.model,
+            self.wrapped_model,
+            self.optimizer,
+            self.scheduler,
+            self.scaler,
+            args,
+            self.world,
+            self._guard,
+            self.timeline,
+        )
+        self._make_entries()
+
+    def _setup_callbacks(self, callbacks: list[Any] | None) -> Callbacks:
+        """Hugging Face's callbacks (callbacks.py), with the objects its events pass."""
+        handler = Callbacks(callbacks, self.args, self.world)
+        handler.objects = {
+            "model": self.model,
+            "optimizer": self.optimizer,
+            "lr_scheduler": self.__dict__.get("scheduler"),
+            "train_dataloader": self.__dict__.get("train_loader"),
+            "eval_dataloader": None,
+            "processing_class": None,
+        }
+        handler.source = self._callback_view
+        handler.fire("on_init_end")
+        handler.agree()
+        return handler
+
+    def _callback_view(self) -> dict[str, Any]:
+        state = self.state
+        per_epoch = self.__dict__.get("micro_batches_per_epoch") or 1
+        return {
+            "global_step": state.global_step,
+            "epoch": state.epoch + state.batches_done / per_epoch,
+            "max_steps": self.__dict__.get("max_steps", 0),
+            "num_train_epochs": self.args.num_train_epochs,
+            "logging_steps": self.args.logging_steps,
+            "eval_steps": self.args.eval_steps,
+            "save_steps": self.args.save_steps,
+            "train_batch_size": self.args.per_device_train_batch_size,
+            "best_metric": state.best_metric,
+            "best_global_step": state.best_global_step,
+            "best_model_checkpoint": state.best_model_checkpoint,
+        }
+
+    def _make_entries(self) -> None:
+        """The adapters over the loop's own state (see trainer_state.py), for `self.state`."""
+        assert self.sampler is not None
+        self._counters = Counters(self.state, self.args, self.world)
+        self._position = SamplerPosition(
+            self.sampler, self.state, self.args, self.micro_batches_per_epoch
+        )
+        self._rng = RngStreams()
+
+    def checkpoint_states(self) -> dict[str, Entry]:
+        """Everything a checkpoint holds, one entry each: new state is one more entry here.
+
+        The placement of each (stateful.py) says who writes it: the ZeRO
+        optimizer is sharded, "rng" per rank, the rest replicated. "trainer"
+        comes first: it loads the counters the others' messages use.
+        """
+        sharded = self.args.zero_stage == 3  # the model holds pieces: both go through DCP
+        states: dict[str, Entry] = {
+            "trainer": self._counters,
+            "model": ShardedModel(self.model) if sharded else self.model,
+            "optimizer": ShardedModel(self.model, self.optimizer) if sharded else self.optimizer,
+            "scheduler": self.scheduler,
+        }
+        local = self.comm_state if self.comm_state is not None else self.periodic_sync
+        if local is not None:  # after model and optimizer: LocalSGD's holds this rank's own
+            states["comm"] = PerRank(local)
+        if self.scaler is not None:
+            states["scaler"] = self.scaler
+        states["sampler"] = self._position
+        states["rng"] = self._rng
+        return states
+
+    def _autocast(self) -> AbstractContextManager[Any]:
+        return autocast_for(self.args, self.world.device)
+
+    def close(self) -> None:
+        """Let go of the process group; the Trainer cannot train or evaluate afterwards.
+
+        Unhooks DDP from the model (`trainer.model` stays usable) and destroys
+        the group if this Trainer created it. At interpreter exit the group is
+        torn down by the hook `phalanx.init()` registers; call this to release
+        it earlier.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        # A constructor that failed half-way (a bad model) may have no wrapped model yet.
+        wrapped = self.__dict__.get("wrapped_model")
+        if wrapped is not None:
+            self.wrapped_model = self.model
+        local: PeriodicSync | None = self.__dict__.get("periodic_sync")
+        if local is not None:
+            local.close()  # unhook the optimizer, which outlives the Trainer
+        release(wrapped, self._owns_group, self.__dict__.get("optimizer"))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConfigurationError(
+                "this Trainer was closed and has let go of the process group — make a new one"
+            )
