@@ -16,6 +16,13 @@ Each phase is a fresh set of 2 gloo ranks, as a restart is:
    manifests.
 3. The restart with zero_offload_dir on a good disk resumes from checkpoint-8
    and ends with exactly the parameters of a run never interrupted.
+
+And a disk full on one rank only (another node's disk: here a tmpfs mounted in
+rank 1's own mount namespace, at the path rank 0 sees as a good directory), met
+by a stage-3 restart while it makes the optimizer state to load the checkpoint
+into: the one line on both ranks at once. Before, rank 1 raised alone and met
+rank 0 in a different collective (rank 0 was reading the checkpoint): both hung
+for the collective timeout and then reported only gloo's timeout.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from typing import Any
 import pytest
 
 from phalanx.train.checkpoint import list_checkpoints, verify_checkpoint
-from tests.disks import fill
+from tests.disks import fill, own_disk
 from tests.faults.trainkit import make_trainer
 from tests.harness import run_workers
 
@@ -143,3 +150,32 @@ def test_a_full_offload_disk_loses_nothing_and_a_good_dir_resumes_bit_identical(
         assert o.value["step"] == MAX_STEPS
         assert o.value["params"] == before.value["straight"]
     assert list((tmp_path / "good").iterdir()) == []
+
+
+def _checkpoint_4(rank: int, world: int, root: str) -> None:
+    settings = {**_settings(3, Path(root) / "good"), "max_steps": 4}
+    make_trainer(Path(root) / "run", **settings).train()
+
+
+def _restart_rank1_disk_small(rank: int, world: int, root: str) -> Any:
+    offload = Path(root) / "offload"
+    if rank == 1:  # room for its 4 shards (a page each) and 5 pages of its 6 of AdamW state
+        own_disk(offload, "36k")
+    return _restart(rank, world, root, str(offload), 3)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(os.geteuid() != 0, reason="a mount namespace of its own needs root")
+def test_a_disk_full_on_one_rank_at_a_restart_is_one_line_on_every_rank(tmp_path: Path) -> None:
+    run_workers(_checkpoint_4, 2, str(tmp_path))
+    # Within the collective timeout (60 s): a hang fails the test.
+    outcomes = run_workers(
+        _restart_rank1_disk_small, 2, str(tmp_path), allow_errors=True, timeout=45
+    )
+    offload = tmp_path / "offload"
+    for o, prefix in zip(outcomes, ["rank 1: ", ""], strict=True):
+        assert o.error_type == "OffloadError", (o.error_type, o.error, o.traceback)
+        assert (o.error or "").startswith(f"{prefix}zero_offload_dir={offload}: the disk is full")
+    run = tmp_path / "run"
+    assert [step for step, _ in list_checkpoints(run)] == [4]
+    verify_checkpoint(run / "checkpoint-4")
