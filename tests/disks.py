@@ -57,3 +57,18 @@ def fill(disk: Path) -> None:
         while True:
             file.write(bytes(1 << 16))
             file.flush()
+
+
+def own_disk(where: Path, size: str) -> None:
+    """Mount a tmpfs of `size` at `where` that this process alone sees (a mount namespace of
+    its own): another rank's disk at the same path, as on another node. Needs root."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    if libc.unshare(0x00020000) != 0:  # CLONE_NEWNS
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS) failed — needs root")
+    subprocess.run(["mount", "--make-rprivate", "/"], check=True, timeout=30)
+    where.mkdir(parents=True, exist_ok=True)
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], check=True, timeout=30
+    )

@@ -182,14 +182,24 @@ class Streamer:
                 moved.append(local(state[key]))
         return moved
 
-    @torch.no_grad()
     def init_state(self, optimizer: Optimizer) -> None:
         """Create every parameter's state, in files, before a checkpoint is loaded into it.
 
         torch's state-dict tools do this with one step at lr 0 over zero gradients
         for every parameter at once, which would hold every gradient and the whole
-        state in memory; here it is the same step, a window at a time.
+        state in memory; here it is the same step, a window at a time. Every rank
+        of `group` calls it (it precedes the checkpoint's collective reads), so a
+        full disk on one rank raises on all of them here, not as a hang in the read.
         """
+        failure: str | None = None
+        try:
+            self._init_state(optimizer)
+        except OffloadError as e:
+            failure = str(e)
+        self._agree(failure)
+
+    @torch.no_grad()
+    def _init_state(self, optimizer: Optimizer) -> None:
         missing = [
             p for g in optimizer.param_groups for p in g["params"] if not optimizer.state.get(p)
         ]

@@ -1,16 +1,22 @@
 """Faults that trainer_resume.py injects for real: a signal in a chosen step, a SIGKILL at a
-chosen point of a checkpoint save. Only on the launcher's first attempt, so that a restart
-(--max-restarts) runs clean."""
+chosen point of a checkpoint save or of an offloaded optimizer step. Only on the launcher's
+first attempt, so that a restart (--max-restarts) runs clean."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
+import torch
+
 import phalanx.train.checkpointer as checkpointer
+from phalanx.offload import Streamer, streamer_of
 from phalanx.train import Trainer
 
 # Long enough that a signal the launcher passes on arrives while this step still runs.
@@ -75,3 +81,94 @@ def kill_in_save(trainer: Trainer, where: str) -> None:
     trainer._checkpointer.save = save_then  # type: ignore[method-assign]
     checkpointer.write_file = write_file_then  # type: ignore[assignment]
     checkpointer.seal = seal_then  # type: ignore[assignment]
+
+
+def _streamer(trainer: Trainer) -> Streamer:
+    inner = getattr(trainer.optimizer, "optim", trainer.optimizer)  # ZeRO 1-2: the local one
+    streamer = streamer_of(inner)
+    assert streamer is not None, "kill_in_offload_step needs zero_offload='disk'"
+    return streamer
+
+
+def kill_in_offload_step(trainer: Trainer, where: str, marker: Path) -> None:
+    """SIGKILL rank RANK inside the offloaded optimizer step of step STEP, at window WINDOW
+    (modulo this rank's windows), at POINT:
+
+    "stepped" (the training thread: the window's update made in the mapped pages,
+    not yet handed to the I/O thread), "writing" (the I/O thread: part of that
+    window's tensors written back and dropped, the rest not).
+    Just before, the rank writes `marker` (where it died), so a test knows the
+    kill came from inside the step.
+    """
+    step, rank, window, point = where.split(":")
+    if int(rank) != trainer.world.rank or not first_attempt():
+        return
+    assert point in ("stepped", "writing"), point
+    streamer = _streamer(trainer)
+    step_windows, raw_step = streamer._step_windows, streamer._raw_step
+    write, release = streamer._write, streamer.files.release
+    count = [0, 1, -1]  # windows stepped so far in this step, how many it has, the one to kill
+    doomed: list[list[torch.Tensor]] = []  # that window's write, as handed to the I/O thread
+
+    def die(detail: str) -> None:
+        where = {"step": int(step), "rank": int(rank), "pid": os.getpid(), "point": detail}
+        marker.write_text(json.dumps(where))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def step_windows_then(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        only = kwargs.get("only", args[0] if args else None)
+        count[:2] = [0, len(streamer.windows(optimizer, only))]
+        return step_windows(optimizer, *args, **kwargs)
+
+    def raw_step_then(optimizer: Any) -> Any:
+        out = raw_step(optimizer)
+        index = count[0]
+        count[0] += 1
+        if trainer.state.global_step + 1 == int(step) and index == int(window) % count[1]:
+            if point == "stepped":
+                die(f"stepped window {index} of {count[1]}")
+            count[2] = index
+        return out
+
+    def write_then(tensors: list[torch.Tensor]) -> None:
+        if count[2] >= 0 and not doomed:
+            doomed.append(tensors)
+        write(tensors)
+
+    def release_then(tensors: list[torch.Tensor]) -> None:
+        if not doomed or tensors is not doomed[0]:
+            return release(tensors)
+        half = max(1, len(tensors) // 2)
+        release(tensors[:half])
+        die(f"writing window {count[2]} of {count[1]}: {half} of {len(tensors)} tensors")
+
+    streamer._step_windows = step_windows_then  # type: ignore[method-assign]
+    streamer._raw_step = raw_step_then  # type: ignore[method-assign]
+    streamer._write = write_then  # type: ignore[method-assign]
+    streamer.files.release = release_then  # type: ignore[method-assign]
+
+
+def offload_report(trainer: Trainer, out: Path) -> None:
+    """Write where this rank's offloaded state lives, as the kernel sees it: its pid, its
+    scratch directory, every file of the offload parent this process maps or holds open,
+    and the parent's directories now (each named after its owner's pid)."""
+    files = _streamer(trainer).files
+    parent = files.parent.resolve()
+    mapped = {
+        line.split(maxsplit=5)[5]
+        for line in Path("/proc/self/maps").read_text().splitlines()
+        if len(line.split(maxsplit=5)) == 6 and line.split(maxsplit=5)[5].startswith(str(parent))
+    }
+    opened = set()
+    for fd in Path("/proc/self/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith(str(parent)):
+                opened.add(target)
+    report = {
+        "pid": os.getpid(),
+        "directory": str(files.directory.resolve()),
+        "files_used": sorted(mapped | opened),
+        "parent_now": sorted(p.name for p in parent.iterdir()),
+    }
+    out.write_text(json.dumps(report))

@@ -3,6 +3,8 @@
 Usage: trainer_resume.py OUTPUT_DIR RESULT_FILE [--kill-after-step N] [--kill-rank R] [--resume]
                          [--save-steps N] [--max-steps N] [--kill-on-first-attempt-only]
                          [--zero-stage {0,1,2,3}] [--kill-in-save STEP:RANK:POINT]
+                         [--zero-offload-dir DIR [--kill-in-offload-step STEP:RANK:WINDOW:POINT]
+                          [--offload-report DIR]]
                          [--signal-after-step N --signal NAME [--signal-rank R]
                           [--signal-count C] [--signal-launcher]]
 
@@ -19,6 +21,11 @@ SIGKILLs itself inside the save of checkpoint-STEP (faultkit.py says where).
 With --signal-after-step N, rank R sends itself (or, with --signal-launcher,
 its parent, the launcher) the signal C times during step N + 1.
 With --zero-stage 1 or 2 the Trainer shards its AdamW (and the checkpoints); with 3 the model too.
+With --zero-offload-dir its state goes to files there (zero_offload="disk", a window so small
+that each tensor is one); --kill-in-offload-step has rank RANK SIGKILL itself inside the
+optimizer step STEP, at window WINDOW (faultkit.py says where), first writing
+OUTPUT_DIR.killed; --offload-report has each rank write DIR/rank<r>.json: which offload
+files it maps or holds open once trained (faultkit.offload_report).
 Rank 0 writes the final parameters to RESULT_FILE and a summary beside it.
 """
 
@@ -32,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from faultkit import kill_in_save, signal_in_step
+from faultkit import kill_in_offload_step, kill_in_save, offload_report, signal_in_step
 from torch import Tensor, nn
 from torch.utils.data import TensorDataset
 
@@ -74,7 +81,17 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=20)
     parser.add_argument("--kill-on-first-attempt-only", action="store_true")
     parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0)
+    parser.add_argument("--zero-offload-dir", default=None)
+    parser.add_argument("--kill-in-offload-step", default="")
+    parser.add_argument("--offload-report", default="")
     opts = parser.parse_args()
+    offload: dict[str, Any] = {}
+    if opts.zero_offload_dir:
+        offload = {
+            "zero_offload": "disk",
+            "zero_offload_dir": opts.zero_offload_dir,
+            "zero_offload_window_mb": 0.001,
+        }
     torch.set_num_threads(1)
     args = TrainingArguments(
         output_dir=opts.output_dir,
@@ -92,6 +109,7 @@ def main() -> None:
         ddp_backend="gloo",
         ddp_timeout=60,
         zero_stage=opts.zero_stage,
+        **offload,
     )
     torch.manual_seed(0)
     model = DropoutMLP()
@@ -109,7 +127,13 @@ def main() -> None:
     trainer = Trainer(model=model, args=args, train_dataset=dataset(), loss_fn=loss_fn)
     if opts.kill_in_save:
         kill_in_save(trainer, opts.kill_in_save)
+    if opts.kill_in_offload_step:
+        marker = Path(opts.output_dir).with_suffix(".killed")
+        kill_in_offload_step(trainer, opts.kill_in_offload_step, marker)
     result = trainer.train(resume_from_checkpoint=True if opts.resume else None)
+    if opts.offload_report:
+        Path(opts.offload_report).mkdir(parents=True, exist_ok=True)
+        offload_report(trainer, Path(opts.offload_report) / f"rank{trainer.world.rank}.json")
     # Stage 3's model holds pieces: gather the whole parameters (every rank takes part).
     state = zero3.full_state_dict(trainer.model) if opts.zero_stage == 3 else None
     if trainer.world.rank == 0:
