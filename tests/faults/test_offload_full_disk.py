@@ -179,3 +179,40 @@ def test_a_disk_full_on_one_rank_at_a_restart_is_one_line_on_every_rank(tmp_path
     run = tmp_path / "run"
     assert [step for step, _ in list_checkpoints(run)] == [4]
     verify_checkpoint(run / "checkpoint-4")
+
+
+def _setup_rank1_disk_tiny(rank: int, world: int, root: str, meta: bool) -> str:
+    """Rank 1's offload directory on a one-page disk, rank 0's on a good one; a stage-3
+    Trainer with disk offload (its shards and gradients are files from the start)."""
+    import torch
+
+    from tests.faults.trainkit import DropoutNet
+
+    offload = Path(root) / "offload"
+    if rank == 1:
+        own_disk(offload, "4k")
+    if meta:
+        with torch.device("meta"):
+            model = DropoutNet()
+    else:
+        model = DropoutNet()
+    make_trainer(Path(root) / "run", model=model, **_settings(3, offload))
+    return "made"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(os.geteuid() != 0, reason="a mount namespace of its own needs root")
+@pytest.mark.parametrize("meta", [False, True], ids=["cpu_built", "meta_built"])
+def test_a_disk_full_on_one_rank_while_sharding_is_one_line_on_every_rank(
+    tmp_path: Path, meta: bool
+) -> None:
+    """fully_shard makes each shard's and gradient's file; on a meta-built model the shards'
+    files are made when it is materialised. Both agree before the ranks' collectives drift
+    apart (before: the other rank failed with gloo's "connection closed by peer")."""
+    outcomes = run_workers(
+        _setup_rank1_disk_tiny, 2, str(tmp_path), meta, allow_errors=True, timeout=60
+    )
+    offload = tmp_path / "offload"
+    for o, prefix in zip(outcomes, ["rank 1: ", ""], strict=True):
+        assert o.error_type == "OffloadError", (o.error_type, o.error, o.traceback)
+        assert (o.error or "").startswith(f"{prefix}zero_offload_dir={offload}: the disk is full")

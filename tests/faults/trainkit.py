@@ -33,8 +33,14 @@ def dataset(samples: int = 64) -> TensorDataset:
     return TensorDataset(x, torch.randint(0, 3, (samples,), generator=gen))
 
 
-def make_trainer(out_dir: Path | str, fault: Fault | None = None, **overrides: Any) -> Trainer:
-    """A Trainer of DropoutNet on `dataset()`: 8 steps per epoch on 2 ranks (batch 4)."""
+def make_trainer(
+    out_dir: Path | str,
+    fault: Fault | None = None,
+    model: nn.Module | None = None,
+    **overrides: Any,
+) -> Trainer:
+    """A Trainer of DropoutNet (or `model`) on `dataset()`: 8 steps per epoch on 2 ranks
+    (batch 4)."""
     settings: dict[str, Any] = {
         "output_dir": str(out_dir),
         "max_steps": 8,
@@ -55,7 +61,7 @@ def make_trainer(out_dir: Path | str, fault: Fault | None = None, **overrides: A
         return loss if factor is None else loss * factor
 
     trainer = Trainer(
-        model=DropoutNet(),
+        model=model if model is not None else DropoutNet(),
         args=TrainingArguments(**settings),
         train_dataset=dataset(),
         loss_fn=loss_fn,

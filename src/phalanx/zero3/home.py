@@ -21,6 +21,9 @@ class Home:
 
     away = False
     """Whether shards live somewhere other than the compute device."""
+    in_files = False
+    """Whether shards live in files (an allocation can then fail on one rank: a full disk),
+    made whole when the unit is: so a full disk shows at setup, not in a backward."""
 
     def tensor(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor | None:
         """A home for a gradient shard; None: the reduce-scatter's output serves as one."""
@@ -56,6 +59,7 @@ class FileHome(Home):
     scratch directory under the policy's path."""
 
     away = True
+    in_files = True
 
     def __init__(self, files: OffloadFiles) -> None:
         self.files = files

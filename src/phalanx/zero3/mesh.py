@@ -48,6 +48,13 @@ class MeshInfo:
         return self.shard_size * self.replicate_size
 
 
+def unit_group(info: MeshInfo) -> dist.ProcessGroup:
+    """Every rank of a unit's mesh as one group (the world's, for a 2-D mesh)."""
+    group = info.mesh.get_group(0) if info.mesh.ndim == 1 else dist.group.WORLD
+    assert group is not None
+    return group
+
+
 def default_mesh() -> DeviceMesh:
     """Every rank of the default group, on this rank's device (cuda under NCCL, else cpu)."""
     from torch.distributed.device_mesh import init_device_mesh

@@ -78,6 +78,8 @@ class ShardedParam:
         )
         self.unsharded: nn.Parameter | None = None
         """Created by the unit's group at its first gather (on the sharded parameter's device)."""
+        if home.in_files and param.requires_grad:  # its file now, not at the first backward
+            self.grad_home = home.tensor(self.local_shape, param.dtype)
 
     @property
     def rows(self) -> tuple[int, int]:
@@ -131,7 +133,8 @@ class ShardedParam:
             current = nn.Parameter(current, requires_grad=requires_grad)
         self.sharded = _mark(current)
         self.spec = _spec(self.info, self.shape, current.dtype)
-        self.grad_home = None
+        if self.grad_home is not None and self.grad_home.dtype != current.dtype:
+            self.grad_home = None  # the same shape and dtype keep their buffer at home
         self.register(current)
 
     def sharded_grad(self, local: torch.Tensor) -> DTensor:

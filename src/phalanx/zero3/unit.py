@@ -16,9 +16,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from phalanx.errors import OffloadError
+from phalanx.offload.agree import raise_on_every_rank
 from phalanx.optim.collectives import ReduceScatterState
 from phalanx.zero3.group import ParamGroup, PendingAllReduce
-from phalanx.zero3.mesh import MeshInfo
+from phalanx.zero3.mesh import MeshInfo, unit_group
 from phalanx.zero3.params import ShardedParam
 from phalanx.zero3.policies import MixedPrecisionPolicy
 
@@ -85,8 +87,16 @@ class Unit:
         """Follow replaced sharded parameters (load with assign, `_apply`) and regroup."""
         if not self._stale:
             return
-        for p in self.params:
-            p.adopt_registered()
+        failure: OffloadError | None = None
+        try:
+            for p in self.params:
+                p.adopt_registered()  # a replaced shard in files is copied to a new one
+        except OffloadError as e:
+            failure = e
+        if any(p.home.in_files for p in self.params):
+            raise_on_every_rank(failure, unit_group(self.info))
+        elif failure is not None:
+            raise failure
         by_key: dict[tuple[torch.device, torch.dtype], list[ShardedParam]] = {}
         for p in self.params:
             device = self.info.device if p.home.away else p.local.device

@@ -18,11 +18,18 @@ import torch.distributed as dist
 from torch import nn
 
 from phalanx.ddp.sync import broadcast_coalesced, verify_same_state
-from phalanx.errors import ConfigurationError, NotSupportedError
+from phalanx.errors import ConfigurationError, NotSupportedError, OffloadError
+from phalanx.offload.agree import raise_on_every_rank
 from phalanx.runtime.exit import register_exit_hook
-from phalanx.zero3.home import home_of
+from phalanx.zero3.home import Home, home_of
 from phalanx.zero3.hooks import post_forward, pre_forward
-from phalanx.zero3.mesh import MeshInfo, check_reshard_size, mesh_info, post_forward_group
+from phalanx.zero3.mesh import (
+    MeshInfo,
+    check_reshard_size,
+    mesh_info,
+    post_forward_group,
+    unit_group,
+)
 from phalanx.zero3.module import FSDPModule, swap_class
 from phalanx.zero3.params import Owners, ShardedParam, is_sharded
 from phalanx.zero3.policies import mixed_precision, offload
@@ -70,7 +77,7 @@ def fully_shard(
     _refuse_parameters_of_other_units(module, managed)
     _move_to_device(module, managed, info)
     _sync_initial_values(managed, info, _settings(module, info, reshard, policy, ignored_params))
-    params = [ShardedParam(p, fqn, owners, info, home) for p, fqn, owners in managed]
+    params = _shard_parameters(managed, info, home)
     for sp in params:
         sp.register(sp.sharded)
     group = post_forward_group(info, reshard) if isinstance(reshard, int) and reshard > 1 else None
@@ -89,6 +96,22 @@ def fully_shard(
     module.register_load_state_dict_post_hook(lambda *_: _adopt(unit))
     swap_class(module)
     return module
+
+
+def _shard_parameters(managed: list[Managed], info: MeshInfo, home: Home) -> list[ShardedParam]:
+    """Each parameter's shard, at home; in files, a full disk on any rank is raised on all
+    of them here (offload/agree.py), before the ranks' collectives drift apart."""
+    failure: OffloadError | None = None
+    params: list[ShardedParam] = []
+    try:
+        params = [ShardedParam(p, fqn, owners, info, home) for p, fqn, owners in managed]
+    except OffloadError as e:
+        failure = e
+    if home.in_files:
+        raise_on_every_rank(failure, unit_group(info))
+    elif failure is not None:
+        raise failure
+    return params
 
 
 def _to_sharded(unit: Unit) -> None:
@@ -221,8 +244,7 @@ def _sync_initial_values(
     """The same parameters on every rank (names, shapes, dtypes; else one clear error), then
     rank 0's values, as DDP starts: replicas agree whatever each rank's seed was. Meta
     parameters (initialised after fully_shard) are only checked."""
-    group = info.mesh.get_group(0) if info.mesh.ndim == 1 else dist.group.WORLD
-    assert group is not None
+    group = unit_group(info)
     verify_same_state([(fqn, p) for p, fqn, _ in managed], [], group, settings)
     values = [p for p, _, _ in managed if not p.is_meta]
     if values and dist.get_world_size(group) > 1:
