@@ -28,7 +28,7 @@ from phalanx.ddp.reducer import Reducer
 from phalanx.ddp.reductions import AllReduce, CommHookReduction
 from phalanx.ddp.registry import reducer_of
 from phalanx.ddp.sync import broadcast_coalesced, verify_same_state
-from phalanx.ddp.torch_surface import TorchSurface
+from phalanx.ddp.torch_surface import TorchSurface, refuse_torch_ddp_around
 from phalanx.diagnostics import timeline as timelines
 from phalanx.diagnostics.timeline import Timeline
 from phalanx.errors import ConfigurationError, ReducerError
@@ -282,6 +282,7 @@ class DistributedDataParallel(TorchSurface, nn.Module, JoinableDDP):
         return int(first.shape[self.dim]) if first is not None and first.dim() > self.dim else 1
 
     def _forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        refuse_torch_ddp_around(self)
         self._before_forward()
         if self.device_ids is not None:
             device = self.device_ids[0]

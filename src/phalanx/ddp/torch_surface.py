@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
-from phalanx.errors import NotSupportedError
+from phalanx.errors import ConfigurationError, NotSupportedError
 from phalanx.nested import map_tensors
 
 
@@ -118,4 +118,18 @@ class TorchSurface:
             "a live reducer keeps its group — wrap the module again with "
             "DistributedDataParallel(module, process_group=new_group), which detaches "
             "this wrapper",
+        )
+
+
+def refuse_torch_ddp_around(module: nn.Module) -> None:
+    """Raise if torch's DistributedDataParallel is running `module`'s forward (accelerate's
+    `accelerator.prepare(model)` wraps whatever model it is given): two reducers would each
+    all-reduce every gradient, and gradient accumulation would double the traffic."""
+    outer = torch.nn.parallel.DistributedDataParallel._get_active_ddp_module()
+    if outer is not None and getattr(outer, "module", None) is module:
+        raise ConfigurationError(
+            "phalanx's DistributedDataParallel is wrapped again in torch's "
+            "DistributedDataParallel (accelerate's prepare(model) does that): both would "
+            "all-reduce every gradient — give prepare() the optimizer and the dataloader only, "
+            "or give it the plain model without phalanx's DDP"
         )

@@ -26,6 +26,7 @@ from phalanx import netif
 from phalanx.diagnostics import progress
 from phalanx.errors import ConfigurationError, RendezvousError
 from phalanx.jobenv import LaunchInfo, detect_launch, launched_by_launcher
+from phalanx.parent_launch import describe_single_accelerate_process
 from phalanx.runtime.backend import backend_names, claim_device, resolve_backend, select_device
 from phalanx.runtime.errorhook import install_error_hook
 from phalanx.runtime.exit import register_exit_hook, shutdown
@@ -128,6 +129,8 @@ def init(backend: str | None = None, timeout: float | timedelta = DEFAULT_TIMEOU
                 dist.get_backend(),
             )
         return describe_default_group(info)
+    if info.launcher == "none" and (asked := describe_single_accelerate_process()):
+        raise ConfigurationError(asked)
     chosen = resolve_backend(backend)
     device = select_device(chosen, info.local_rank)
     claim_device(device)
