@@ -121,6 +121,12 @@ class TrainingArguments(Config):
     """Write a checkpoint every this many steps and at the end; 0 never saves."""
     save_total_limit: int | None = None
     """Keep only the newest this-many checkpoints; None keeps all of them."""
+    save_safetensors: bool = False
+    """Also write the model in Hugging Face's format into each checkpoint (model.safetensors,
+    sharded over 5GB with its index), so from_pretrained(checkpoint-N) works. False (HF's
+    default is True): it is a second copy of the weights, since resuming reads phalanx's own;
+    any checkpoint can be exported later with `phalanx consolidate --format hf`, and
+    `Trainer.save_model(dir)` writes it at the end. Needs pip install 'phalanx[hf]'."""
     report_to: list[Reporter] = field(default_factory=lambda: list(DEFAULT_REPORT_TO))
     """Where metrics go: any of "console", "jsonl", "csv", "tensorboard" (needs the
     tensorboard package); an empty list logs nowhere."""

@@ -35,6 +35,7 @@ from phalanx.diagnostics import timeline as timelines
 from phalanx.diagnostics.replicas import check_replicas
 from phalanx.errors import ConfigurationError
 from phalanx.optim.local_sgd import PeriodicSync
+from phalanx.train import hf_save
 from phalanx.train.args import TrainingArguments
 from phalanx.train.batches import LossFn, step_groups
 from phalanx.train.checkpoint import PREFIX
@@ -135,6 +136,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
     def _setup_model(self, model: nn.Module, optimizer: Optimizer | None) -> None:
+        self._tied = hf_save.tied_copies(model)  # before sharding: ties are identities here
         self.model: nn.Module = prepare_model(model, self.args, self.world)
         """The unwrapped module: what you save, export, or evaluate yourself."""
         self.wrapped_model: nn.Module = wrap_model(self.model, self.args, self.world)
@@ -480,10 +482,22 @@ class Trainer:
         check_parameters(self.model, self.world, step)  # never a NaN checkpoint over good ones
         self._sync_loss()
         notes = {"args.json": json.dumps(self.args.to_dict(), indent=1).encode()}
+        notes.update(hf_save.checkpoint_notes(self.model, self._tied))  # config.json, for export
+        derived = hf_save.derived_weights(self.args, self._tied)
         with timelines.span_of(self.timeline, "checkpoint save"):
-            saved = self._checkpointer.save(self.checkpoint_states(), step, notes)
+            saved = self._checkpointer.save(self.checkpoint_states(), step, notes, derived)
         self._saved_step = step
         self._report.say(
             f"saved {saved.path.name} ({human_size(saved.bytes)}, {saved.seconds:.2f} s)"
         )
         return saved.path
+
+    def save_model(self, output_dir: str | Path | None = None) -> Path:
+        """The model alone, in Hugging Face's format, into `output_dir` (args.output_dir by
+        default), as HF's Trainer.save_model; every rank must call it."""
+        self._check_open()
+        out = Path(output_dir if output_dir is not None else self.args.output_dir)
+        sharded = self.args.zero_stage == 3
+        hf_save.save_model(self.model, self.world, out, self._tied, sharded)
+        self._report.say(f"saved the model in Hugging Face's format to {out}")
+        return out
