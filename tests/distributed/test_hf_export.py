@@ -301,3 +301,17 @@ def test_the_tied_copies_are_those_transformers_leaves_out(build: Any) -> None:
         pytest.skip("this transformers has no remove_tied_weights_from_state_dict")
     kept = theirs(model.state_dict(), model)
     assert set(model.state_dict()) - set(kept) == set(ours)
+
+
+def test_a_tied_note_changed_by_hand_is_refused_in_one_line(runs: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from tests.checkpoints import rehash
+
+    checkpoint = tmp_path / "checkpoint-2"
+    shutil.copytree(runs / "bert-0" / "checkpoint-2", checkpoint)
+    (checkpoint / hf_export.TIED_NOTE).write_text("[1, 2]")
+    rehash(checkpoint)  # as one who can write the folder can
+    with pytest.raises(phalanx.errors.CheckpointError, match="not a mapping of tied names"):
+        consolidate_hf(checkpoint, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2"]

@@ -96,9 +96,18 @@ def recorded_hf_files(
     plain nn.Module); only files the manifest lists (and so verified) are read."""
     listed = manifest["files"]
     notes = {n: (checkpoint / n).read_bytes() for n in hf_export.HF_NOTES if n in listed}
-    tied: dict[str, str] = {}
+    tied: Any = {}
     if hf_export.TIED_NOTE in listed:
-        tied = json.loads((checkpoint / hf_export.TIED_NOTE).read_text(encoding="utf-8"))
+        note = checkpoint / hf_export.TIED_NOTE
+        try:
+            tied = json.loads(note.read_text(encoding="utf-8"))
+        except ValueError:
+            tied = None
+        if not isinstance(tied, dict) or not all(isinstance(v, str) for v in tied.values()):
+            raise CheckpointError(
+                f"{note} is not a mapping of tied names — the checkpoint was changed by hand; "
+                "export an earlier one, or delete the file to write every tensor"
+            )
     return tied, notes
 
 

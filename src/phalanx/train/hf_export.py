@@ -104,18 +104,22 @@ class DcpSource:
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
+        self._specs: dict[str, tuple[torch.Size, torch.dtype]] | None = None
 
     def specs(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         from phalanx import safe_dcp
 
+        if self._specs is not None:
+            return self._specs
         entries = safe_dcp.read_metadata(self.directory).state_dict_metadata
-        return {
+        self._specs = {
             fqn.removeprefix("model."): (meta.size, meta.properties.dtype)
             for fqn, meta in entries.items()
             if fqn.startswith("model.") and isinstance(meta, TensorStorageMetadata)
         }
+        return self._specs
 
     def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
         from phalanx import safe_dcp
