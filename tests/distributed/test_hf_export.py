@@ -84,6 +84,14 @@ def _run(out: Path, model: nn.Module, stage: int, data: Tokens, **extra: Any) ->
     trainer = Trainer(model=model, args=args, train_dataset=data)
     trainer.train()
     trainer.save_model(out / "final")
+    if stage == 0 and isinstance(model, PlainTied):  # a refusal: on every rank, one line
+        (out / "a-file").write_text("mine")
+        try:
+            trainer.save_model(out / "a-file")
+        except phalanx.errors.CheckpointError as exc:
+            refused = str(exc)
+        trainer.close()
+        return refused
     trainer.close()
     return "ok"
 
@@ -116,7 +124,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("hf")
     outcomes = run_workers(_train, 2, str(root), timeout=240, env=ENV)
     for outcome in outcomes:
+        refused = outcome.value.pop("plain-0")
         assert outcome.value == dict.fromkeys(outcome.value, "ok"), outcome.value
+        assert "a-file is a file" in refused and "\n" not in refused, refused
+    assert (root / "plain-0" / "a-file").read_text() == "mine"
     return root
 
 
@@ -217,6 +228,9 @@ def test_a_plain_module_gets_safetensors_alone_with_every_key(runs: Path, name: 
     assert all(torch.equal(loaded[k], whole[k]) for k in whole)
     model = PlainTied()
     model.load_state_dict(loaded)
+    assert sorted(p.name for p in (runs / name / "final").iterdir()) == ["model.safetensors"]
+    saved = load_file(str(runs / name / "final" / "model.safetensors"))
+    assert all(torch.equal(saved[k], whole[k]) for k in whole)
 
 
 class _Recording:
@@ -315,3 +329,17 @@ def test_a_tied_note_changed_by_hand_is_refused_in_one_line(runs: Path, tmp_path
     with pytest.raises(phalanx.errors.CheckpointError, match="not a mapping of tied names"):
         consolidate_hf(checkpoint, tmp_path / "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2"]
+
+
+def test_save_safetensors_without_the_libraries_is_refused_when_made(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "safetensors" else real(name)
+    )
+    with pytest.raises(phalanx.errors.ConfigurationError, match=r"pip install 'phalanx\[hf\]'"):
+        TrainingArguments(save_safetensors=True)
+    TrainingArguments(save_safetensors=False)
