@@ -110,6 +110,7 @@ def _train(rank: int, world_size: int, root: str) -> dict[str, Any]:
     return run_scenarios(
         {
             "gpt2-0": run("gpt2-0", _gpt2, 0, hf_data, save_safetensors=True),
+            "gpt2-2": run("gpt2-2", _gpt2, 2, hf_data),
             "gpt2-3": run("gpt2-3", _gpt2, 3, hf_data),
             "bert-0": run("bert-0", _bert, 0, hf_data),
             "bert-3": run("bert-3", _bert, 3, hf_data, save_safetensors=True),
@@ -162,7 +163,7 @@ def _reloaded(directory: Path, family: str) -> nn.Module:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     ("name", "as_a_process"),
-    [("gpt2-3", True), ("bert-0", True), ("gpt2-0", False), ("bert-3", False)],
+    [("gpt2-3", True), ("bert-0", True), ("gpt2-0", False), ("gpt2-2", False), ("bert-3", False)],
 )
 def test_the_cli_export_reloads_with_from_pretrained_to_identical_logits(
     runs: Path, name: str, as_a_process: bool
