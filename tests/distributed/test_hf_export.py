@@ -3,8 +3,9 @@ save_model.
 
 One 2-rank run (one run_workers call, scenarios in turn) trains a tiny GPT-2
 and a tiny BERT (configs built here, nothing downloaded) and a plain tied
-module at stages 0 and 3, and saves. The tests then run the command a user
-runs and reload with the Auto class's `from_pretrained`: the logits must equal
+module at stages 0 and 3 (GPT-2 at ZeRO-2 too: a model.pt as at stage 0,
+beside DCP optimizer pieces), and saves. The tests then run the command a
+user runs and reload with the Auto class's `from_pretrained`: the logits must equal
 (0.0 difference) those of the model built from the config with the weights of
 `phalanx consolidate`'s plain file. A plain module gets safetensors alone.
 """
