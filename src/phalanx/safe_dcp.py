@@ -178,6 +178,15 @@ def read_whole(directory: str | Path) -> dict[str, Any]:
     return state
 
 
+def read_into(state_dict: dict[str, Any], directory: str | Path) -> None:
+    """One process, no group: fill the tensors of `state_dict` (nested as saved) from
+    `directory`, in place; entries it does not name are not read."""
+    reader = SafeReader(directory)
+    reader.read_metadata()
+    with _unwrapped():
+        _load_state_dict(state_dict, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+
+
 @contextmanager
 def _unwrapped() -> Iterator[None]:
     """DCP gathers every rank's failure into one CheckpointException: a refusal of ours

@@ -156,6 +156,12 @@ class TrainingArguments(Config):
     resume_from_checkpoint: str | None = None
     """A checkpoint to resume from when train() is called without one (Hugging Face keeps
     this field too); "true" resumes from the newest in output_dir."""
+    save_safetensors: bool = False
+    """Also write the model in Hugging Face's format into each checkpoint (model.safetensors,
+    sharded over 5GB with its index), so from_pretrained(checkpoint-N) works. False (HF's
+    default is True): it is a second copy of the weights, since resuming reads phalanx's own;
+    any checkpoint can be exported later with `phalanx consolidate --format hf`, and
+    `Trainer.save_model(dir)` writes it at the end. Needs pip install 'phalanx[hf]'."""
     report_to: list[Reporter] = field(default_factory=lambda: list(DEFAULT_REPORT_TO))
     """Where metrics go: any of "console", "jsonl", "csv", "tensorboard" (needs the
     tensorboard package); an empty list logs nowhere."""

@@ -160,6 +160,13 @@ def _check_reporting(args: TrainingArguments) -> None:
         limit is None or limit >= 1,
         f"save_total_limit={limit} would delete every checkpoint — pass >= 1, or None to keep all",
     )
+    if args.save_safetensors:
+        missing = [m for m in ("safetensors", "huggingface_hub") if not importlib.util.find_spec(m)]
+        require(
+            not missing,
+            f"save_safetensors=True needs the {' and '.join(missing)} package, which is not "
+            "installed — pip install 'phalanx[hf]', or pass save_safetensors=False",
+        )
     if "tensorboard" in args.report_to:
         require(
             importlib.util.find_spec("tensorboard") is not None,

@@ -94,9 +94,18 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ save
     def save(
-        self, states: Mapping[str, Entry], step: int, notes: Mapping[str, bytes] | None = None
+        self,
+        states: Mapping[str, Entry],
+        step: int,
+        notes: Mapping[str, bytes] | None = None,
+        derived: Callable[[Path, Mapping[str, Placement]], None] | None = None,
     ) -> Saved:
-        """Write every entry of `states` as checkpoint-<step>; `notes`: extra files for people."""
+        """Write every entry of `states` as checkpoint-<step>; `notes`: extra files for people.
+
+        `derived(staging_dir, placements)` runs on rank 0 once every entry is written,
+        to add files made from them (the model in Hugging Face's format); they are
+        sealed with the rest.
+        """
         started = time.perf_counter()
         placements = {name: placement_of(entry) for name, entry in states.items()}
         per_rank = {
@@ -123,6 +132,8 @@ class Checkpointer:
                     )
             for file, data in (notes or {}).items():
                 written[file] = write_file(tmp, file, data)
+            if derived is not None:
+                derived(tmp, placements)
 
         self._turn(tmp, step, write_on_main, everyone=False)
         sealed: list[Path] = []

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import math
 import os
 from pathlib import Path
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 
 from phalanx.errors import CheckpointError
+from phalanx.train import hf_export
 from phalanx.train.checkpoint import (
     MANIFEST,
     describe_os_error,
@@ -38,14 +40,7 @@ from phalanx.train.checkpoint import (
 
 def consolidate(checkpoint: Path, out: Path) -> dict[str, Any]:
     """Verify `checkpoint`, write its model and optimizer whole to `out`; return them."""
-    found = list_checkpoints(checkpoint) if checkpoint.is_dir() else []
-    if found and not (checkpoint / MANIFEST).exists():
-        names = ", ".join(path.name for _, path in sorted(found))
-        raise CheckpointError(
-            f"{checkpoint} is a run's output_dir, and consolidate takes one checkpoint "
-            f"directory — pass one of its checkpoints: {names}"
-        )
-    manifest = verify_checkpoint(checkpoint)
+    manifest = _verified(checkpoint)
     placements = manifest.get("entries", {})
     whole = {
         name: _whole(checkpoint, name, placements.get(name), manifest)
@@ -53,6 +48,78 @@ def consolidate(checkpoint: Path, out: Path) -> dict[str, Any]:
     }
     write_atomically(whole, out)
     return whole
+
+
+def consolidate_hf(
+    checkpoint: Path, out: Path, max_shard_size: int | str = hf_export.DEFAULT_MAX_SHARD_SIZE
+) -> hf_export.Written:
+    """Verify `checkpoint`, write its model in Hugging Face's format into the directory
+    `out` (docs/zero.md, "Consolidating"), one weight file in memory at a time."""
+    hf_export.require_hf_libraries()
+    manifest = _verified(checkpoint)
+    source = model_source(checkpoint, manifest["entries"].get("model"))
+    tied, notes = recorded_hf_files(checkpoint, manifest)
+    tmp = hf_export.staging_beside(out)
+    try:
+        written = hf_export.write_hf(source, tmp, max_shard_size, tied, notes)
+        hf_export.publish(tmp, out)
+    except OSError as exc:
+        hf_export.discard(tmp)
+        raise hf_export.write_os_error(out, exc) from None
+    except BaseException:
+        hf_export.discard(tmp)
+        raise
+    return written
+
+
+def model_source(checkpoint: Path, placement: str | None) -> hf_export.Source:
+    """Where a checkpoint directory (sealed or still being written) keeps its model."""
+    if placement == "replicated":
+        return hf_export.TorchFileSource(checkpoint / replicated_file("model"))
+    if placement == "sharded":
+        from phalanx import safe_dcp
+
+        keys = safe_dcp.read_metadata(checkpoint / "model").state_dict_metadata
+        if any(key.startswith("shapes.") for key in keys):  # an older stage 3's flat pieces
+            return hf_export.StateDictSource(_model(_read_dcp(checkpoint / "model")))
+        return hf_export.DcpSource(checkpoint / "model")
+    raise CheckpointError(
+        f"{checkpoint} holds no 'model' entry (placement {placement!r}) — pass a checkpoint "
+        "directory a phalanx Trainer wrote"
+    )
+
+
+def recorded_hf_files(
+    checkpoint: Path, manifest: dict[str, Any]
+) -> tuple[dict[str, str], dict[str, bytes]]:
+    """The tied copies to leave out, and the config files the Trainer recorded (none for a
+    plain nn.Module); only files the manifest lists (and so verified) are read."""
+    listed = manifest["files"]
+    notes = {n: (checkpoint / n).read_bytes() for n in hf_export.HF_NOTES if n in listed}
+    tied: Any = {}
+    if hf_export.TIED_NOTE in listed:
+        note = checkpoint / hf_export.TIED_NOTE
+        try:
+            tied = json.loads(note.read_text(encoding="utf-8"))
+        except ValueError:
+            tied = None
+        if not isinstance(tied, dict) or not all(isinstance(v, str) for v in tied.values()):
+            raise CheckpointError(
+                f"{note} is not a mapping of tied names — the checkpoint was changed by hand; "
+                "export an earlier one, or delete the file to write every tensor"
+            )
+    return tied, notes
+
+
+def _verified(checkpoint: Path) -> dict[str, Any]:
+    found = list_checkpoints(checkpoint) if checkpoint.is_dir() else []
+    if found and not (checkpoint / MANIFEST).exists():
+        names = ", ".join(path.name for _, path in sorted(found))
+        raise CheckpointError(
+            f"{checkpoint} is a run's output_dir, and consolidate takes one checkpoint "
+            f"directory — pass one of its checkpoints: {names}"
+        )
+    return verify_checkpoint(checkpoint)
 
 
 def write_atomically(obj: Any, out: Path) -> None:

@@ -26,6 +26,7 @@ from phalanx.diagnostics import progress
 from phalanx.diagnostics import timeline as timelines
 from phalanx.diagnostics.replicas import check_replicas
 from phalanx.errors import ConfigurationError
+from phalanx.train import hf_save
 from phalanx.train.batches import step_groups
 from phalanx.train.checkpoint import PREFIX
 from phalanx.train.evaluation import EvalSetup, evaluate_model
@@ -324,12 +325,14 @@ class Trainer(TrainerSetup):
         check_parameters(self.model, self.world, step)  # never a NaN checkpoint over good ones
         self._sync_loss()
         notes = {"args.json": json.dumps(self.args.to_dict(), indent=1).encode()}
+        notes.update(hf_save.checkpoint_notes(self.model, self._tied))  # config.json, for export
+        derived = hf_save.derived_weights(self.args, self._tied)
         best = self.state.best_model_checkpoint
         self._checkpointer.protect = (
             Path(best) if self.args.load_best_model_at_end and best else None
         )
         with timelines.span_of(self.timeline, "checkpoint save"):
-            saved = self._checkpointer.save(self.checkpoint_states(), step, notes)
+            saved = self._checkpointer.save(self.checkpoint_states(), step, notes, derived)
         self._saved_step = step
         record_save(self.state, saved.path)
         self._callbacks.fire("on_save")
@@ -337,3 +340,13 @@ class Trainer(TrainerSetup):
             f"saved {saved.path.name} ({human_size(saved.bytes)}, {saved.seconds:.2f} s)"
         )
         return saved.path
+
+    def save_model(self, output_dir: str | Path | None = None) -> Path:
+        """The model alone, in Hugging Face's format, into `output_dir` (args.output_dir by
+        default), as HF's Trainer.save_model; every rank must call it."""
+        self._check_open()
+        out = Path(output_dir if output_dir is not None else self.args.output_dir)
+        sharded = self.args.zero_stage == 3
+        hf_save.save_model(self.model, self.world, out, self._tied, sharded)
+        self._report.say(f"saved the model in Hugging Face's format to {out}")
+        return out

@@ -27,6 +27,7 @@ from phalanx.ddp.module import DistributedDataParallel
 from phalanx.diagnostics import timeline as timelines
 from phalanx.errors import ConfigurationError
 from phalanx.optim.local_sgd import PeriodicSync
+from phalanx.train import hf_save
 from phalanx.train.args import TrainingArguments
 from phalanx.train.batches import LossFn
 from phalanx.train.callbacks import Callbacks
@@ -111,6 +112,7 @@ class TrainerSetup:
 
     # ------------------------------------------------------------------ setup
     def _setup_model(self, model: nn.Module, optimizer: Optimizer | None) -> None:
+        self._tied = hf_save.tied_copies(model)  # before sharding: ties are identities here
         self.model: nn.Module = prepare_model(model, self.args, self.world)
         """The unwrapped module: what you save, export, or evaluate yourself."""
         self.wrapped_model: nn.Module = wrap_model(self.model, self.args, self.world)
