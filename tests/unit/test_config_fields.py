@@ -85,7 +85,10 @@ def test_every_training_argument_has_a_supported_type() -> None:
     assert kinds["lr_scheduler_type"].choices[:3] == ("constant", "linear", "cosine")
     assert "cosine_with_restarts" in kinds["lr_scheduler_type"].choices  # Hugging Face's
     assert kinds["report_to"] == FieldType(
-        "report_to", str, ("console", "jsonl", "csv", "tensorboard"), is_list=True
+        "report_to",
+        str,
+        ("console", "jsonl", "csv", "tensorboard", "wandb", "mlflow"),
+        is_list=True,
     )
     assert kinds["zero_stage"].choices == (0, 1, 2, 3)
     assert kinds["ddp_backend"] == FieldType("ddp_backend", str, optional=True)  # open: any backend
@@ -156,7 +159,7 @@ def test_literal_choices_on_the_command_line() -> None:
         (["--lr_scheduler_type", "step"], "invalid choice: 'step' (choose from constant, linear"),
         (["--zero_stage", "4"], "invalid choice: '4' (choose from 0, 1, 2, 3)"),
         (["--zero3_units", "Block"], "only means something with zero_stage=3"),
-        (["--report_to", "console", "wandb"], "invalid choice: 'wandb'"),
+        (["--report_to", "console", "comet_ml"], "invalid choice: 'comet_ml'"),
         (["--report_to", "none", "csv"], "'none' stands for no value — pass it alone"),
     ]
     for argv, message in bad:

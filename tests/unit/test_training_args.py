@@ -63,7 +63,7 @@ BAD_VALUES: list[tuple[str, Any, str]] = [
     ("eval_steps", -1, "eval_steps=-1"),
     ("save_steps", -1, "save_steps=-1"),
     ("save_total_limit", 0, "would delete every checkpoint"),
-    ("report_to", ["console", "wandb"], "report_to names ['wandb']"),
+    ("report_to", ["console", "comet_ml"], "report_to names ['comet_ml']"),
     ("zero3_units", ["Block"], "only means something with zero_stage=3"),
     ("zero_stage", 4, "zero_stage=4 is unknown — use one of [0, 1, 2, 3]"),
     ("ddp_backend", "", "ddp_backend is empty"),

@@ -163,8 +163,9 @@ class TrainingArguments(Config):
     any checkpoint can be exported later with `phalanx consolidate --format hf`, and
     `Trainer.save_model(dir)` writes it at the end. Needs pip install 'phalanx[hf]'."""
     report_to: list[Reporter] = field(default_factory=lambda: list(DEFAULT_REPORT_TO))
-    """Where metrics go: any of "console", "jsonl", "csv", "tensorboard" (needs the
-    tensorboard package); an empty list logs nowhere."""
+    """Where metrics go: any of "console", "jsonl", "csv", "tensorboard", "wandb", "mlflow"
+    (each tracker through its own client, which must be installed; rank 0 alone logs);
+    an empty list, "none" or ["none"] logs nowhere."""
     disable_tqdm: bool = False
     """Hide the progress bar (it is only ever shown on rank 0)."""
     timeline: str | None = None

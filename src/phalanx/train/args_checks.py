@@ -167,6 +167,12 @@ def _check_reporting(args: TrainingArguments) -> None:
             f"save_safetensors=True needs the {' and '.join(missing)} package, which is not "
             "installed — pip install 'phalanx[hf]', or pass save_safetensors=False",
         )
+    for tracker, package in (("wandb", "wandb"), ("mlflow", "mlflow")):
+        require(
+            tracker not in args.report_to or importlib.util.find_spec(package) is not None,
+            f'report_to includes "{tracker}" but its client is not installed — pip install '
+            f"{'wandb' if tracker == 'wandb' else 'mlflow-skinny'}, or drop it from report_to",
+        )
     if "tensorboard" in args.report_to:
         require(
             importlib.util.find_spec("tensorboard") is not None,

@@ -1,4 +1,5 @@
-"""Where logged metrics go: the console, metrics.jsonl, metrics.csv, TensorBoard.
+"""Where logged metrics go: the console, metrics.jsonl, metrics.csv, TensorBoard, and the
+trackers (W&B, MLflow: trackers.py).
 
 Only rank 0 makes sinks; the numbers it logs are already reduced over ranks.
 The files are appended to, line by line and flushed, so a killed run keeps
@@ -15,12 +16,13 @@ import math
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Literal, NoReturn, Protocol, get_args
+from typing import Any, Literal, NoReturn, Protocol, get_args
 
 from phalanx.errors import ConfigurationError, OutputError
 from phalanx.train.checkpoint import describe_os_error
+from phalanx.train.trackers import MlflowSink, WandbSink, rewrite_logs
 
-Reporter = Literal["console", "jsonl", "csv", "tensorboard"]
+Reporter = Literal["console", "jsonl", "csv", "tensorboard", "wandb", "mlflow"]
 """The one list of sinks: TrainingArguments.report_to takes its item type from it, and
 mypy checks that `make_sink` builds each."""
 REPORTERS: tuple[Reporter, ...] = get_args(Reporter)
@@ -105,7 +107,7 @@ class TensorBoardSink:
         self._writer = SummaryWriter(log_dir=str(log_dir))
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
-        for name, value in metrics.items():
+        for name, value in rewrite_logs(metrics).items():  # HF's train/ and eval/ names
             self._writer.add_scalar(name, value, step)
         self._writer.flush()
 
@@ -114,23 +116,31 @@ class TensorBoardSink:
 
 
 def make_sinks(
-    report_to: list[Reporter], output_dir: Path, write: Callable[[str], None] = print
+    report_to: list[Reporter],
+    output_dir: Path,
+    write: Callable[[str], None] = print,
+    config: Mapping[str, Any] | None = None,
 ) -> list[MetricsSink]:
+    """The sinks `report_to` names; `config` (the arguments) is what trackers record."""
     try:
-        return [make_sink(name, output_dir, write) for name in report_to]
+        return [make_sink(name, output_dir, write, config or {}) for name in report_to]
     except OSError as exc:
         raise _write_failed(exc, output_dir) from exc
 
 
 def open_sinks(
-    report_to: list[Reporter], output_dir: Path, write: Callable[[str], None], keep_until: int
+    report_to: list[Reporter],
+    output_dir: Path,
+    write: Callable[[str], None],
+    keep_until: int,
+    config: Mapping[str, Any] | None = None,
 ) -> list[MetricsSink]:
     """Trim the metric files to steps <= keep_until (see forget_after), then make the sinks."""
     try:
         forget_after(output_dir, keep_until)
     except OSError as exc:
         raise _write_failed(exc, output_dir) from exc
-    return make_sinks(report_to, output_dir, write)
+    return make_sinks(report_to, output_dir, write, config)
 
 
 def log_metrics(sinks: list[MetricsSink], step: int, metrics: Mapping[str, float]) -> None:
@@ -156,7 +166,9 @@ def _write_failed(exc: OSError, path: Path | None) -> OutputError:
     )
 
 
-def make_sink(name: Reporter, output_dir: Path, write: Callable[[str], None]) -> MetricsSink:
+def make_sink(
+    name: Reporter, output_dir: Path, write: Callable[[str], None], config: Mapping[str, Any]
+) -> MetricsSink:
     if name == "console":
         return ConsoleSink(write)
     if name == "jsonl":
@@ -165,6 +177,11 @@ def make_sink(name: Reporter, output_dir: Path, write: Callable[[str], None]) ->
         return CsvSink(output_dir / CSV_NAME)
     if name == "tensorboard":
         return TensorBoardSink(output_dir / TENSORBOARD_DIR)
+    run_name = Path(output_dir).resolve().name
+    if name == "wandb":
+        return WandbSink(output_dir, config, run_name)
+    if name == "mlflow":
+        return MlflowSink(output_dir, config, run_name)
     return _unknown(name)
 
 

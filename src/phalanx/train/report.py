@@ -12,7 +12,7 @@ import logging
 from collections.abc import Mapping
 from pathlib import Path
 
-from phalanx.errors import OutputError
+from phalanx.errors import ConfigurationError, OutputError
 from phalanx.runtime import World
 from phalanx.train.args import TrainingArguments
 from phalanx.train.metrics import MetricsSink, close_sinks, log_metrics, open_sinks
@@ -33,14 +33,18 @@ class RunReport:
     def open(self, total: int, initial: int, keep_until: int) -> None:
         """Collective: a bar from `initial` to `total`, and the sinks, with the metric files
         trimmed to steps up to `keep_until` (what the checkpoint resumed from covers)."""
-        error: OutputError | None = None
+        error: OutputError | ConfigurationError | None = None
         if self.world.is_main:
             self.progress = Progress(total, initial, self.args)
             try:
                 self.sinks = open_sinks(
-                    self.args.report_to, Path(self.args.output_dir), self.progress.write, keep_until
+                    self.args.report_to,
+                    Path(self.args.output_dir),
+                    self.progress.write,
+                    keep_until,
+                    self.args.to_dict(),
                 )
-            except OutputError as exc:
+            except (OutputError, ConfigurationError) as exc:
                 error = exc
         self.world.barrier_or_raise(error)
 
