@@ -88,6 +88,12 @@ def disk_bandwidth(directory: Path, nbytes: int, rank: int) -> dict[str, float]:
 
 
 # ------------------------------------------------------------------------------ the ranks
+def variants(args: argparse.Namespace) -> list[str]:
+    """memory, disk (at --window-mb), and disk-W for each of --extra-windows."""
+    extra = [f"disk-{w}" for w in args.extra_windows.split(",") if w]
+    return [*VARIANTS, *extra]
+
+
 def _net_class() -> type:
     from torch import nn
 
@@ -118,7 +124,8 @@ def make_trainer(variant: str, args: argparse.Namespace, scratch: Path) -> Any:
     torch.manual_seed(0)
     model = Net(args.layers, args.width)
     data = TensorDataset(torch.zeros(8, args.width))  # unused: the loop feeds its own batches
-    disk = variant == "disk"
+    disk = variant.startswith("disk")
+    window = float(variant.split("-")[1]) if "-" in variant else args.window_mb
     targs = phalanx.TrainingArguments(
         output_dir=str(scratch / f"out-{variant}"),
         overwrite_output_dir=True,
@@ -132,8 +139,8 @@ def make_trainer(variant: str, args: argparse.Namespace, scratch: Path) -> Any:
         disable_tqdm=True,
         zero_offload="disk" if disk else None,
         zero_offload_dir=str(scratch / "offload") if disk else None,
-        zero_offload_window_mb=args.window_mb,
-        timeline=args.timeline if disk and args.timeline else None,
+        zero_offload_window_mb=window,
+        timeline=args.timeline if variant == "disk" and args.timeline else None,
     )
     from phalanx.train.trainer_state import TrainState
 
@@ -168,8 +175,10 @@ def rank_main(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]
     from phalanx.offload import streamer_of
 
     scratch = Path(args.scratch)
-    trainers = {v: make_trainer(v, args, scratch) for v in VARIANTS}
-    streamer = streamer_of(trainers["disk"].optimizer)
+    names = variants(args)
+    trainers = {v: make_trainer(v, args, scratch) for v in names}
+    streamers = {v: streamer_of(t.optimizer) for v, t in trainers.items() if v != "memory"}
+    streamer = streamers["disk"]
     assert streamer is not None, "the disk Trainer's optimizer does not stream"
     gen = torch.Generator().manual_seed(1 + rank)
     batches = [
@@ -179,14 +188,14 @@ def rank_main(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]
     for trainer in trainers.values():  # untimed: the first step makes Adam's state
         for batch in batches[: args.warmup]:
             trainer._stepper.run([batch], 1, trainer.loss_fn, trainer.state)
-    steps: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
-    rounds = interleave.balanced_rounds(args.rounds, args.rounds * args.per_round, len(VARIANTS))
+    steps: dict[str, list[dict[str, float]]] = {v: [] for v in names}
+    rounds = interleave.balanced_rounds(args.rounds, args.rounds * args.per_round, len(names))
     for r in range(rounds):
-        for name in interleave.balanced_order(r, VARIANTS):
+        for name in interleave.balanced_order(r, names):
             trainer = trainers[name]
             dist.barrier()
             for batch in batches:
-                steps[name].append(timed_step(trainer, batch, streamer if name == "disk" else None))
+                steps[name].append(timed_step(trainer, batch, streamers.get(name)))
     state_bytes = sum(files_bytes(streamer))
     disk = disk_bandwidth(scratch / "offload", state_bytes, rank)
     out = {
@@ -271,7 +280,7 @@ def summarise(ranks: list[dict[str, Any]], args: argparse.Namespace) -> dict[str
             k: statistics.median(s[k] for s in ranks[0]["steps"][v])
             for k in ("optimizer_s", "minor_faults", "major_faults", "thread_cpu_s", "thread_sys_s")
         }
-        for v in VARIANTS
+        for v in variants(args)
     }
     io = {}
     for r in ranks:
@@ -297,7 +306,20 @@ def summarise(ranks: list[dict[str, Any]], args: argparse.Namespace) -> dict[str
     mix = (read + written) / (
         read / disk_own["cold_read_mb_s"] + written / disk_own["write_fsync_mb_s"]
     )
+    extras = {
+        v: {
+            "step_ms": statistics.median(s["s"] for s in ranks[0]["steps"][v]) * 1e3,
+            "over_memory": statistics.median(s["s"] for s in ranks[0]["steps"][v])
+            / statistics.median(mem),
+            "wait_share": [
+                sum(s["wait_s"] for s in r["steps"][v]) / sum(s["s"] for s in r["steps"][v])
+                for r in ranks
+            ],
+        }
+        for v in variants(args)[len(VARIANTS) :]
+    }
     return {
+        "other_windows": extras,
         "memory_ms": statistics.median(mem) * 1e3,
         "disk_ms": disk_med * 1e3,
         "disk_over_memory": disk_med / statistics.median(mem),
@@ -322,6 +344,9 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--window-mb", type=float, default=64.0)
+    parser.add_argument(
+        "--extra-windows", default="", help="more disk variants at these windows (MB): 16,256"
+    )
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--per-round", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=1)
