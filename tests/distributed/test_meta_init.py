@@ -156,6 +156,9 @@ def _scenarios(rank: int, world: int, root: str) -> dict[str, Any]:
             "stage3_meta_disk": lambda: _train(
                 rank, out / "d3", True, zero_stage=3, zero_offload="disk"
             ),
+            "stage3_cpu_disk": lambda: _train(
+                rank, out / "cd3", False, zero_stage=3, zero_offload="disk"
+            ),
             "stage0_meta": lambda: _train(rank, out / "m0", True, zero_stage=0),
             "stage0_cpu": lambda: _train(rank, out / "c0", False, zero_stage=0),
             "refused": lambda: _refused(rank, out / "r"),
@@ -192,7 +195,7 @@ def test_each_rank_materialises_its_rows_of_rank_0s_whole_model(outcomes: list[A
     ("meta", "cpu"),
     [
         ("stage3_meta", "stage3_cpu"),
-        ("stage3_meta_disk", "stage3_cpu"),
+        ("stage3_meta_disk", "stage3_cpu_disk"),  # the offloaded step runs fused AdamW
         ("stage0_meta", "stage0_cpu"),
     ],
 )

@@ -216,3 +216,29 @@ def test_an_unwritable_offload_dir_is_one_line_on_every_rank(
     for o in outcomes:
         assert o.error_type == "OffloadError", (o.error_type, o.error)
         assert f"zero_offload_dir={read_only_dir}: cannot create" in (o.error or "")
+
+
+def _io_spans(rank: int, world: int, out: str) -> list[str]:
+    root = Path(out)
+    args = _args(
+        root / "run",
+        zero_stage=3,
+        max_steps=2,
+        save_steps=10_000,
+        zero_offload="disk",
+        zero_offload_dir=str(root / "scratch"),
+        zero_offload_window_mb=0.001,
+        timeline=str(root / "trace.json"),
+    )
+    trainer = Trainer(model=_Net(), args=args, train_dataset=_data(), loss_fn=_xent)
+    trainer.train()
+    assert trainer.timeline is not None
+    spans = [name for name, track, *_ in trainer.timeline.spans if track == "io"]
+    trainer.close()
+    return spans
+
+
+def test_the_trainer_puts_offload_io_on_the_timeline(tmp_path: Path) -> None:
+    """The offloaded step's reads and writes are spans on the timeline's "io" track."""
+    for o in run_workers(_io_spans, 2, str(tmp_path), timeout=120):
+        assert "offload read" in o.value and "offload write" in o.value, o.value

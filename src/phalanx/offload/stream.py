@@ -2,11 +2,13 @@
 
 `stream_optimizer(optimizer, files)` makes `optimizer.step()` walk its
 parameters in windows of about `window_bytes` of state: while the optimizer's
-own step (torch's, unchanged: hooks run once around the whole step) updates
-window i, an I/O thread has window i+1's pages read in and window i-1's
-written back and dropped. State tensors the optimizer creates on its first
-step are moved into files as each window finishes, so the whole state never
-exists in memory; a state loaded from a checkpoint is moved the same way.
+own step (torch's; hooks run once around the whole step; Adam fused where the
+user left the choice to torch) updates window i, a read thread has window
+i+1's pages read in and a write thread window i-1's written back and dropped.
+Gradients are not written back: zero_grad drops them unwritten. State tensors
+the optimizer creates on its first step are moved into files as each window
+finishes, so the whole state never exists in memory; a state loaded from a
+checkpoint is moved the same way.
 
 Cutting the step by parameters changes nothing for an elementwise optimizer
 (every one ZeRO accepts): each parameter's update reads only its own
@@ -43,7 +45,9 @@ class IOStats:
     read_bytes: int = 0
     written_bytes: int = 0
     io_s: float = 0.0
-    """Time the I/O thread spent reading and writing."""
+    """Time the I/O threads spent reading and writing."""
+    read_s: float = 0.0
+    """Of which reading (faulting the next window's pages in)."""
     wait_s: float = 0.0
     """Time the training thread waited for a window's pages (the exposed I/O)."""
     step_s: float = 0.0
@@ -71,7 +75,10 @@ class Streamer:
         """Ranks that step together: an offload failure on one is raised on all of them."""
         self.stats = IOStats()
         self.timeline: Timeline | None = None
-        self._io = ThreadPoolExecutor(1, thread_name_prefix="phalanx-offload")
+        # A thread each way: the next window's reads must not queue behind the last one's
+        # writes, which are the slower (docs/zero.md, "Offload").
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="phalanx-offload-read")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="phalanx-offload-write")
         self._writes: list[Future[None]] = []
         base = type(optimizer).step
         self._raw_step: Callable[[Optimizer], Any] = getattr(base, "__wrapped__", base)
@@ -108,16 +115,18 @@ class Streamer:
 
     def _tensors(
         self, optimizer: Optimizer, params: list[list[torch.Tensor]]
-    ) -> list[torch.Tensor]:
-        """Every file-backed tensor a window's step reads or writes."""
-        out = []
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Every file-backed tensor a window's step reads or writes: (those it writes, the
+        parameters and their state; those it only reads, the gradients)."""
+        written, read = [], []
         for members in params:
             for p in members:
-                out.append(local(p))
+                written.append(local(p))
                 if p.grad is not None:
-                    out.append(local(p.grad))
-                out += [local(v) for v in optimizer.state.get(p, {}).values() if torch.is_tensor(v)]
-        return [t for t in out if self.files.holds(t)]
+                    read.append(local(p.grad))
+                state = optimizer.state.get(p, {}).values()
+                written += [local(v) for v in state if torch.is_tensor(v)]
+        return [t for t in written if self.files.holds(t)], [t for t in read if self.files.holds(t)]
 
     # ------------------------------------------------------------------- step
     def step(self, optimizer: Optimizer) -> None:
@@ -145,14 +154,15 @@ class Streamer:
         originals = [g["params"] for g in groups]
         windows = self.windows(optimizer, only)
         drop = {id(p) for p in free_grads or ()}
+        fused = _fuse_where_default(optimizer)
         try:
-            ahead = self._read(self._tensors(optimizer, windows[0])) if windows else None
+            ahead = self._read(*self._tensors(optimizer, windows[0])) if windows else None
             for i, window in enumerate(windows):
-                tensors = self._tensors(optimizer, window)
+                written, read = self._tensors(optimizer, window)
                 if ahead is not None:
                     self._wait(ahead)
                 if i + 1 < len(windows):
-                    ahead = self._read(self._tensors(optimizer, windows[i + 1]))
+                    ahead = self._read(*self._tensors(optimizer, windows[i + 1]))
                 for group, members in zip(groups, window):
                     group["params"] = members
                 self._raw_step(optimizer)
@@ -161,10 +171,12 @@ class Streamer:
                 for p in stepped:
                     if id(p) in drop:
                         p.grad = None
-                self._write(tensors + moved)
+                self._write(written + moved, read)
         finally:
             for group, members in zip(groups, originals):
                 group["params"] = members
+            for group in fused:
+                group["fused"] = None
 
     def adopt(self, optimizer: Optimizer, params: list[torch.Tensor]) -> list[torch.Tensor]:
         """Move the state of `params` that is still in memory into files; the moved."""
@@ -247,19 +259,44 @@ class Streamer:
         )
 
     # --------------------------------------------------------------------- io
-    def _read(self, tensors: list[torch.Tensor]) -> Future[None]:
-        nbytes = sum(t.nbytes for t in tensors)
-        self.stats.read_bytes += nbytes
-        return self._io.submit(self._timed, "read", self.files.populate, tensors, nbytes)
+    def _read(self, written: list[torch.Tensor], read: list[torch.Tensor]) -> Future[None]:
+        """Fault a window in on the read thread: what the step writes mapped writable."""
 
-    def _write(self, tensors: list[torch.Tensor]) -> None:
-        nbytes = sum(t.nbytes for t in tensors)
+        def populate(_: list[torch.Tensor]) -> None:
+            self.files.populate(read)
+            self.files.populate(written, writable=True)
+
+        nbytes = sum(t.nbytes for t in written + read)
+        self.stats.read_bytes += nbytes
+        return self._reader.submit(self._timed, "read", populate, written + read, nbytes)
+
+    def _write(self, tensors: list[torch.Tensor], grads: list[torch.Tensor] | None = None) -> None:
+        """Write a window back and drop it, on the write thread. Its gradients are only
+        unmapped where they can be discarded: zero_grad drops them unwritten."""
+        discarding = self.files.can_discard
+        grads = grads or []
+        written = tensors if discarding else tensors + grads
+        nbytes = sum(t.nbytes for t in written)
         self.stats.written_bytes += nbytes
-        self._writes.append(
-            self._io.submit(self._timed, "write", self.files.release, tensors, nbytes)
-        )
+
+        def release(_: list[torch.Tensor]) -> None:
+            self.files.release(written)
+            if discarding:
+                self.files.forget(grads)
+
+        self._writes.append(self._writer.submit(self._timed, "write", release, written, nbytes))
         while len(self._writes) > 2:  # at most two windows being written: a bounded window
             self._wait(self._writes.pop(0))
+
+    def discard_grads(self, optimizer: Optimizer) -> None:
+        """The file-backed gradients are about to be cleared: drop their pages unwritten."""
+        grads = [
+            local(p.grad)
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if p.grad is not None
+        ]
+        self.files.discard([g for g in grads if self.files.holds(g)])
 
     def _timed(
         self,
@@ -272,6 +309,8 @@ class Streamer:
         work(tensors)
         end = time.perf_counter_ns()
         self.stats.io_s += (end - start) / 1e9
+        if what == "read":
+            self.stats.read_s += (end - start) / 1e9
         if self.timeline is not None:
             self.timeline.add(f"offload {what}", "io", start, end, bytes=nbytes)
 
@@ -306,7 +345,8 @@ class Streamer:
 
     def close(self) -> None:
         self.drain()
-        self._io.shutdown(wait=True)
+        self._reader.shutdown(wait=True)
+        self._writer.shutdown(wait=True)
 
 
 def stream_optimizer(
@@ -322,9 +362,8 @@ def stream_optimizer(
         return existing
     streamer = Streamer(optimizer, files, window_bytes, group)
     cls = type(optimizer)
-    streamed = type(
-        f"Offloaded{cls.__name__}", (cls,), {"step": _streamed_step, "__module__": cls.__module__}
-    )
+    members = {"step": _streamed_step, "zero_grad": _zero_grad_of(cls)}
+    streamed = type(f"Offloaded{cls.__name__}", (cls,), {**members, "__module__": cls.__module__})
     optimizer.__class__ = streamed
     optimizer._patch_step_function()  # hooks run around the whole step
     setattr(optimizer, _STREAMER, streamer)
@@ -346,3 +385,37 @@ def _streamed_step(self: Optimizer, closure: Callable[[], Any] | None = None) ->
     assert streamer is not None
     streamer.step(self)
     return loss
+
+
+def _fuse_where_default(optimizer: Optimizer) -> list[dict[str, Any]]:
+    """Have torch's Adam / AdamW step these groups with its fused CPU kernel where the
+    user left the choice to torch (foreach and fused None; on CPU torch would run the
+    per-tensor loop): one pass over each window's pages instead of one per operation,
+    several times faster on CPU (docs/zero.md, "Offload"). The groups changed, to restore
+    after the step, so that checkpoints and the user see the settings they gave."""
+    if not isinstance(optimizer, torch.optim.Adam):  # AdamW is an Adam
+        return []
+    changed = []
+    for group in optimizer.param_groups:
+        if group.get("fused") is not None or group.get("foreach") is not None:
+            continue
+        if group.get("differentiable") or group.get("capturable"):
+            continue
+        params = [local(p) for p in group["params"]]
+        if all(p.device.type == "cpu" and p.is_floating_point() for p in params):
+            group["fused"] = True
+            changed.append(group)
+    return changed
+
+
+def _zero_grad_of(cls: type[Optimizer]) -> Callable[..., None]:
+    def zero_grad(self: Optimizer, set_to_none: bool = True) -> None:
+        """`cls`'s zero_grad, after dropping the file-backed gradients' pages: a gradient
+        cleared is never read again, so writing it back (and reading it in before the next
+        backward overwrites it) would be wasted I/O."""
+        streamer = streamer_of(self)
+        if streamer is not None:
+            streamer.discard_grads(self)
+        cls.zero_grad(self, set_to_none)
+
+    return zero_grad

@@ -18,6 +18,7 @@ from phalanx import zero3
 from phalanx.data.sampler import DistributedSampler
 from phalanx.ddp.module import DistributedDataParallel
 from phalanx.ddp.sync import raise_if_settings_differ
+from phalanx.diagnostics.timeline import Timeline
 from phalanx.errors import ConfigurationError
 from phalanx.offload import (
     CPUOffloadPolicy,
@@ -261,6 +262,14 @@ def wrap_model(model: nn.Module, args: TrainingArguments, world: World) -> nn.Mo
         process_group=world.process_group,
         **asdict(args.ddp_options()),
     )
+
+
+def record_offload_to(optimizer: Optimizer, timeline: Timeline | None) -> None:
+    """Put the offloaded optimizer's reads and writes on the timeline's "io" track."""
+    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's local one
+    streamer = streamer_of(inner) if isinstance(inner, Optimizer) else None
+    if streamer is not None:
+        streamer.timeline = timeline
 
 
 def _release_offload(optimizer: Optimizer | None) -> None:

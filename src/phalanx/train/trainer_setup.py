@@ -44,6 +44,7 @@ from phalanx.train.setup import (
     check_user_optimizer,
     join_world,
     prepare_model,
+    record_offload_to,
     release,
     train_loader,
     wrap_model,
@@ -131,6 +132,7 @@ class TrainerSetup:
             else build_optimizer(self.model, self.args, self.world)
         )
         """AdamW, or under zero_stage 1/2 a phalanx.ZeroRedundancyOptimizer over AdamW."""
+        record_offload_to(self.optimizer, self.timeline)
         self.periodic_sync = make_periodic_sync(self.model, self.optimizer, self.args, self.world)
         """phalanx.LocalSGD or DiLoCo under sync_method "local_sgd" / "diloco", else None."""
         self.scaler = torch.amp.GradScaler("cuda") if self.args.fp16 else None

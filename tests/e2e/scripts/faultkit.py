@@ -130,13 +130,22 @@ def kill_in_offload_step(trainer: Trainer, where: str, marker: Path) -> None:
             count[2] = index
         return out
 
-    def write_then(tensors: list[torch.Tensor]) -> None:
+    def write_then(tensors: list[torch.Tensor], grads: Any = None) -> None:
         if count[2] >= 0 and not doomed:
             doomed.append(tensors)
-        write(tensors)
+        write(tensors, grads)
+
+    def is_doomed(tensors: list[torch.Tensor]) -> bool:
+        """The doomed window's write (its tensors first; its gradients may follow)."""
+        first = doomed[0] if doomed else []
+        return (
+            bool(first)
+            and len(tensors) >= len(first)
+            and all(a is b for a, b in zip(tensors, first))
+        )
 
     def release_then(tensors: list[torch.Tensor]) -> None:
-        if not doomed or tensors is not doomed[0]:
+        if not is_doomed(tensors):
             return release(tensors)
         half = max(1, len(tensors) // 2)
         release(tensors[:half])

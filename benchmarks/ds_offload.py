@@ -1,0 +1,254 @@
+"""phalanx's disk offload against DeepSpeed ZeRO-3 with its optimizer offloaded to NVMe.
+
+The model of offload_speed.py (an MLP of `--layers` Linears `--width` square,
+Tanh between, `--batch` samples a rank), world 2 on gloo, AdamW at lr 1e-4 with
+no weight decay, gradients clipped at 1.0 (DeepSpeed's `gradient_clipping`,
+phalanx's `max_grad_norm`), on the same batches:
+
+- `phalanx`: the Trainer at zero_stage=3, zero_offload="disk" (the shards, their
+  gradients and Adam's state in files, the optimizer step streamed);
+- `deepspeed`: `deepspeed.initialize` at ZeRO stage 3 with
+  `offload_optimizer: {device: nvme, nvme_path: ...}` (DS_ACCELERATOR=cpu), over
+  torch's AdamW (`zero_force_ds_cpu_optimizer: false`).
+
+Each run is a fresh pair of processes (peak RSS is a process's), and the
+runs alternate (`--rounds` of both, in a balanced order): median step (the
+slower rank's), peak RSS per rank, the losses. It needs deepspeed, which the
+project's venv does not hold: it says so and exits 0 without it.
+
+    python3 -m venv /tmp/ds && /tmp/ds/bin/pip install torch==2.13.0 deepspeed
+    /tmp/ds/bin/pip install --no-build-isolation deepspeed   # keeps that torch
+    apt-get install -y libaio-dev                             # DeepSpeed's async_io op
+    DS_ACCELERATOR=cpu /tmp/ds/bin/python benchmarks/ds_offload.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import interleave
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "ds_offload.json"
+VARIANTS = ("phalanx", "deepspeed")
+
+
+def _net(layers: int, width: int) -> Any:
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            body: list[nn.Module] = []
+            for _ in range(layers):
+                body += [nn.Linear(width, width), nn.Tanh()]
+            self.body = nn.Sequential(*body[:-1])
+
+        def forward(self, batch: list[Any]) -> Any:
+            return self.body(batch[0])
+
+    return Net()
+
+
+def _batches(args: argparse.Namespace, rank: int) -> list[list[Any]]:
+    import torch
+
+    gen = torch.Generator().manual_seed(1 + rank)
+    return [
+        [torch.randn(args.batch, args.width, generator=gen) for _ in range(2)]
+        for _ in range(args.steps)
+    ]
+
+
+def _slowest(seconds: float) -> float:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([seconds])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def run_phalanx(args: argparse.Namespace, rank: int) -> tuple[list[float], list[float]]:
+    import torch
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    import phalanx
+    from phalanx.train.trainer_state import TrainState
+
+    torch.manual_seed(0)
+    model = _net(args.layers, args.width)
+    targs = phalanx.TrainingArguments(
+        output_dir=str(Path(args.scratch) / "out-phalanx"),
+        overwrite_output_dir=True,
+        zero_stage=3,
+        max_steps=10**6,
+        per_device_train_batch_size=args.batch,
+        learning_rate=1e-4,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        save_steps=10**9,
+        report_to=[],
+        disable_tqdm=True,
+        ddp_backend="gloo",
+        zero_offload="disk",
+        zero_offload_dir=str(Path(args.scratch) / "offload-phalanx"),
+    )
+    trainer = phalanx.Trainer(
+        model=model,
+        args=targs,
+        train_dataset=TensorDataset(torch.zeros(8, args.width)),
+        loss_fn=lambda out, batch: nn.functional.mse_loss(out, batch[1]),
+    )
+    trainer.state = TrainState()
+    times, losses = [], []
+    for batch in _batches(args, rank):
+        start = time.perf_counter()
+        result = trainer._stepper.run([batch], 1, trainer.loss_fn, trainer.state)
+        times.append(_slowest(time.perf_counter() - start))
+        losses.append(float(result.loss))
+    trainer.close()
+    return times, losses
+
+
+def run_deepspeed(args: argparse.Namespace, rank: int) -> tuple[list[float], list[float]]:
+    import deepspeed
+    import torch
+    from torch import nn
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    model = _net(args.layers, args.width)
+    nvme = Path(args.scratch) / f"offload-deepspeed-{rank}"
+    nvme.mkdir(parents=True, exist_ok=True)
+    config = {
+        "train_micro_batch_size_per_gpu": args.batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(nvme), "pin_memory": False},
+        },
+        "aio": {"block_size": 1048576, "queue_depth": 8, "thread_count": 1},
+        "zero_force_ds_cpu_optimizer": False,
+    }
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    times, losses = [], []
+    for x, y in _batches(args, rank):
+        start = time.perf_counter()
+        loss = nn.functional.mse_loss(engine([x, y]), y)
+        engine.backward(loss)
+        engine.step()
+        times.append(_slowest(time.perf_counter() - start))
+        losses.append(float(loss))
+    return times, losses
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    if args.variant == "phalanx":
+        dist.init_process_group("gloo")
+        times, losses = run_phalanx(args, rank)
+    else:
+        times, losses = run_deepspeed(args, rank)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print("RESULT " + json.dumps({"rank": rank, "times": times, "losses": losses, "rss": peak}))
+
+
+def launch(args: argparse.Namespace, variant: str, port: int) -> dict[str, Any]:
+    procs = []
+    for rank in range(2):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+            "DS_ACCELERATOR": "cpu",
+            "PYTHONPATH": str(ROOT / "src"),
+        }
+        cmd = [sys.executable, __file__, "--worker", "--variant", variant]
+        cmd += ["--layers", str(args.layers), "--width", str(args.width)]
+        cmd += ["--batch", str(args.batch), "--steps", str(args.steps), "--scratch", args.scratch]
+        procs.append(
+            subprocess.Popen(
+                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
+    outs = [p.communicate(timeout=args.timeout)[0] for p in procs]
+    ranks = []
+    for p, out in zip(procs, outs):
+        line = next((x for x in out.splitlines() if x.startswith("RESULT ")), None)
+        if p.returncode != 0 or line is None:
+            raise SystemExit(f"{variant} failed (exit {p.returncode}):\n" + out[-4000:])
+        ranks.append(json.loads(line[7:]))
+    return {"variant": variant, "ranks": ranks}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--variant", default="phalanx")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=6, help="per run; the first is untimed")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--scratch", default="/tmp/phalanx-ds-offload")
+    parser.add_argument("--timeout", type=float, default=1200)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        print("deepspeed is not installed here: nothing to compare (see the docstring)")
+        return
+    Path(args.scratch).mkdir(parents=True, exist_ok=True)
+    runs = []
+    for r in range(interleave.balanced_rounds(args.rounds, args.rounds, len(VARIANTS))):
+        for variant in interleave.balanced_order(r, VARIANTS):
+            runs.append(launch(args, variant, 29500 + len(runs)))
+            print(variant, "done", flush=True)
+    summary: dict[str, Any] = {}
+    for variant in VARIANTS:
+        mine = [run for run in runs if run["variant"] == variant]
+        steps = [t for run in mine for t in run["ranks"][0]["times"][1:]]
+        summary[variant] = {
+            "median_step_s": statistics.median(steps),
+            "peak_rss_mb_per_rank": [[r["rss"] for r in run["ranks"]] for run in mine],
+            "losses_rank0": mine[0]["ranks"][0]["losses"],
+        }
+    summary["phalanx_over_deepspeed"] = (
+        summary["phalanx"]["median_step_s"] / summary["deepspeed"]["median_step_s"]
+    )
+    report = {"config": {**vars(args), "out": str(args.out)}, "summary": summary, "runs": runs}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,376 @@
+"""Disk offload against in-memory stage 3, interleaved in one run, on a model that fits both ways.
+
+Two gloo ranks each build two Trainers at zero_stage=3 (AdamW, clipping at
+1.0) over the same MLP from the same seed: `memory` (stage 3, state in host
+memory) and `disk` (zero_offload="disk": shards, gradients and Adam's state in
+files, the optimizer step streamed a window at a time). They take turns,
+round by round, in a balanced order (interleave.py), each stepping the same
+batches; a step is the Trainer's own (forward, backward, clip, AdamW), its time
+the slower rank's. Reported:
+
+- disk step / memory step (target <= 1.5), from the medians and per round;
+- exposed I/O: how long the offloaded optimizer step waited for its I/O thread,
+  and the major page faults the training thread took (a gather reading a shard
+  not in memory), as a share of the disk step (target <= 20%);
+- the I/O thread's achieved bandwidth against the disk's own, measured on the
+  spot in the same offload directory by both ranks at once: a file the size of
+  a rank's offloaded state written and fsync'd, then read cold (after
+  posix_fadvise DONTNEED) and with O_DIRECT.
+
+`--timeline PATH` records the disk variant's timeline (Chrome trace: the
+offload reads and writes are spans on each rank's "io" track).
+
+    python benchmarks/offload_speed.py                      # ~3 minutes on 2 cores
+    python benchmarks/offload_speed.py --tiny --rounds 2    # seconds: checks it runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import interleave
+import spawn
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "offload_speed.json"
+MB = 2**20
+VARIANTS = ("memory", "disk")
+
+
+# ------------------------------------------------------------------------- the disk itself
+def disk_bandwidth(directory: Path, nbytes: int, rank: int) -> dict[str, float]:
+    """This rank's write+fsync, cold read and O_DIRECT read of an `nbytes` file (MB/s);
+    the caller runs every rank at once, as the offloaded steps do."""
+    import torch.distributed as dist
+
+    path = directory / f"disk-probe-{rank}.bin"
+    chunk = 8 * MB
+    block = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT needs
+    block.write(os.urandom(chunk))
+    out: dict[str, float] = {}
+    try:
+        dist.barrier()
+        start = time.perf_counter()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        for offset in range(0, nbytes, chunk):
+            os.pwrite(fd, block, offset)
+        os.fsync(fd)
+        os.close(fd)
+        out["write_fsync_mb_s"] = nbytes / MB / (time.perf_counter() - start)
+        dist.barrier()
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # written back above: now dropped
+        dist.barrier()
+        start = time.perf_counter()
+        for offset in range(0, nbytes, chunk):
+            os.preadv(fd, [block], offset)
+        out["cold_read_mb_s"] = nbytes / MB / (time.perf_counter() - start)
+        os.close(fd)
+        dist.barrier()
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        start = time.perf_counter()
+        for offset in range(0, nbytes, chunk):
+            os.preadv(fd, [block], offset)
+        out["direct_read_mb_s"] = nbytes / MB / (time.perf_counter() - start)
+        os.close(fd)
+    finally:
+        path.unlink(missing_ok=True)
+    return out
+
+
+# ------------------------------------------------------------------------------ the ranks
+def variants(args: argparse.Namespace) -> list[str]:
+    """memory, disk (at --window-mb), and disk-W for each of --extra-windows."""
+    extra = [f"disk-{w}" for w in args.extra_windows.split(",") if w]
+    return [*VARIANTS, *extra]
+
+
+def _net_class() -> type:
+    from torch import nn
+
+    class Net(nn.Module):
+        """Square Linears with Tanh between (offload_cgroup.py's MLP); takes (x, y)."""
+
+        def __init__(self, layers: int, width: int) -> None:
+            super().__init__()
+            body: list[nn.Module] = []
+            for _ in range(layers):
+                body += [nn.Linear(width, width), nn.Tanh()]
+            self.body = nn.Sequential(*body[:-1])
+
+        def forward(self, batch: list[Any]) -> Any:
+            return self.body(batch[0])
+
+    return Net
+
+
+def make_trainer(variant: str, args: argparse.Namespace, scratch: Path) -> Any:
+    import torch
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    import phalanx
+
+    Net = _net_class()
+    torch.manual_seed(0)
+    model = Net(args.layers, args.width)
+    data = TensorDataset(torch.zeros(8, args.width))  # unused: the loop feeds its own batches
+    disk = variant.startswith("disk")
+    window = float(variant.split("-")[1]) if "-" in variant else args.window_mb
+    targs = phalanx.TrainingArguments(
+        output_dir=str(scratch / f"out-{variant}"),
+        overwrite_output_dir=True,
+        zero_stage=3,
+        max_steps=10**6,
+        per_device_train_batch_size=args.batch,
+        learning_rate=1e-4,
+        max_grad_norm=1.0,
+        save_steps=10**9,
+        report_to=[],
+        disable_tqdm=True,
+        zero_offload="disk" if disk else None,
+        zero_offload_dir=str(scratch / "offload") if disk else None,
+        zero_offload_window_mb=window,
+        timeline=args.timeline if variant == "disk" and args.timeline else None,
+    )
+    from phalanx.train.trainer_state import TrainState
+
+    trainer = phalanx.Trainer(
+        model=model,
+        args=targs,
+        train_dataset=data,
+        loss_fn=lambda out, batch: nn.functional.mse_loss(out, batch[1]),
+    )
+    trainer.state = TrainState()
+    time_optimizer(trainer)
+    return trainer
+
+
+def time_optimizer(trainer: Any) -> None:
+    """`trainer._opt_s`: the wall time of its optimizer's steps (hooks around each)."""
+    opt = trainer.optimizer
+    marks: list[float] = []
+    trainer._opt_s = 0.0
+    opt.register_step_pre_hook(lambda *_: marks.append(time.perf_counter()))
+
+    def post(*_: Any) -> None:
+        trainer._opt_s += time.perf_counter() - marks.pop()
+
+    opt.register_step_post_hook(post)
+
+
+def rank_main(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from phalanx.offload import streamer_of
+
+    scratch = Path(args.scratch)
+    names = variants(args)
+    trainers = {v: make_trainer(v, args, scratch) for v in names}
+    streamers = {v: streamer_of(t.optimizer) for v, t in trainers.items() if v != "memory"}
+    streamer = streamers["disk"]
+    assert streamer is not None, "the disk Trainer's optimizer does not stream"
+    gen = torch.Generator().manual_seed(1 + rank)
+    batches = [
+        [torch.randn(args.batch, args.width, generator=gen) for _ in range(2)]
+        for _ in range(args.per_round)
+    ]
+    for trainer in trainers.values():  # untimed: the first step makes Adam's state
+        for batch in batches[: args.warmup]:
+            trainer._stepper.run([batch], 1, trainer.loss_fn, trainer.state)
+    steps: dict[str, list[dict[str, float]]] = {v: [] for v in names}
+    rounds = interleave.balanced_rounds(args.rounds, args.rounds * args.per_round, len(names))
+    for r in range(rounds):
+        for name in interleave.balanced_order(r, names):
+            trainer = trainers[name]
+            dist.barrier()
+            for batch in batches:
+                steps[name].append(timed_step(trainer, batch, streamers.get(name)))
+    state_bytes = sum(files_bytes(streamer))
+    disk = disk_bandwidth(scratch / "offload", state_bytes, rank)
+    out = {
+        "rank": rank,
+        "steps": steps,
+        "state_bytes": state_bytes,
+        "disk": disk,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "params_equal": params_equal(trainers),
+    }
+    timeline = trainers["disk"].timeline
+    if timeline is not None:  # spawned ranks end with os._exit: no exit hook writes it
+        from phalanx.diagnostics import timeline as timelines
+
+        timeline.write()
+        dist.barrier()
+        if rank == 0:
+            trace = timelines.merge(timeline.path, world)
+            out["trace_io_spans"] = sum(1 for e in trace["traceEvents"] if e.get("tid") == 2)
+    for trainer in trainers.values():
+        trainer.close()
+    return out
+
+
+def files_bytes(streamer: Any) -> list[int]:
+    return [streamer.files.nbytes]
+
+
+def timed_step(trainer: Any, batch: list[Any], streamer: Any) -> dict[str, float]:
+    """One Trainer step; its wall time (the slower rank's) and, offloaded, its I/O."""
+    import torch
+    import torch.distributed as dist
+
+    before = None if streamer is None else dict(vars(streamer.stats))
+    usage = resource.getrusage(resource.RUSAGE_THREAD)
+    trainer._opt_s = 0.0
+    start = time.perf_counter()
+    trainer._stepper.run([batch], 1, trainer.loss_fn, trainer.state)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_THREAD)
+    slowest = torch.tensor([wall])
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    step = {
+        "s": float(slowest.item()),
+        "own_s": wall,
+        "optimizer_s": trainer._opt_s,
+        "major_faults": float(after.ru_majflt - usage.ru_majflt),
+        "minor_faults": float(after.ru_minflt - usage.ru_minflt),
+        "thread_cpu_s": after.ru_utime + after.ru_stime - usage.ru_utime - usage.ru_stime,
+        "thread_sys_s": after.ru_stime - usage.ru_stime,
+    }
+    if streamer is not None and before is not None:
+        step.update({k: v - before[k] for k, v in vars(streamer.stats).items()})
+    return step
+
+
+def params_equal(trainers: dict[str, Any]) -> float:
+    """Largest difference between the two Trainers' shards: they saw the same batches."""
+    mem = list(trainers["memory"].model.parameters())
+    disk = list(trainers["disk"].model.parameters())
+    return max(float((a._local_tensor - b._local_tensor).abs().max()) for a, b in zip(mem, disk))
+
+
+# ------------------------------------------------------------------------------ the report
+def rate(steps: list[dict[str, float]], what: str, seconds: Any) -> float | None:
+    """MB/s of `what` over the steps' `seconds(step)`; None where that was not timed."""
+    total = sum(seconds(s) for s in steps)
+    return sum(s[what] for s in steps) / MB / total if total > 0 else None
+
+
+def summarise(ranks: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    mem = [s["s"] for s in ranks[0]["steps"]["memory"]]
+    disk = [s["s"] for s in ranks[0]["steps"]["disk"]]
+    per_round = [
+        statistics.median(disk[i : i + args.per_round])
+        / statistics.median(mem[i : i + args.per_round])
+        for i in range(0, len(mem), args.per_round)
+    ]
+    disk_med = statistics.median(disk)
+    phases = {
+        v: {
+            k: statistics.median(s[k] for s in ranks[0]["steps"][v])
+            for k in ("optimizer_s", "minor_faults", "major_faults", "thread_cpu_s", "thread_sys_s")
+        }
+        for v in variants(args)
+    }
+    io = {}
+    for r in ranks:
+        d = r["steps"]["disk"]
+        moved = sum(s["read_bytes"] + s["written_bytes"] for s in d)
+        io[r["rank"]] = {
+            "wait_share": sum(s["wait_s"] for s in d) / sum(s["s"] for s in d),
+            "optimizer_share": sum(s["step_s"] for s in d) / sum(s["s"] for s in d),
+            "major_faults_per_step": statistics.median(s["major_faults"] for s in d),
+            "io_busy_share": sum(s["io_s"] for s in d) / sum(s["s"] for s in d),
+            "read_mb_s": rate(d, "read_bytes", lambda s: s.get("read_s", 0.0)),
+            "write_mb_s": rate(d, "written_bytes", lambda s: s["io_s"] - s.get("read_s", 0.0)),
+            "moved_mb_per_step": moved / len(d) / MB,
+            "achieved_mb_s": moved / MB / sum(s["io_s"] for s in d),
+        }
+    disk_own = {
+        k: sum(r["disk"][k] for r in ranks) for k in ranks[0]["disk"]
+    }  # both ranks at once: the sum is what the disk gave the two
+    achieved = sum(v["achieved_mb_s"] for v in io.values())
+    # What the disk's own rates allow for this step's mix of reads and writes.
+    steps = ranks[0]["steps"]["disk"]
+    read, written = (sum(s[k] for s in steps) for k in ("read_bytes", "written_bytes"))
+    mix = (read + written) / (
+        read / disk_own["cold_read_mb_s"] + written / disk_own["write_fsync_mb_s"]
+    )
+    extras = {
+        v: {
+            "step_ms": statistics.median(s["s"] for s in ranks[0]["steps"][v]) * 1e3,
+            "over_memory": statistics.median(s["s"] for s in ranks[0]["steps"][v])
+            / statistics.median(mem),
+            "wait_share": [
+                sum(s["wait_s"] for s in r["steps"][v]) / sum(s["s"] for s in r["steps"][v])
+                for r in ranks
+            ],
+        }
+        for v in variants(args)[len(VARIANTS) :]
+    }
+    return {
+        "other_windows": extras,
+        "memory_ms": statistics.median(mem) * 1e3,
+        "disk_ms": disk_med * 1e3,
+        "disk_over_memory": disk_med / statistics.median(mem),
+        "disk_over_memory_per_round": per_round,
+        "disk_over_memory_paired_median": statistics.median(per_round),
+        "rank0_phase_medians": phases,
+        "io": io,
+        "disk_own_mb_s_both_ranks": disk_own,
+        "achieved_mb_s_both_ranks": achieved,
+        "disk_own_for_this_mix_mb_s": mix,
+        "achieved_over_disk_own": achieved / mix,
+        "peak_rss_mb": [r["peak_rss_mb"] for r in ranks],
+        "max_abs_param_diff": max(r["params_equal"] for r in ranks),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--window-mb", type=float, default=64.0)
+    parser.add_argument(
+        "--extra-windows", default="", help="more disk variants at these windows (MB): 16,256"
+    )
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--per-round", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--scratch", default="/tmp/phalanx-offload-speed")
+    parser.add_argument("--timeline", default=None, help="write the disk variant's trace here")
+    parser.add_argument("--tiny", action="store_true", help="a small model: checks it runs")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args()
+    if args.tiny:
+        args.layers, args.width, args.batch = 2, 64, 4
+    Path(args.scratch).mkdir(parents=True, exist_ok=True)
+    ranks = spawn.run_ranks(rank_main, 2, args, threads=args.threads)
+    params = args.layers * (args.width * args.width + args.width)
+    report = {
+        "config": {**vars(args), "out": str(args.out), "params": params},
+        "summary": summarise(ranks, args),
+        "ranks": ranks,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+    print(json.dumps({"config": report["config"], "summary": report["summary"]}, indent=1))
+    sys.exit(0 if report["summary"]["max_abs_param_diff"] <= 1e-5 else 1)
+
+
+if __name__ == "__main__":
+    main()
