@@ -10,9 +10,11 @@ replicas are still bit-for-bit identical.
     torchrun --nproc-per-node 2 examples/digits.py             # the same script under torchrun
 
 Needs scikit-learn (`pip install scikit-learn`). Reaches 96.4% test
-accuracy with the defaults in a few seconds on CPU. The batch size is global
-(split over the ranks) and rank r takes every world_size-th sample, so one
-rank and two ranks see the very same batches and print the same losses.
+accuracy with the defaults in a few seconds on CPU (95.8% where torch runs
+its plain kernels, ATEN_CPU_CAPABILITY=default, rather than AVX2 or AVX-512).
+The batch size is global (split over the ranks) and rank r takes every
+world_size-th sample, so one rank and two ranks see the very same batches and
+print the same losses.
 """
 
 from __future__ import annotations

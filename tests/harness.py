@@ -68,13 +68,7 @@ def _worker(
     code = 0
     try:
         if init_pg:
-            dist.init_process_group(
-                "gloo",
-                init_method=f"tcp://127.0.0.1:{port}",
-                rank=rank,
-                world_size=world_size,
-                timeout=timedelta(seconds=60),
-            )
+            _join_group(rank, world_size, port)
         value = fn(rank, world_size, *args)
         results.put((rank, "ok", value, None, None))
     except BaseException as exc:  # report every failure, including SystemExit
@@ -88,6 +82,26 @@ def _worker(
         results.close()
         results.join_thread()
     os._exit(code)
+
+
+def _join_group(rank: int, world_size: int, port: int) -> None:
+    """The gloo group, up on every rank when this returns on any.
+
+    gloo connects the ranks pairwise while the group is built, and one rank's side
+    can be done before another's: a rank that then left at once (a test whose rank 1
+    has nothing to do) closed its sockets under a peer still connecting, whose
+    init_process_group failed with "Connection closed by peer" (1 run in about 12 on
+    a loaded machine). So every rank announces that its group is built and waits for
+    all; the store pushes the wake-up, which is sent before the last rank can leave.
+    """
+    import torch.distributed as dist
+
+    wait = timedelta(seconds=60)
+    store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=wait)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=wait)
+    if store.add("harness/groups_built", 1) == world_size:
+        store.set("harness/every_group_built", "1")
+    store.wait(["harness/every_group_built"])
 
 
 def _context() -> Any:

@@ -21,8 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 RUN_TIMEOUT_S = 180
 
 
-def _run(*command: str | Path) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def _run(*command: str | Path, **extra_env: str) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **extra_env}
     done = subprocess.run(
         [sys.executable, *map(str, command)],
         capture_output=True,
@@ -45,14 +45,34 @@ def _printed_accuracy(printed: str) -> float:
     return round(100 * _percent(r"test accuracy: ([0-9.]+)", printed), 1)
 
 
+def _vector_kernels() -> bool:
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
 @pytest.mark.slow  # make test-slow: full-length runs, a minute or more each
 @pytest.mark.timeout(RUN_TIMEOUT_S + 30)
-def test_digits_prints_the_accuracy_the_readme_claims(tmp_path: Path) -> None:
-    printed = _run(ROOT / "examples" / "digits.py", "--out", tmp_path / "digits.pt")
-    readme = (ROOT / "README.md").read_text()
-    claimed = _percent(r"examples/digits\.py .*?([0-9.]+)% test accuracy", readme)
-    docstring = _percent(r"Reaches ([0-9.]+)% test", (ROOT / "examples" / "digits.py").read_text())
-    assert _printed_accuracy(printed) == claimed == docstring
+@pytest.mark.parametrize("kernels", ["vector", "plain"])
+def test_digits_prints_the_accuracy_the_readme_claims(tmp_path: Path, kernels: str) -> None:
+    """README's figure with torch's AVX2/AVX-512 kernels, and the one it gives for the
+    plain kernels (the probe measured 95.8% against README's 96.4%: that is where)."""
+    if kernels == "vector" and not _vector_kernels():
+        pytest.skip("this CPU has no AVX2: torch runs its plain kernels, the other case")
+    extra = {"ATEN_CPU_CAPABILITY": "default"} if kernels == "plain" else {}
+    printed = _run(ROOT / "examples" / "digits.py", "--out", tmp_path / "digits.pt", **extra)
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    docstring = " ".join((ROOT / "examples" / "digits.py").read_text().split())
+    if kernels == "vector":
+        claimed = _percent(r"examples/digits\.py .*?([0-9.]+)% test accuracy", readme)
+        in_docstring = _percent(r"Reaches ([0-9.]+)% test", docstring)
+        assert _percent(r"([0-9.]+)% with its AVX2 or AVX-512 ones", readme) == claimed
+    else:
+        claimed = _percent(
+            r"([0-9.]+)% with its plain ones \(`ATEN_CPU_CAPABILITY=default`", readme
+        )
+        in_docstring = _percent(r"\(([0-9.]+)% where torch runs its plain kernels", docstring)
+    assert _printed_accuracy(printed) == claimed == in_docstring
 
 
 @pytest.mark.slow

@@ -28,6 +28,7 @@ from tests.launchkit import (
     SCRIPTS,
     clean_env,
     finish,
+    is_running,
     marked_processes,
     pids_of,
     start,
@@ -39,6 +40,10 @@ pytestmark = pytest.mark.faults
 
 # SIGTERM to the workers, up to the default 5 s grace, SIGKILL: gone well within this.
 GONE_WITHIN_S = 10.0
+# What docs/launch.md promises once the launcher is SIGKILLed: the workers, what they
+# started and the guard itself, all gone within a second, however long a worker's
+# SIGTERM handler would take.
+ORPHANS_GONE_WITHIN_S = 1.0
 
 
 def _start_sleepers(out: Path, mark: str) -> subprocess.Popen[str]:
@@ -92,6 +97,43 @@ def test_hangup_and_quit_reach_the_workers_as_sigterm(
     assert launcher.returncode == 128 + signum
     # SIGTERM lets a worker save and leave; SIGHUP's default would kill it, SIGQUIT's dump core.
     assert [(tmp_path / f"got_{r}").read_text() for r in range(2)] == ["SIGTERM"] * 2
+
+
+def _sigkill_slow_stoppers(tmp_path: Path) -> tuple[float, list[int], str]:
+    """SIGKILL a launcher whose 2 workers take 30 s over SIGTERM and whose grandchildren
+    ignore it: (seconds until nothing of the job ran, or the deadline; what still ran
+    at the deadline; the launcher's stderr)."""
+    mark = uuid.uuid4().hex
+    out = tmp_path / mark
+    out.mkdir()
+    argv = [*LAUNCH, "--nproc-per-node", "2", SCRIPTS / "slow_to_stop.py", out]
+    launcher = start(argv, env=clean_env(PHALANX_TEST_MARK=mark))
+    try:
+        wait_for([out / f"pids_{r}" for r in range(2)])
+        job = set(pids_of(out, range(2))) | set(marked_processes(mark)) - {launcher.pid}
+        killed_at = time.monotonic()
+        launcher.send_signal(signal.SIGKILL)
+        deadline = killed_at + ORPHANS_GONE_WITHIN_S
+        # The job's processes, and any that carry its mark and started late, polled.
+        while job and time.monotonic() < deadline:
+            time.sleep(0.01)
+            job = {pid for pid in job if is_running(pid)} | set(marked_processes(mark))
+        took = time.monotonic() - killed_at
+        _, err = finish(launcher)
+    finally:
+        _kill_leftovers(mark)
+    return took, sorted(job), err
+
+
+@pytest.mark.timeout(60)
+def test_sigkilled_launchers_workers_are_gone_within_a_second(tmp_path: Path) -> None:
+    """Two trials of the soak below: workers slow to stop on SIGTERM (a save in flight)
+    were left the whole --shutdown-timeout (5 s) before; the launcher's death is not a
+    stop anyone supervises, so they get half a second."""
+    for _ in range(2):
+        took, left, err = _sigkill_slow_stoppers(tmp_path)
+        assert left == [], f"still running {took:.2f} s after the launcher's SIGKILL: {left}"
+        assert "the launcher died without stopping its workers" in err
 
 
 def _one_random_trial(tmp_path: Path, signum: int, rng: random.Random) -> tuple[bool, list[int]]:
@@ -158,4 +200,20 @@ def test_signal_soak(tmp_path: Path) -> None:
             if not status_ok or left:
                 failures.append((signal.Signals(signum).name, trial, status_ok, left))
     print(f"signal soak: {4 * trials} trials, {4 * trials - len(failures)} clean")
+    assert failures == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sigkill_soak_workers_gone_within_a_second(tmp_path: Path) -> None:
+    """40 launcher SIGKILLs; in every one the workers, their grandchildren and the guard
+    are gone within ORPHANS_GONE_WITHIN_S (docs/reliability.md has the count)."""
+    trials, times, failures = 40, [], []
+    for trial in range(trials):
+        took, left, err = _sigkill_slow_stoppers(tmp_path)
+        times.append(took)
+        if left or "the launcher died without stopping its workers" not in err:
+            failures.append((trial, round(took, 3), left))
+    print(f"sigkill soak: {trials} trials, {trials - len(failures)} gone within "
+          f"{ORPHANS_GONE_WITHIN_S} s; slowest {max(times):.3f} s")  # fmt: skip
     assert failures == []

@@ -157,3 +157,32 @@ def test_ranks_that_disagree_on_world_size_say_so_and_exit(tmp_path: Path) -> No
         lines = err.strip().splitlines()
         assert len(lines) == 1 and "the ranks disagree on WORLD_SIZE" in lines[0], err
         assert f"rank {rank} was started with WORLD_SIZE={2 + rank}" in lines[0], err
+
+
+@pytest.mark.timeout(90)
+def test_a_hand_set_rank_0_told_a_foreign_master_address_says_so_at_once() -> None:
+    """A hand-set environment whose MASTER_ADDR is not an address of rank 0's host: the
+    launcher's check, in rank 0 (it took 61 s and blamed a client timeout)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_SOCKET_IFNAME")}
+    env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+               MASTER_ADDR="203.0.113.7", MASTER_PORT=str(free_port()),
+               OMP_NUM_THREADS="1")  # fmt: skip
+    join = "import phalanx\nphalanx.init(backend='gloo', timeout=300)\n"
+    proc = subprocess.Popen([sys.executable, "-c", join], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        _, err = proc.communicate(timeout=60)  # the init timeout is 300 s: not waited out
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 1, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(
+        "ConfigurationError: MASTER_ADDR=203.0.113.7 is not an address of this host ("
+    ), err
+    assert "set MASTER_ADDR on every rank to the address of the host that runs rank 0" in err

@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from phalanx.launch.bench import measurement_warnings, render, threads_per_rank
 from phalanx.launch.bench_advice import recommend
 from phalanx.launch.bench_report import WorldResult, analyze_trace, attach_probe, set_efficiency
 
@@ -142,3 +143,60 @@ def test_the_probes_hook_time_is_kept_only_for_this_steps_bytes() -> None:
 def test_accumulation_is_sized_to_bring_exposed_time_under_five_percent_of_compute() -> None:
     top = _result(2, 7.0, 1.0)  # compute 6 ms: 1 / (0.05 * 6) -> 4 micro-batches
     assert "gradient_accumulation_steps=4" in _advice([_result(1, 12, 0), top])
+
+
+def _varied_trace() -> dict[str, Any]:
+    """Two ranks whose steps differ in how they split (forward, backward, wait in ms):
+    the medians of the parts, averaged over ranks, add up to no step at all."""
+    splits = {0: [(6, 1, 1), (1, 6, 1), (1, 1, 6), (2, 2, 2)], 1: [(1, 1, 1), (5, 5, 1)]}
+    events, steps = [], {}
+    for rank, parts in splits.items():
+        t, records = 0.0, []
+        for fwd, bwd, wait in [(1, 1, 1), *parts]:  # the first step is warm-up
+            events += [
+                _x(rank, 0, "forward", t, fwd * 1000, samples=8),
+                _x(rank, 0, "backward", t + fwd * 1000, bwd * 1000),
+                _x(rank, 1, "bucket 0", t + fwd * 1000, bwd * 1000, bytes=MB),
+                _x(rank, 0, "wait for buckets", t + (fwd + bwd) * 1000, wait * 1000),
+            ]
+            t += (fwd + bwd + wait + 1) * 1000  # 1 ms of "other" after each wait
+            records.append({"samples": 8, "hidden_ms": 0.0, "bytes": MB})
+        steps[str(rank)] = records
+    return {"traceEvents": events, "phalanx": {"ranks": [0, 1], "steps": steps}}
+
+
+def test_the_parts_of_a_step_add_up_to_the_step_printed_and_plotted() -> None:
+    """The PNG stacks parts_ms under the printed step_ms: 24 ms of bars under 31.8."""
+    result = analyze_trace(_varied_trace(), warmup=1)
+    assert sum(result.parts_ms.values()) == pytest.approx(result.step_ms)
+    # Rank 0's steps take 9, 9, 9 and 7 ms, rank 1's 4 and 12: rank 0's median step (9 ms)
+    # is the slower, and its parts are reported. (The medians of the parts averaged over
+    # the ranks came to 6.75 ms.)
+    assert result.step_ms == pytest.approx(9.0)
+    assert result.parts_ms["forward"] == pytest.approx(6.0)
+    assert result.parts_ms["other"] == pytest.approx(1.0)
+
+
+def test_every_world_gets_the_same_threads_per_rank() -> None:
+    """With OMP_NUM_THREADS unset, cores / ranks gave world 1 two threads and each
+    world-2 rank one (5045% 'efficiency'); now every world gets the largest world's share."""
+    assert threads_per_rank(None, {}, [1, 2], cores=2) == "1"
+    assert threads_per_rank(None, {}, [1, 2, 4], cores=16) == "4"
+    assert threads_per_rank(None, {}, [1, 8], cores=2) == "1"
+    assert threads_per_rank(None, {"OMP_NUM_THREADS": "3"}, [1, 2], cores=2) == "3"
+    assert threads_per_rank(2, {"OMP_NUM_THREADS": "3"}, [1, 2], cores=2) == "2"
+
+
+def test_an_efficiency_above_100_percent_is_reported_as_a_measurement_problem() -> None:
+    one, two, four = _result(1, 10.0, 0.0), _result(2, 4.0, 0.0), _result(4, 4.0, 0.0)
+    set_efficiency([one, two, four])
+    assert two.efficiency == pytest.approx(1.25)
+    warnings = measurement_warnings([one, two, four])
+    assert len(warnings) == 1
+    assert warnings[0].startswith("world 2's scaling efficiency of 125% is above 100%: a ")
+    assert "measurement problem" in warnings[0]
+    report = {"script": "s.py", "steps": 10, "warmup": 3, "threads_per_rank": "1",
+              "warnings": warnings, "_results": [one, two, four], "_advice": []}  # fmt: skip
+    text = render(report)
+    assert f"warning: {warnings[0]}" in text
+    assert "OMP_NUM_THREADS=1 per rank in every world" in text

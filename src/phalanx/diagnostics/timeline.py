@@ -18,6 +18,11 @@ Recording costs a `perf_counter_ns` and a tuple per span; when the timeline
 is off, every hook is a check of one attribute that is None
 (benchmarks/timeline_cost.py measures both).
 
+What a rank keeps is capped, so a long run cannot grow without bound: the
+first MAX_SPANS spans and the first MAX_STEPS step records. Past either cap
+the rest are counted, not kept; the counts go into the rank file and the merged
+trace (`dropped_spans`, `dropped_steps`), and the rank says so on stderr at exit.
+
 One timeline per process (`start`): the DDP wrapper, its reducer and the
 Trainer all write into it, and one exit hook writes it, as the process has one
 trace file. Imports no torch: `phalanx bench` reads what it writes.
@@ -26,8 +31,10 @@ trace file. Imports no torch: `phalanx bench` reads what it writes.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -45,6 +52,9 @@ _MERGE_WAIT_S = 20.0
 # About 20 spans per step: 200k spans keep the first ~10k steps (tens of MB) of a long
 # run and then stop recording, rather than grow without bound.
 MAX_SPANS = 200_000
+# The step records' horizon, the spans' own: each holds its collectives' flights (about
+# 2 KB a step, which went on growing after the spans' cap before this one).
+MAX_STEPS = 10_000
 TRACKS = ("compute", "comm", "io")
 """Each rank's tracks: the training thread, collectives in flight, offload file I/O."""
 
@@ -89,6 +99,11 @@ class Timeline:
         self.origin_ns = time.time_ns() - time.perf_counter_ns()  # wall clock of perf 0
         self.spans: list[tuple[str, str, int, int, dict[str, Any]]] = []
         self.steps: list[StepRecord] = []
+        """The first MAX_STEPS synced steps' records."""
+        self.synced_steps = 0
+        """Every synced step, kept or not."""
+        self.dropped_spans = 0
+        """Spans past MAX_SPANS: counted, not kept."""
         self._lock = threading.Lock()  # completion callbacks run on the communication thread
         self._current: StepRecord | None = None
         self._samples = 0  # samples of the forwards since the last step ended
@@ -100,6 +115,8 @@ class Timeline:
         with self._lock:
             if len(self.spans) < MAX_SPANS:
                 self.spans.append((name, track, start_ns, end_ns - start_ns, args))
+            else:
+                self.dropped_spans += 1
 
     @contextmanager
     def span(self, name: str, track: str = "compute", **args: Any) -> Iterator[None]:
@@ -112,8 +129,8 @@ class Timeline:
     @contextmanager
     def forward(self, samples: int) -> Iterator[None]:
         """A training forward of `samples` samples; under `phalanx bench`, maybe the end."""
-        if self.stop_after is not None and len(self.steps) >= self.stop_after:
-            raise BenchStop(len(self.steps))
+        if self.stop_after is not None and self.synced_steps >= self.stop_after:
+            raise BenchStop(self.synced_steps)
         self._samples += samples
         with self.span("forward", samples=samples):
             yield
@@ -135,7 +152,7 @@ class Timeline:
     def backward_started(self) -> None:
         pending, self._pending = self._pending, StepRecord(-1)
         self._current = StepRecord(
-            len(self.steps),
+            self.synced_steps,
             (time.perf_counter_ns(), 0),
             exposed_ns=pending.exposed_ns,
             flights=pending.flights,
@@ -180,8 +197,15 @@ class Timeline:
         record.exposed_ns += wait_end - wait_start
         self.add("backward", "compute", record.backward[0], wait_start)
         self.add("wait for buckets", "compute", wait_start, wait_end)
-        self.steps.append(record)
+        if len(self.steps) < MAX_STEPS:
+            self.steps.append(record)
+        self.synced_steps += 1
         self._current = None
+
+    @property
+    def dropped_steps(self) -> int:
+        """Synced steps past MAX_STEPS: counted, not kept."""
+        return self.synced_steps - len(self.steps)
 
     # ------------------------------------------------------------------ output
     def rank_file(self, rank: int) -> Path:
@@ -192,7 +216,9 @@ class Timeline:
         data = {
             "rank": self.rank,
             "origin_ns": self.origin_ns,
-            "truncated": len(self.spans) >= MAX_SPANS,
+            "truncated": bool(self.dropped_spans or self.dropped_steps),
+            "dropped_spans": self.dropped_spans,
+            "dropped_steps": self.dropped_steps,
             "spans": self.spans,
             "steps": [
                 {
@@ -246,6 +272,13 @@ def merge(path: str | Path, world_size: int, wait_s: float = _MERGE_WAIT_S) -> d
         "phalanx": {
             "ranks": [r["rank"] for r in ranks],
             "steps": {str(r["rank"]): r["steps"] for r in ranks},
+            "dropped": {
+                str(r["rank"]): {
+                    "spans": r.get("dropped_spans", 0),
+                    "steps": r.get("dropped_steps", 0),
+                }
+                for r in ranks
+            },
         },
     }
     path.write_text(json.dumps(trace))
@@ -307,5 +340,15 @@ def from_env(rank: int, world_size: int) -> Timeline | None:
 
 def _finish(timeline: Timeline) -> None:
     timeline.write()
+    if timeline.dropped_spans or timeline.dropped_steps:
+        with contextlib.suppress(OSError, ValueError):  # stderr may be gone at exit
+            print(
+                f"[phalanx] timeline, rank {timeline.rank}: kept the first {len(timeline.spans)} "
+                f"spans and {len(timeline.steps)} steps (the cap that bounds its memory); "
+                f"{timeline.dropped_spans} spans and {timeline.dropped_steps} steps after "
+                "them were counted, not kept",
+                file=sys.stderr,
+                flush=True,
+            )
     if timeline.rank == 0:
         merge(timeline.path, timeline.world_size)

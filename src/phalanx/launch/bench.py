@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--threads",
         type=int,
         default=None,
-        help="OMP_NUM_THREADS per rank; default: yours, or cores / ranks when unset",
+        help="OMP_NUM_THREADS per rank, the same in every world; default: yours, or, "
+        "when unset, cores / the largest world",
     )
     parser.add_argument("--no-probe", action="store_true", help="skip the all-reduce probe")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per job")
@@ -101,12 +103,13 @@ def bench_main(argv: list[str]) -> int:
 
 def run_bench(ns: argparse.Namespace, worlds: list[int]) -> dict[str, Any]:
     ns.out.mkdir(parents=True, exist_ok=True)
+    threads = threads_per_rank(ns.threads, os.environ, worlds, os.cpu_count() or 1)
     results = []
     for world in worlds:
         print(f"phalanx bench: world {world}: running {ns.script} ...", flush=True)
-        result = _measure(ns, world)
+        result = _measure(ns, world, threads)
         if world > 1 and not ns.no_probe and result.bucket_bytes:
-            attach_probe(result, _probe(ns, world, result))
+            attach_probe(result, _probe(ns, world, result, threads))
         results.append(result)
     set_efficiency(results)
     advice = recommend(results)
@@ -115,21 +118,45 @@ def run_bench(ns: argparse.Namespace, worlds: list[int]) -> dict[str, Any]:
         "script_args": ns.script_args,
         "steps": ns.steps,
         "warmup": ns.warmup,
+        "threads_per_rank": threads,
         "worlds": [r.to_dict() for r in results],
         "recommendations": [{"advice": a.advice, "reason": a.reason} for a in advice],
+        "warnings": measurement_warnings(results),
         "_results": results,
         "_advice": advice,
     }
 
 
-def _env(ns: argparse.Namespace, world: int) -> dict[str, str]:
-    env = dict(os.environ)
-    if ns.threads is not None:
-        env["OMP_NUM_THREADS"] = str(ns.threads)
-    elif "OMP_NUM_THREADS" not in env:
-        # Each rank its share of the cores: more threads than cores starve gloo's threads.
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world))
-    return env
+def threads_per_rank(
+    flag: int | None, environ: Mapping[str, str], worlds: list[int], cores: int
+) -> str:
+    """OMP_NUM_THREADS for every rank of every world: the flag, the user's own, or the
+    cores' share of the largest world's ranks.
+
+    The same in every world, so that efficiency compares like with like: cores /
+    ranks per world gave world 1 two threads and each world-2 rank one, and the
+    report called that 5045% efficiency. (More threads than cores starve gloo's.)
+    """
+    if flag is not None:
+        return str(flag)
+    return environ.get("OMP_NUM_THREADS") or str(max(1, cores // max(worlds)))
+
+
+def measurement_warnings(results: list[WorldResult]) -> list[str]:
+    """An efficiency above 100% is no speed-up but a sign the runs differed in more than
+    their world size; the report says so instead of printing it as a result."""
+    return [
+        f"world {r.world_size}'s scaling efficiency of {r.efficiency:.0%} is above 100%: a "
+        "measurement problem, not a speed-up (the runs differed in more than the world "
+        "size: the machine's other load, threads, caches) — rerun on an idle machine, "
+        "with more --steps"
+        for r in results
+        if r.efficiency is not None and r.efficiency > 1.0
+    ]
+
+
+def _env(threads: str) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": threads}
 
 
 def _launch(
@@ -149,10 +176,10 @@ def _launch(
         )
 
 
-def _measure(ns: argparse.Namespace, world: int) -> WorldResult:
+def _measure(ns: argparse.Namespace, world: int, threads: str) -> WorldResult:
     trace_path = ns.out / f"timeline-w{world}.json"
     trace_path.unlink(missing_ok=True)
-    env = _env(ns, world)
+    env = _env(threads)
     env[_TIMELINE] = str(trace_path.resolve())
     env[_STOP] = str(ns.warmup + ns.steps)
     _launch(ns, world, [ns.script, *ns.script_args], ns.out / f"world-{world}.log", env)
@@ -171,7 +198,7 @@ def _measure(ns: argparse.Namespace, world: int) -> WorldResult:
         ) from None
 
 
-def _probe(ns: argparse.Namespace, world: int, result: WorldResult) -> dict[str, Any]:
+def _probe(ns: argparse.Namespace, world: int, result: WorldResult, threads: str) -> dict[str, Any]:
     """All-reduce times of the probe sizes, and the bf16 hook on the step's bytes (what
     compression would cost, conversions included), with nothing else running."""
     out = ns.out / f"probe-w{world}.json"
@@ -179,7 +206,7 @@ def _probe(ns: argparse.Namespace, world: int, result: WorldResult) -> dict[str,
               "--sizes", ",".join(map(str, probe_sizes(result))),
               "--bf16-hook-bytes", str(result.bytes_per_step),
               "--out", str(out.resolve())]  # fmt: skip
-    env = _env(ns, world)
+    env = _env(threads)
     env.pop(_TIMELINE, None)
     _launch(ns, world, target, ns.out / f"probe-w{world}.log", env)
     return dict(json.loads(out.read_text()))
@@ -192,7 +219,8 @@ def render(report: dict[str, Any]) -> str:
     unit = "samples/s" if all(r.samples_per_step for r in results) else "steps/s"
     lines = [
         f"phalanx bench: {report['script']}  ({report['steps']} steps after "
-        f"{report['warmup']} warm-up, medians; ms per step)",
+        f"{report['warmup']} warm-up, medians; ms per step; OMP_NUM_THREADS="
+        f"{report['threads_per_rank']} per rank in every world)",
         "",
         f"{'world':>5} {'step':>8} {unit:>10} {'effic.':>6}  "
         + " ".join(f"{p:>9}" for p in PARTS)
@@ -212,8 +240,10 @@ def render(report: dict[str, Any]) -> str:
         "backward; GB/s: the step's all-reduce bandwidth in training, alone: the same "
         "all-reduces with nothing else running (probe)",
         "",
-        "recommendations:",
     ]
+    lines += [f"warning: {w}" for w in report["warnings"]]
+    lines += [""] if report["warnings"] else []
+    lines += ["recommendations:"]
     lines += [f"- {a.advice}\n    because {a.reason}" for a in advice] or ["- none"]
     return "\n".join(lines)
 

@@ -6,6 +6,11 @@ probe. A *step* is the time from the end of one synced backward's final wait
 to the end of the next; everything recorded in between (forward, backward,
 the wait, the optimizer step, logging) is that step's, and what no span
 covers is "other" (data loading, the script's own work).
+
+The step time reported is the slowest rank's median step, and its parts are that
+very step's: they add up to it, in the table and in the PNG's stacked bar (parts
+that were each a median over steps, averaged over ranks, summed to 24 ms under a
+step printed as 31.8).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ class WorldResult:
     samples_per_step: int
     """Over all ranks: the batch dimension of every training forward (0: unknown)."""
     parts_ms: dict[str, float]
+    """The parts of the step `step_ms` is the length of: they add up to it."""
     hidden_ms: float
     """Communication that overlapped backward."""
     comm_busy_ms: float
@@ -93,20 +99,25 @@ def analyze_trace(trace: dict[str, Any], warmup: int) -> WorldResult:
     if not per_rank:
         raise ValueError("no measured step in the timeline")
     medians = [{k: statistics.median(s[k] for s in steps) for k in steps[0]} for steps in per_rank]
-    parts = {p: statistics.mean(m[p] for m in medians) for p in PARTS}
+    slowest = max((_median_step(steps) for steps in per_rank), key=lambda s: s["step"])
     sizes = _bucket_sizes(trace, ranks[0], warmup)
     return WorldResult(
         world_size=len(ranks),
         steps=min(len(steps) for steps in per_rank),
-        step_ms=max(m["step"] for m in medians),
+        step_ms=slowest["step"],
         samples_per_step=int(sum(m["samples"] for m in medians)),
-        parts_ms=parts,
+        parts_ms={p: slowest[p] for p in PARTS},
         hidden_ms=statistics.mean(m["hidden"] for m in medians),
         comm_busy_ms=statistics.mean(m["busy"] for m in medians),
         bytes_per_step=int(medians[0]["bytes"]),
         buckets_per_step=len(sizes),
         bucket_bytes=sizes,
     )
+
+
+def _median_step(steps: list[dict[str, float]]) -> dict[str, float]:
+    """The step of median length itself (the lower middle one), so its parts add up."""
+    return sorted(steps, key=lambda s: s["step"])[(len(steps) - 1) // 2]
 
 
 def _events(trace: dict[str, Any], rank: int, tid: int) -> list[dict[str, Any]]:
@@ -128,8 +139,10 @@ def _rank_steps(trace: dict[str, Any], rank: int, warmup: int) -> list[dict[str,
         lo, hi = ends[k - 1], ends[k]
         parts = dict.fromkeys(PARTS, 0.0)
         for e in compute:
-            if lo < e["ts"] <= hi and e["name"] in _SPAN_PART:
-                parts[_SPAN_PART[e["name"]]] += e["dur"] / 1000
+            if lo <= e["ts"] < hi and e["name"] in _SPAN_PART:
+                # Cut at the step's end: a span running past it would make the parts
+                # add up to more than the step.
+                parts[_SPAN_PART[e["name"]]] += (min(e["ts"] + e["dur"], hi) - e["ts"]) / 1000
         step = (hi - lo) / 1000
         parts["other"] = max(0.0, step - sum(parts.values()))
         flights = [(e["ts"], e["ts"] + e["dur"]) for e in comm if lo < e["ts"] <= hi]

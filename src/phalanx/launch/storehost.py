@@ -32,6 +32,7 @@ from collections.abc import Callable
 from phalanx.errors import ConfigurationError, PortTakenError
 from phalanx.launch.lifeline import Lifeline
 from phalanx.launch.procgroup import signal_group
+from phalanx.ports import AddressUnresolved, NotThisHost, PortInUse, bind_own_address
 
 __all__ = ["StoreHost", "bind_store_socket"]
 
@@ -47,34 +48,31 @@ def bind_store_socket(host: str, port: int, port_flag: str, free_hint: bool) -> 
     adds that leaving it unset picks a free one.
     """
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError) as exc:
+        sock = bind_own_address(host, port)
+    except AddressUnresolved as exc:
         raise ConfigurationError(
             f"the master address {host!r} does not resolve ({exc}) — pass this host's "
             "hostname or IP address"
         ) from exc
-    last: OSError | None = None
-    for family, kind, proto, _name, sockaddr in infos:
-        sock = socket.socket(family, kind, proto)
-        try:
-            # As torch's store does: a port left in TIME_WAIT by an earlier job is reusable.
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(sockaddr)
-            sock.listen(_BACKLOG)
-            return sock
-        except OSError as exc:
-            sock.close()
-            last = exc
-            if exc.errno == errno.EADDRINUSE:
-                raise PortTakenError(_port_taken(host, port, port_flag, free_hint)) from exc
-    resolved = ", ".join(dict.fromkeys(str(info[4][0]) for info in infos))
-    shown = host if resolved == host else f"{host} ({resolved})"
-    raise ConfigurationError(
-        f"the master address {shown} is not an address of this host "
-        f"({last.strerror if last else 'no address'}), but this node "
-        "hosts the store — pass this host's own address as --master-addr on every node "
-        "(behind NAT or a Kubernetes Service, add --local-addr <this host's address>)"
-    )
+    except PortInUse as exc:
+        raise PortTakenError(_port_taken(host, port, port_flag, free_hint)) from exc
+    except NotThisHost as exc:
+        resolved = ", ".join(exc.resolved)
+        shown = host if resolved == host else f"{host} ({resolved})"
+        raise ConfigurationError(
+            f"the master address {shown} is not an address of this host ({exc.reason}), but "
+            "this node hosts the store — pass this host's own address as --master-addr on "
+            "every node (behind NAT or a Kubernetes Service, add --local-addr <this host's "
+            "address>)"
+        ) from exc
+    try:
+        sock.listen(_BACKLOG)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:  # bound beside another's socket that listens first
+            raise PortTakenError(_port_taken(host, port, port_flag, free_hint)) from exc
+        raise
+    return sock
 
 
 def _port_taken(host: str, port: int, port_flag: str, free_hint: bool) -> str:

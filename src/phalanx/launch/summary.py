@@ -8,6 +8,12 @@ entered more collectives than a rank that is still running, that running rank
 did not arrive, and the summary names it, says where every rank stood, and
 shows the stuck rank's Python stacks, which it dumps on the launcher's signal
 just before the workers are stopped.
+
+The same records tell a rank that ran out of data: when a rank that had entered
+fewer collectives exited cleanly, it finished its loop while the failed rank
+still had steps to go, and gloo's "Connection closed by peer" was only the
+echo of its leaving. The summary then says that the ranks ran different
+numbers of steps, and how to even them out.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -38,6 +44,8 @@ class _Worker(Protocol):
 
     def alive(self) -> bool: ...
 
+    def exit_status(self) -> int | None: ...
+
     def stderr_tail(self) -> list[str]: ...
 
 
@@ -49,6 +57,9 @@ class Stall:
     laggards: list[int]
     """Live ranks that had entered fewer collectives than the failed rank: they did not arrive."""
     stacks: dict[int, list[str]]
+    finished: list[int] = field(default_factory=list)
+    """Ranks that exited cleanly having entered fewer collectives than the failed rank: they
+    ran out of steps while it went on."""
 
 
 def find_stall(failed_rank: int, workers: Sequence[_Worker], directory: Path) -> Stall:
@@ -57,16 +68,20 @@ def find_stall(failed_rank: int, workers: Sequence[_Worker], directory: Path) ->
         w.rank: pos for w in workers if (pos := read_record(record_path(directory, w.rank)))
     }
     failed = positions.get(failed_rank)
-    laggards = [
+    behind = [
         w
         for w in workers
         if failed is not None
         and w.rank in positions
-        and w.alive()
         and positions[w.rank].collectives < failed.collectives
     ]
+    # A rank that exited cleanly will never arrive: it finished, it did not stall. (Its
+    # connections close only as its process ends, so its status is known by the time
+    # a peer fails on them.)
+    finished = [w for w in behind if w.exit_status() == 0]
+    laggards = [w for w in behind if w.alive() and w not in finished]
     stacks = _collect_stacks(laggards, positions, directory)
-    return Stall(positions, [w.rank for w in laggards], stacks)
+    return Stall(positions, [w.rank for w in laggards], stacks, [w.rank for w in finished])
 
 
 def _collect_stacks(
@@ -117,6 +132,22 @@ def _stall_lines(failed: _Worker, code: str, node_rank: int, stall: Stall) -> li
     ]
 
 
+def _uneven_lines(failed: _Worker, code: str, node_rank: int, stall: Stall) -> list[str]:
+    """The failed rank went on after a peer's loop ended: different numbers of steps."""
+    many = len(stall.finished) > 1
+    names = ", ".join(str(r) for r in stall.finished)
+    ended = min(stall.positions[r].collectives for r in stall.finished)
+    return [
+        f"FAILED: the ranks ran different numbers of steps: rank{'s' if many else ''} {names} "
+        f"finished (exit code 0) after collective #{ended}, while rank {failed.rank} (local "
+        f"rank {failed.local_rank} on node {node_rank}, pid {failed.pid}) went on to "
+        f"{stall.positions[failed.rank].collective_text()} and failed there: {code} — give "
+        "every rank the same number of batches (DistributedSampler pads them unless "
+        "drop_last; the Trainer's even_batches=True), or run the loop under "
+        "`with phalanx.Join([model]):`"
+    ]
+
+
 def _positions(stall: Stall, now: float, failed_rank: int) -> list[str]:
     lines = ["where each rank stood:"]
     for rank, pos in sorted(stall.positions.items()):
@@ -125,6 +156,8 @@ def _positions(stall: Stall, now: float, failed_rank: int) -> list[str]:
             if rank == failed_rank
             else "  <- did not arrive"
             if rank in stall.laggards
+            else "  <- finished"
+            if rank in stall.finished
             else ""
         )
         lines.append(f"  rank {rank}: {pos.where()}; {now - pos.updated:.1f}s ago{note}")
@@ -141,6 +174,8 @@ def failure_summary(
     code = describe_returncode(returncode)
     if stall is not None and stall.laggards:
         lines = _stall_lines(failed, code, node_rank, stall)
+    elif stall is not None and stall.finished:
+        lines = _uneven_lines(failed, code, node_rank, stall)
     else:
         lines = [
             f"FAILED: rank {failed.rank} (local rank {failed.local_rank} on node {node_rank}, "

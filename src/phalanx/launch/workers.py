@@ -48,6 +48,10 @@ class Worker:
     def alive(self) -> bool:
         return self.process.poll() is None
 
+    def exit_status(self) -> int | None:
+        """Popen's returncode (negative for a signal), or None while it runs."""
+        return self.process.poll()
+
     def stderr_tail(self) -> list[str]:
         return self.output.stderr_tail()
 

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from phalanx.errors import ConfigurationError, RendezvousError
 from phalanx.jobenv import LaunchInfo
 from phalanx.netif import is_loopback
+from phalanx.ports import NotThisHost, PortInUse, bind_own_address, leads_back_here
 from phalanx.storeclient import ATTEMPT_KEY, StoreClient
 
 __all__ = ["make_store", "serve_agent_store"]
@@ -36,6 +37,8 @@ __all__ = ["make_store", "serve_agent_store"]
 _OWNER_KEY = "phalanx/rank0"
 _JOINED_KEY = "phalanx/joined/{rank}"
 _OWNER_WAIT_S = 3.0
+# How long rank 0 tries a MASTER_ADDR that is not its own, to see whether it is forwarded here.
+_FORWARD_PROBE_S = 3.0
 _POLL_S = 0.05
 
 
@@ -52,6 +55,28 @@ def _check_resolves(info: LaunchInfo) -> None:
         raise ConfigurationError(
             f"MASTER_ADDR={info.master_addr!r} does not resolve ({exc}) — set it to the "
             "hostname or IP address of the node that runs rank 0"
+        ) from exc
+
+
+def _check_own_address(info: LaunchInfo) -> None:
+    """Rank 0 hosts the store at MASTER_ADDR, so it must be an address of this host (the
+    launcher's own check, phalanx.ports), or one forwarded to it: said at once, where
+    torch's store would listen on every interface, dial the foreign address as its own
+    first client, and fail only when that times out (61 s, blamed on the client)."""
+    assert info.master_addr is not None and info.master_port is not None
+    try:
+        bind_own_address(info.master_addr, 0).close()  # port 0: the address alone is asked
+    except PortInUse:  # not with port 0; the real port's owner is found by _host
+        pass
+    except NotThisHost as exc:
+        if leads_back_here(info.master_addr, info.master_port, _FORWARD_PROBE_S):
+            return  # a NAT rule or a Kubernetes Service forwards it here
+        resolved = ", ".join(exc.resolved)
+        shown = info.master_addr + ("" if resolved == info.master_addr else f" ({resolved})")
+        raise ConfigurationError(
+            f"MASTER_ADDR={shown} is not an address of this host ({exc.reason}), but this "
+            "process is rank 0, which hosts the store there — set MASTER_ADDR on every rank "
+            "to the address of the host that runs rank 0"
         ) from exc
 
 
@@ -173,6 +198,7 @@ def make_store(info: LaunchInfo, wait: timedelta) -> dist.Store:
     _check_resolves(info)
     # Under phalanx launch and torchrun the launcher hosts the store; rank 0 joins it.
     if info.rank == 0 and not info.agent_store:
+        _check_own_address(info)
         return _host(info, wait)
     try:
         store = dist.TCPStore(
