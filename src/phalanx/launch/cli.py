@@ -38,6 +38,7 @@ TOP_USAGE = """usage: phalanx <command> [args]
 commands:
   launch       start one worker process per device: phalanx launch --nproc-per-node 4 train.py
   consolidate  any checkpoint as one plain file: phalanx consolidate runs/a/checkpoint-200 out.pt
+               or in Hugging Face's format: ... --format hf runs/a/checkpoint-200 out_dir/
   bench        measure a script at several world sizes: phalanx bench --nproc 1,2 train.py
 
 run 'phalanx launch --help' for its flags"""

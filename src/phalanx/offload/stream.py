@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from phalanx.errors import OffloadError
+from phalanx.offload.agree import raise_on_every_rank
 from phalanx.offload.files import OffloadFiles
 
 if TYPE_CHECKING:
@@ -328,20 +329,8 @@ class Streamer:
             self._wait(self._writes.pop(0))
 
     def _agree(self, failure: str | None) -> None:
-        group = self.group
-        if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
-            if failure is not None:
-                raise OffloadError(failure)
-            return
-        flag = torch.tensor([0 if failure is None else 1], dtype=torch.int32)
-        dist.all_reduce(flag, group=group)
-        if not int(flag.item()):
-            return
-        messages: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(messages, failure, group=group)
-        rank, message = next((r, m) for r, m in enumerate(messages) if m is not None)
-        where = "" if failure is not None else f"rank {dist.get_global_rank(group, rank)}: "
-        raise OffloadError(where + message)
+        """Collective over `group`: a failure on any rank raised on every one (agree.py)."""
+        raise_on_every_rank(None if failure is None else OffloadError(failure), self.group)
 
     def close(self) -> None:
         self.drain()

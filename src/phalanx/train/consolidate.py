@@ -134,12 +134,7 @@ def write_atomically(obj: Any, out: Path) -> None:
             f"{out} is a directory — give the output a file name, e.g. {out / 'consolidated.pt'}"
         )
     parent = out.parent
-    blocking = next((p for p in (parent, *parent.parents) if p.exists() and not p.is_dir()), None)
-    if blocking is not None:
-        raise CheckpointError(
-            f"cannot write {out}: {blocking} is a file, not a directory — choose an output "
-            "path whose folders are directories"
-        )
+    hf_export.refuse_a_file_above(out)
     try:
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -239,12 +239,7 @@ def staging_beside(out: Path) -> Path:
             f"(new or existing), e.g. {out.with_suffix('')}-hf"
         )
     parent = out.parent
-    blocking = next((p for p in (parent, *parent.parents) if p.exists() and not p.is_dir()), None)
-    if blocking is not None:
-        raise CheckpointError(
-            f"cannot write {out}: {blocking} is a file, not a directory — choose an output "
-            "path whose folders are directories"
-        )
+    refuse_a_file_above(out)
     tmp = parent / f".{out.name}.tmp-{os.getpid()}"
     try:
         parent.mkdir(parents=True, exist_ok=True)
@@ -297,3 +292,14 @@ def write_os_error(out: Path, exc: OSError) -> CheckpointError:
     full = exc.errno == 28  # ENOSPC
     fix = "free space or write elsewhere" if full else "write to a folder you can write to"
     return CheckpointError(f"cannot write {out} ({reason}) — {fix}; {out} was left as it was")
+
+
+def refuse_a_file_above(out: Path) -> None:
+    """One line when a folder on the way to `out` is a file (mkdir would fail obscurely)."""
+    parent = out.parent
+    blocking = next((p for p in (parent, *parent.parents) if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise CheckpointError(
+            f"cannot write {out}: {blocking} is a file, not a directory — choose an output "
+            "path whose folders are directories"
+        )
