@@ -106,6 +106,13 @@ class TrainingArguments(Config):
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory; calls the model's
     gradient_checkpointing_enable(), so the model must have one."""
+    torch_compile: bool = False
+    """Compile the model's forward with torch.compile (in place, before DDP wraps it);
+    zero_stages 0-2."""
+    torch_compile_backend: str = "inductor"
+    """torch.compile's backend ("inductor", or "eager" to check the graph alone)."""
+    torch_compile_mode: str | None = None
+    """torch.compile's mode (None, "reduce-overhead", "max-autotune")."""
     zero_stage: ZeroStage = 0
     """ZeRO sharding over the ranks: 1 shards the optimizer state, 2 also the gradients,
     3 also the parameters (each unit of zero3_units gathered only while it computes);
@@ -162,6 +169,10 @@ class TrainingArguments(Config):
     default is True): it is a second copy of the weights, since resuming reads phalanx's own;
     any checkpoint can be exported later with `phalanx consolidate --format hf`, and
     `Trainer.save_model(dir)` writes it at the end. Needs pip install 'phalanx[hf]'."""
+    remove_unused_columns: bool = True
+    """With dict samples and no data collator: drop the columns the model's forward does
+    not take before batching (Hugging Face's), so a tokenised dataset's text column is no
+    error."""
     report_to: list[Reporter] = field(default_factory=lambda: list(DEFAULT_REPORT_TO))
     """Where metrics go: any of "console", "jsonl", "csv", "tensorboard", "wandb", "mlflow"
     (each tracker through its own client, which must be installed; rank 0 alone logs);

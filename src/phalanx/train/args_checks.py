@@ -36,6 +36,7 @@ def check_values(args: TrainingArguments) -> None:
     _check_optimizer(args)
     _check_reporting(args)
     _check_strategies(args)
+    _check_compile(args)
     _check_ddp(args)
     check_sync(args)
 
@@ -94,6 +95,15 @@ def _check_strategies(args: TrainingArguments) -> None:
             f"load_best_model_at_end needs each save to follow an evaluation, but save_steps="
             f"{args.save_steps} is not a multiple of eval_steps={args.eval_steps} — make it one",
         )
+
+
+def _check_compile(args: TrainingArguments) -> None:
+    require(
+        not (args.torch_compile and args.zero_stage == 3),
+        "torch_compile with zero_stage=3 is not supported: stage 3's gathers run in forward "
+        "hooks a compiled graph would capture — leave torch_compile off at stage 3 (stages "
+        "0-2 compile)",
+    )
 
 
 def _check_batches(args: TrainingArguments) -> None:

@@ -91,6 +91,9 @@ def prepare_model(model: nn.Module, args: TrainingArguments, world: World) -> nn
         return_freed_memory()  # the point of these runs is less host memory: see hostmem.py
     if args.gradient_checkpointing:
         _enable_gradient_checkpointing(model)
+    if args.torch_compile:
+        # In place, before any wrapper: DDP's hooks sit on the parameters, outside the graph.
+        model.compile(backend=args.torch_compile_backend, mode=args.torch_compile_mode)
     if has_meta_tensors(model):
         if args.zero_stage == 3:
             return model  # fully_shard moves what is not meta to the device

@@ -32,6 +32,7 @@ from phalanx.train.args import TrainingArguments
 from phalanx.train.batches import LossFn
 from phalanx.train.callbacks import Callbacks
 from phalanx.train.checkpointer import Checkpointer
+from phalanx.train.collate import DefaultCollator, forward_columns
 from phalanx.train.comm import PerRank, attach_comm_hook, make_periodic_sync
 from phalanx.train.evaluation import ComputeMetrics
 from phalanx.train.nonfinite import NonFiniteGuard
@@ -76,12 +77,19 @@ class TrainerSetup:
         collate_fn: Callable[[list[Any]], Any] | None = None,
         compute_metrics: ComputeMetrics | None = None,
         callbacks: list[Any] | None = None,
+        data_collator: Callable[[list[Any]], Any] | None = None,
     ) -> None:
         self.args = args if args is not None else TrainingArguments()
         self.train_dataset = train_dataset
         self.eval_dataset = eval_dataset
         self.loss_fn = loss_fn
-        self.collate_fn = collate_fn
+        if collate_fn is not None and data_collator is not None:
+            raise ConfigurationError(
+                "collate_fn and data_collator are one argument (phalanx's name and Hugging "
+                "Face's) — pass one of them"
+            )
+        self.collate_fn = collate_fn if collate_fn is not None else data_collator
+        """How samples become a batch; None until the model is known, then the default."""
         self.compute_metrics = compute_metrics
         self.state = TrainState()
         self._runlog: RunLog | None = None
@@ -116,6 +124,9 @@ class TrainerSetup:
         self._tied = hf_save.tied_copies(model)  # before sharding: ties are identities here
         self.model: nn.Module = prepare_model(model, self.args, self.world)
         """The unwrapped module: what you save, export, or evaluate yourself."""
+        if self.collate_fn is None:  # Hugging Face's default: needs the model's forward
+            columns = forward_columns(self.model) if self.args.remove_unused_columns else None
+            self.collate_fn = DefaultCollator(columns)
         self.wrapped_model: nn.Module = wrap_model(self.model, self.args, self.world)
         """What the loop calls: phalanx DDP with more than one rank, else the model itself."""
         if isinstance(self.wrapped_model, DistributedDataParallel):

@@ -1,0 +1,95 @@
+"""A tokenised dataset's raw rows (dicts of lists, a text column, "label"), trained by the
+Trainer with no collator at stages 0 and 3 on two ranks; and torch_compile, whose compiled
+run (backend "eager": the graph alone) trains bit for bit as the plain one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from phalanx.train import Trainer, TrainingArguments
+from tests.distributed.test_trainer_zero import _args, _data, _Net, _xent
+from tests.harness import run_scenarios, run_workers
+from tests.unit.test_collate import _Classifier, _rows
+
+pytest.importorskip("transformers", reason="its default_data_collator batches dict rows")
+
+
+def _raw_rows(rank: int, out: Path, stage: int) -> dict[str, Any]:
+    import torch
+
+    torch.manual_seed(0)
+    args = _args(out, zero_stage=stage, max_steps=4, logging_steps=1, save_steps=10_000)
+    trainer = Trainer(model=_Classifier(), args=args, train_dataset=_rows(40))
+    result = trainer.train()
+    trainer.close()
+    return {"steps": result.global_step, "loss": result.train_loss}
+
+
+def _compiled(rank: int, out: Path, compile_: bool) -> list[float]:
+    args = _args(
+        out,
+        max_steps=5,
+        logging_steps=1,
+        save_steps=10_000,
+        torch_compile=compile_,
+        torch_compile_backend="eager",
+    )
+    trainer = Trainer(model=_Net(), args=args, train_dataset=_data(), loss_fn=_xent)
+    losses: list[float] = []
+    original = trainer._log
+
+    def log() -> None:
+        original()
+        losses.append(trainer.state.loss_sum)
+
+    trainer._log = log  # type: ignore[method-assign]
+    trainer.train()
+    params = [float(p.detach().sum()) for p in trainer.model.parameters()]
+    was_compiled = getattr(trainer.model, "_compiled_call_impl", None) is not None
+    trainer.close()
+    return [*losses, *params, float(was_compiled)]
+
+
+def _scenarios(rank: int, world: int, root: str) -> dict[str, Any]:
+    out = Path(root)
+    return run_scenarios(
+        {
+            "rows0": lambda: _raw_rows(rank, out / "rows0", 0),
+            "rows3": lambda: _raw_rows(rank, out / "rows3", 3),
+            "plain": lambda: _compiled(rank, out / "plain", False),
+            "compiled": lambda: _compiled(rank, out / "compiled", True),
+        },
+        rank,
+    )
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    root = tmp_path_factory.mktemp("hf_data")
+    return [o.value for o in run_workers(_scenarios, 2, str(root), timeout=240)]
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_raw_tokenised_rows_train_with_no_collator(outcomes: list[Any], stage: int) -> None:
+    for rank in (0, 1):
+        got = outcomes[rank][f"rows{stage}"]
+        assert "error" not in got, got
+        assert got["steps"] == 4 and got["loss"] == got["loss"]  # trained, not NaN
+
+
+def test_a_compiled_model_trains_as_the_plain_one(outcomes: list[Any]) -> None:
+    for rank in (0, 1):
+        plain, compiled = outcomes[rank]["plain"], outcomes[rank]["compiled"]
+        assert not isinstance(compiled, dict), compiled
+        assert (compiled[-1], plain[-1]) == (1.0, 0.0), "the compiled run was not compiled"
+        assert compiled[:-1] == plain[:-1]
+
+
+def test_torch_compile_is_refused_at_stage_3() -> None:
+    from phalanx.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="torch_compile with zero_stage=3"):
+        TrainingArguments(torch_compile=True, zero_stage=3)
