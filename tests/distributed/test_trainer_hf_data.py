@@ -17,12 +17,22 @@ from tests.unit.test_collate import _Classifier, _rows
 pytest.importorskip("transformers", reason="its default_data_collator batches dict rows")
 
 
-def _raw_rows(rank: int, out: Path, stage: int) -> dict[str, Any]:
+def _tokenised(rows: list[dict[str, Any]], hf_dataset: bool) -> Any:
+    """The rows as they are, or as a `datasets.Dataset` (no set_format: plain lists)."""
+    if not hf_dataset:
+        return rows
+    import datasets
+
+    return datasets.Dataset.from_list(rows)
+
+
+def _raw_rows(rank: int, out: Path, stage: int, hf_dataset: bool = False) -> dict[str, Any]:
     import torch
 
     torch.manual_seed(0)
     args = _args(out, zero_stage=stage, max_steps=4, logging_steps=1, save_steps=10_000)
-    trainer = Trainer(model=_Classifier(), args=args, train_dataset=_rows(40))
+    data = _tokenised(_rows(40), hf_dataset)
+    trainer = Trainer(model=_Classifier(), args=args, train_dataset=data)
     result = trainer.train()
     trainer.close()
     return {"steps": result.global_step, "loss": result.train_loss}
@@ -59,6 +69,8 @@ def _scenarios(rank: int, world: int, root: str) -> dict[str, Any]:
         {
             "rows0": lambda: _raw_rows(rank, out / "rows0", 0),
             "rows3": lambda: _raw_rows(rank, out / "rows3", 3),
+            "datasets0": lambda: _raw_rows(rank, out / "ds0", 0, hf_dataset=True),
+            "datasets3": lambda: _raw_rows(rank, out / "ds3", 3, hf_dataset=True),
             "plain": lambda: _compiled(rank, out / "plain", False),
             "compiled": lambda: _compiled(rank, out / "compiled", True),
         },
@@ -73,9 +85,14 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("stage", [0, 3])
-def test_raw_tokenised_rows_train_with_no_collator(outcomes: list[Any], stage: int) -> None:
+@pytest.mark.parametrize("kind", ["rows", "datasets"])
+def test_raw_tokenised_rows_train_with_no_collator(
+    outcomes: list[Any], stage: int, kind: str
+) -> None:
+    if kind == "datasets":
+        pytest.importorskip("datasets")
     for rank in (0, 1):
-        got = outcomes[rank][f"rows{stage}"]
+        got = outcomes[rank][f"{kind}{stage}"]
         assert "error" not in got, got
         assert got["steps"] == 4 and got["loss"] == got["loss"]  # trained, not NaN
 
