@@ -12,7 +12,7 @@ rounds as ddp_step.py does (A B C, B C A, ...):
 The cost is `timeline` ÷ `phalanx` (median step; and paired by round, which cancels
 drifts in machine load). The breakdown is read from the two timelines the way
 `phalanx bench` reads them, and the all-reduce of the very same buckets is then
-timed alone (phalanx.diagnostics.allreduce_probe): together they say where the
+timed alone (phalanx.ddp.allreduce_probe): together they say where the
 time of a DDP step goes that compute alone does not spend.
 
     python benchmarks/timeline_cost.py                 # ~3 minutes on 2 cores
@@ -37,8 +37,8 @@ import torch.distributed as dist
 from interleave import balanced_order
 from step_report import bootstrap_ci, round_ratios, round_sizes, slowest_rank_ms
 
+from phalanx.ddp.allreduce_probe import time_all_reduce
 from phalanx.diagnostics import timeline as timelines
-from phalanx.diagnostics.allreduce_probe import time_all_reduce
 from phalanx.launch.bench_report import analyze_trace
 
 VARIANTS = ("compute", "phalanx", "timeline")

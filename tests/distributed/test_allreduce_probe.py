@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from phalanx.diagnostics.allreduce_probe import time_all_reduce
+from phalanx.ddp.allreduce_probe import time_all_reduce
 from tests.harness import run_workers
 
 

@@ -1,5 +1,5 @@
-"""What a run can tell about itself: replica checks, progress records, timelines.
+"""What a run can tell about itself: replica checks and timelines.
 
-Keep this file free of imports: `phalanx launch`, which must never import
-torch, imports `phalanx.diagnostics.progress` to read the ranks' records.
+Below ddp, optim, zero3 and offload (they record into a timeline); the ranks'
+progress record, which the torch-free launcher reads, is `phalanx.progress_record`.
 """

@@ -202,7 +202,7 @@ def _probe(ns: argparse.Namespace, world: int, result: WorldResult, threads: str
     """All-reduce times of the probe sizes, and the bf16 hook on the step's bytes (what
     compression would cost, conversions included), with nothing else running."""
     out = ns.out / f"probe-w{world}.json"
-    target = ["-m", "phalanx.diagnostics.allreduce_probe",
+    target = ["-m", "phalanx.ddp.allreduce_probe",
               "--sizes", ",".join(map(str, probe_sizes(result))),
               "--bf16-hook-bytes", str(result.bytes_per_step),
               "--out", str(out.resolve())]  # fmt: skip

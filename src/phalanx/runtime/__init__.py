@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx import netif
-from phalanx.diagnostics import progress
+from phalanx import progress_record as progress
 from phalanx.errors import ConfigurationError, RendezvousError
 from phalanx.jobenv import LaunchInfo, detect_launch, launched_by_launcher
 from phalanx.parent_launch import describe_single_accelerate_process

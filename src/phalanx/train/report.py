@@ -16,7 +16,7 @@ from phalanx.errors import ConfigurationError, OutputError
 from phalanx.runtime import World
 from phalanx.train.args import TrainingArguments
 from phalanx.train.metrics import MetricsSink, close_sinks, log_metrics, open_sinks
-from phalanx.train.progress import Progress
+from phalanx.train.progress_bar import Progress
 
 logger = logging.getLogger("phalanx.train")
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
-from phalanx.diagnostics import progress
+from phalanx import progress_record as progress
 from phalanx.diagnostics import timeline as timelines
 from phalanx.diagnostics.replicas import check_replicas
 from phalanx.errors import ConfigurationError

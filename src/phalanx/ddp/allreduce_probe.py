@@ -1,6 +1,6 @@
 """The all-reduce alone, for `phalanx bench`: how long each message size takes on this group.
 
-    phalanx launch --nproc-per-node 2 -m phalanx.diagnostics.allreduce_probe \\
+    phalanx launch --nproc-per-node 2 -m phalanx.ddp.allreduce_probe \\
         --sizes 1048576,4194304 --out probe.json
 
 Each size is timed with nothing else running (one float32 tensor, averaged as
