@@ -58,7 +58,10 @@ def _trainer(out: Path, callbacks: list[Any], **extra: Any) -> Trainer:
 
 def _events(rank: int, out: Path) -> dict[str, Any]:
     recorder = _Recorder()
-    trainer = _trainer(out, [recorder], eval_strategy="steps", eval_steps=2, save_steps=3)
+    trainer = _trainer(
+        out, [recorder], eval_strategy="steps", eval_steps=2, save_steps=3, adam_beta1=0.8
+    )
+    assert trainer.optimizer.param_groups[0]["betas"] == (0.8, 0.999)
     trainer.train()
     trainer.close()
     return {"events": recorder.events, "ranks": sorted(recorder.ranks), "logs": recorder.logs}
@@ -76,6 +79,7 @@ def _epochs(rank: int, out: Path, save_strategy: str) -> dict[str, Any]:
         save_steps=5,
         optim="sgd",
         warmup_ratio=0.25,
+        logging_strategy="epoch",
     )
     lrs = [1e-2 * trainer.scheduler.lr_lambdas[0](k) for k in range(4)]
     trainer.train()
@@ -83,6 +87,8 @@ def _epochs(rank: int, out: Path, save_strategy: str) -> dict[str, Any]:
     return {
         "evaluated": [s for n, s in recorder.events if n == "on_evaluate"],
         "epoch_ends": [s for n, s in recorder.events if n == "on_epoch_end"],
+        "logged": [s for n, s in recorder.events if n == "on_log" and s not in (12, 24)] == []
+        and [s for n, s in recorder.events if n == "on_log"].count(12) == 2,
         "saved": sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*")),
         "optimizer": type(trainer.optimizer).__name__,
         "lrs": lrs,
@@ -272,6 +278,7 @@ def test_epoch_strategies_evaluate_and_save_at_each_epoch_end(outcomes: list[Any
         got = _ok(outcomes, "epochs", rank)
         assert got["evaluated"] == got["epoch_ends"] == [12, 24]
         assert got["saved"] == [12, 24]
+        assert got["logged"], "logging_strategy='epoch' logs (train and eval) at epoch ends only"
         assert got["optimizer"] == "SGD"
         # warmup_ratio 0.25 of 24 steps: 6 warmup steps, learning_rate 1e-2
         assert got["lrs"] == pytest.approx([0.0, 1e-2 / 6, 2e-2 / 6, 3e-2 / 6])

@@ -92,6 +92,12 @@ class TrainingArguments(Config):
     (0, 1) is a fraction of the run's steps (Hugging Face 5's reading)."""
     warmup_ratio: float = 0.0
     """The warmup as a fraction of the run's steps (used when warmup_steps is 0)."""
+    adam_beta1: float = 0.9
+    """AdamW's beta1 (the adamw optims only)."""
+    adam_beta2: float = 0.999
+    """AdamW's beta2 (the adamw optims only)."""
+    adam_epsilon: float = 1e-8
+    """AdamW's epsilon (the adamw optims only)."""
     optim: OptimName = "adamw_torch"
     """The optimizer the Trainer builds, by Hugging Face's names: "adamw_torch",
     "adamw_torch_fused", "sgd", "adagrad", "rmsprop" (torch's own)."""
@@ -135,6 +141,8 @@ class TrainingArguments(Config):
     """How much offloaded state the optimizer step holds in memory at a time."""
 
     # ----------------------------------------------------------- logging, evaluation, saving
+    logging_strategy: Strategy = "steps"
+    """When to log: "steps" (every logging_steps), "epoch", or "no"."""
     logging_steps: int = 10
     """Log loss, learning rate, throughput and communication wait every this many steps."""
     eval_strategy: Strategy | None = None
@@ -177,6 +185,8 @@ class TrainingArguments(Config):
     """Where metrics go: any of "console", "jsonl", "csv", "tensorboard", "wandb", "mlflow"
     (each tracker through its own client, which must be installed; rank 0 alone logs);
     an empty list, "none" or ["none"] logs nowhere."""
+    run_name: str | None = None
+    """The run's name in the trackers (wandb, mlflow); None: output_dir's last folder."""
     disable_tqdm: bool = False
     """Hide the progress bar (it is only ever shown on rank 0)."""
     timeline: str | None = None

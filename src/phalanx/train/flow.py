@@ -29,7 +29,9 @@ def due_after_step(
     args: TrainingArguments, step: int, max_steps: int, epoch_ended: bool, control: TrainerControl
 ) -> Due:
     """The strategies' decisions at `step`, or'ed with what the callbacks asked for."""
-    log = step % args.logging_steps == 0
+    log = (args.logging_strategy == "steps" and step % args.logging_steps == 0) or (
+        args.logging_strategy == "epoch" and epoch_ended
+    )
     evaluate = (args.eval_strategy == "steps" and step % args.eval_steps == 0) or (
         args.eval_strategy == "epoch" and epoch_ended
     )

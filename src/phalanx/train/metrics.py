@@ -177,7 +177,7 @@ def make_sink(
         return CsvSink(output_dir / CSV_NAME)
     if name == "tensorboard":
         return TensorBoardSink(output_dir / TENSORBOARD_DIR)
-    run_name = Path(output_dir).resolve().name
+    run_name = str(config.get("run_name") or Path(output_dir).resolve().name)
     if name == "wandb":
         return WandbSink(output_dir, config, run_name)
     if name == "mlflow":

@@ -149,6 +149,12 @@ def build_optimizer(model: nn.Module, args: TrainingArguments, world: World) -> 
     disk = offload_policy(args)
     disk = disk if isinstance(disk, DiskOffloadPolicy) else None
     cls, defaults = OPTIMIZERS[args.optim]
+    if cls is AdamW:
+        defaults = {
+            **defaults,
+            "betas": (args.adam_beta1, args.adam_beta2),
+            "eps": args.adam_epsilon,
+        }
     if args.zero_stage in (0, 3):  # stage 3's optimizer steps the model's DTensor shards
         optimizer = cls(groups, lr=args.learning_rate, **defaults)
         return optimizer if disk is None else offload_optimizer(optimizer, disk)

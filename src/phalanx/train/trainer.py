@@ -157,7 +157,7 @@ class Trainer(TrainerSetup):
         while not self._train_epoch():
             self.state.epoch += 1
             self.state.batches_done = 0
-        if self._runlog.window.steps:
+        if self._runlog.window.steps and self.args.logging_strategy != "no":
             self._log()
 
     def _train_epoch(self) -> bool:
