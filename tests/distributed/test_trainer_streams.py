@@ -68,7 +68,9 @@ def _stream(kind: str) -> Any:
     return rows.to_iterable_dataset(num_shards=4)
 
 
-def _train(out: Path, kind: str, max_steps: int, resume: bool = False) -> dict[str, Any]:
+def _train(
+    out: Path, kind: str, max_steps: int, resume: bool = False, accumulation: int = 1
+) -> dict[str, Any]:
     """Train to max_steps; the samples trained, as (pass, index) per micro-batch."""
     ledger: list[list[int]] = []
     trainer: Trainer
@@ -84,6 +86,7 @@ def _train(out: Path, kind: str, max_steps: int, resume: bool = False) -> dict[s
         lr_scheduler_type="constant",  # the same schedule for a run cut short
         save_steps=10_000,
         remove_unused_columns=False,
+        gradient_accumulation_steps=accumulation,
     )
     trainer = Trainer(
         model=_Net(), args=args, train_dataset=_stream(kind), loss_fn=loss_fn, collate_fn=_collate
@@ -107,15 +110,18 @@ def _refusal(fn: Any) -> str:
 def _scenarios(rank: int, world: int, root: str) -> dict[str, Any]:
     out = Path(root)
 
-    def resumed(kind: str, cut: int) -> dict[str, Any]:
-        first = _train(out / f"{kind}-cut{cut}", kind, cut)
-        second = _train(out / f"{kind}-cut{cut}", kind, TOTAL, resume=True)
+    def resumed(kind: str, cut: int, total: int = TOTAL, accumulation: int = 1) -> dict[str, Any]:
+        where = out / f"{kind}-cut{cut}-{accumulation}"
+        first = _train(where, kind, cut, accumulation=accumulation)
+        second = _train(where, kind, total, resume=True, accumulation=accumulation)
         return {"ledger": first["ledger"] + second["ledger"], "params": second["params"]}
 
     return run_scenarios(
         {
             "hf": lambda: _train(out / "hf", "hf", TOTAL),
             "hf_resumed": lambda: resumed("hf", 9),
+            "hf_accumulated": lambda: _train(out / "hf2", "hf", 7, accumulation=2),
+            "hf_accumulated_resumed": lambda: resumed("hf", 4, total=7, accumulation=2),
             "uneven": lambda: _train(out / "uneven", "uneven", 7),
             "plain": lambda: _train(out / "plain", "plain", TOTAL),
             "plain_at_boundary": lambda: resumed("plain", 6),
@@ -169,6 +175,18 @@ def test_a_datasets_stream_resumed_mid_pass_ends_as_the_uninterrupted_run(
 ) -> None:
     pytest.importorskip("datasets")
     whole, resumed = _result(outcomes, "hf"), _result(outcomes, "hf_resumed")
+    for rank in (0, 1):
+        assert resumed[rank]["ledger"] == whole[rank]["ledger"]
+        assert resumed[rank]["params"] == whole[rank]["params"]
+
+
+def test_a_resume_mid_pass_with_accumulation_is_exact(outcomes: list[Any]) -> None:
+    """Steps of two micro-batches: 3 a pass, cut one step into the second pass."""
+    pytest.importorskip("datasets")
+    whole = _result(outcomes, "hf_accumulated")
+    resumed = _result(outcomes, "hf_accumulated_resumed")
+    passes = _passes([run["ledger"] for run in whole])
+    assert sorted(passes[0][0] + passes[0][1]) == list(range(N))
     for rank in (0, 1):
         assert resumed[rank]["ledger"] == whole[rank]["ledger"]
         assert resumed[rank]["params"] == whole[rank]["params"]
