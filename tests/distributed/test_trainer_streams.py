@@ -69,7 +69,12 @@ def _stream(kind: str) -> Any:
 
 
 def _train(
-    out: Path, kind: str, max_steps: int, resume: bool = False, accumulation: int = 1
+    out: Path,
+    kind: str,
+    max_steps: int,
+    resume: bool = False,
+    accumulation: int = 1,
+    stage: int = 0,
 ) -> dict[str, Any]:
     """Train to max_steps; the samples trained, as (pass, index) per micro-batch."""
     ledger: list[list[int]] = []
@@ -87,16 +92,23 @@ def _train(
         save_steps=10_000,
         remove_unused_columns=False,
         gradient_accumulation_steps=accumulation,
+        zero_stage=stage,
     )
     trainer = Trainer(
         model=_Net(), args=args, train_dataset=_stream(kind), loss_fn=loss_fn, collate_fn=_collate
     )
     try:
         trainer.train(resume_from_checkpoint=resume)
-        params = [p.detach().flatten().tolist() for p in trainer.model.parameters()]  # exact
+        params = [_full(p) for p in trainer.model.parameters()]
     finally:
         trainer.close()
     return {"ledger": ledger, "params": params}
+
+
+def _full(param: Tensor) -> list[float]:
+    """A parameter's values, exactly; at stage 3 the whole of it, gathered from its shards."""
+    full = param.full_tensor() if hasattr(param, "full_tensor") else param
+    return full.detach().flatten().tolist()
 
 
 def _refusal(fn: Any) -> str:
@@ -110,10 +122,12 @@ def _refusal(fn: Any) -> str:
 def _scenarios(rank: int, world: int, root: str) -> dict[str, Any]:
     out = Path(root)
 
-    def resumed(kind: str, cut: int, total: int = TOTAL, accumulation: int = 1) -> dict[str, Any]:
-        where = out / f"{kind}-cut{cut}-{accumulation}"
-        first = _train(where, kind, cut, accumulation=accumulation)
-        second = _train(where, kind, total, resume=True, accumulation=accumulation)
+    def resumed(
+        kind: str, cut: int, total: int = TOTAL, accumulation: int = 1, stage: int = 0
+    ) -> dict[str, Any]:
+        where = out / f"{kind}-cut{cut}-{accumulation}-{stage}"
+        first = _train(where, kind, cut, accumulation=accumulation, stage=stage)
+        second = _train(where, kind, total, resume=True, accumulation=accumulation, stage=stage)
         return {"ledger": first["ledger"] + second["ledger"], "params": second["params"]}
 
     return run_scenarios(
@@ -122,6 +136,8 @@ def _scenarios(rank: int, world: int, root: str) -> dict[str, Any]:
             "hf_resumed": lambda: resumed("hf", 9),
             "hf_accumulated": lambda: _train(out / "hf2", "hf", 7, accumulation=2),
             "hf_accumulated_resumed": lambda: resumed("hf", 4, total=7, accumulation=2),
+            "hf_stage3": lambda: _train(out / "hf3", "hf", 8, stage=3),
+            "hf_stage3_resumed": lambda: resumed("hf", 3, total=8, stage=3),
             "uneven": lambda: _train(out / "uneven", "uneven", 7),
             "plain": lambda: _train(out / "plain", "plain", TOTAL),
             "plain_at_boundary": lambda: resumed("plain", 6),
@@ -133,9 +149,17 @@ def _scenarios(rank: int, world: int, root: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def outcomes(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    root = tmp_path_factory.mktemp("streams")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("streams")
+
+
+@pytest.fixture(scope="module")
+def outcomes(root: Path) -> list[dict[str, Any]]:
     return [o.value for o in run_workers(_scenarios, 2, str(root), timeout=240)]
+
+
+def _at_world_one(rank: int, world: int, where: str) -> str:
+    return _refusal(lambda: _train(Path(where), "hf", 20, resume=True))
 
 
 def _result(outcomes: list[Any], name: str) -> list[Any]:
@@ -192,6 +216,15 @@ def test_a_resume_mid_pass_with_accumulation_is_exact(outcomes: list[Any]) -> No
         assert resumed[rank]["params"] == whole[rank]["params"]
 
 
+def test_a_resume_mid_pass_at_zero_stage_3_is_exact(outcomes: list[Any]) -> None:
+    pytest.importorskip("datasets")
+    whole, resumed = _result(outcomes, "hf_stage3"), _result(outcomes, "hf_stage3_resumed")
+    for rank in (0, 1):
+        assert resumed[rank]["ledger"] == whole[rank]["ledger"]
+        assert resumed[rank]["params"] == whole[rank]["params"]
+    assert whole[0]["params"] == whole[1]["params"]  # one model, gathered from both ranks
+
+
 def test_a_pass_ends_on_every_rank_when_one_rank_runs_out(outcomes: list[Any]) -> None:
     """Rank 0's 13th sample would be a seventh step rank 1 has no data for: not trained."""
     pytest.importorskip("datasets")
@@ -219,3 +252,16 @@ def test_a_stream_needs_max_steps(outcomes: list[Any]) -> None:
             "is a stream with no length, so num_train_epochs cannot say "
             "when training ends — set max_steps > 0"
         )
+
+
+def test_a_stream_checkpoint_is_refused_at_another_world_size(
+    outcomes: list[Any], root: Path
+) -> None:
+    pytest.importorskip("datasets")
+    _result(outcomes, "hf_resumed")  # wrote its checkpoints on two ranks
+    where = str(root / "hf-cut9-1-0")
+    (message,) = [o.value for o in run_workers(_at_world_one, 1, where, timeout=120)]
+    assert message == (
+        "the checkpoint's stream was split over 2 ranks and this run has 1, so each rank's "
+        "part would be another — resume at world size 2"
+    )
