@@ -54,3 +54,5 @@ def test_a_datasets_stream_is_told_apart() -> None:
     datasets = pytest.importorskip("datasets")
     stream = datasets.Dataset.from_list([{"a": 1}]).to_iterable_dataset()
     assert is_stream(stream) and is_hf_stream(stream)
+    stream.__class__ = type("MyStream", (datasets.IterableDataset,), {})  # a user's subclass
+    assert is_hf_stream(stream)

@@ -36,8 +36,11 @@ def is_stream(dataset: object) -> TypeGuard[IterableDataset[Any]]:
 
 
 def is_hf_stream(dataset: object) -> bool:
-    """A `datasets.IterableDataset`, told apart without importing `datasets`."""
-    return type(dataset).__module__.startswith("datasets.") and hasattr(dataset, "n_shards")
+    """A `datasets.IterableDataset` (or a subclass), told apart without importing `datasets`."""
+    return any(
+        cls.__name__ == "IterableDataset" and cls.__module__.startswith("datasets.")
+        for cls in type(dataset).__mro__
+    )
 
 
 class EveryNth(IterableDataset[Any]):
