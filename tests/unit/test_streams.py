@@ -56,3 +56,15 @@ def test_a_datasets_stream_is_told_apart() -> None:
     assert is_stream(stream) and is_hf_stream(stream)
     stream.__class__ = type("MyStream", (datasets.IterableDataset,), {})  # a user's subclass
     assert is_hf_stream(stream)
+
+
+def test_a_datasets_stream_split_already_is_refused() -> None:
+    datasets = pytest.importorskip("datasets")
+    from datasets.distributed import split_dataset_by_node
+
+    whole = datasets.Dataset.from_list([{"a": i} for i in range(8)]).to_iterable_dataset()
+    part = split_dataset_by_node(whole, rank=0, world_size=2)
+    args = TrainingArguments(output_dir="unused", report_to=[], max_steps=5)
+    with pytest.raises(ConfigurationError, match=r"already this rank's part .* splits it by rank$"):
+        check_stream_arguments(part, args)
+    check_stream_arguments(whole, args)

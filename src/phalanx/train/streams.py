@@ -68,6 +68,12 @@ def check_stream_arguments(dataset: object, args: TrainingArguments) -> None:
             f"the train_dataset ({name}) is a stream with no length, so num_train_epochs "
             "cannot say when training ends — set max_steps > 0"
         )
+    split = getattr(dataset, "_distributed", None) if is_hf_stream(dataset) else None
+    if split is not None:  # split twice, each rank would train on 1/world of its own part
+        raise ConfigurationError(
+            f"the train_dataset is already this rank's part (split_dataset_by_node: "
+            f"{split}) — pass the whole datasets.IterableDataset; the Trainer splits it by rank"
+        )
     if args.dataloader_num_workers > 0:
         raise ConfigurationError(
             f"dataloader_num_workers={args.dataloader_num_workers} with a streaming "
