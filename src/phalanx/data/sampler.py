@@ -312,7 +312,8 @@ def _dataset_length(dataset: object) -> int:
     if not isinstance(dataset, Sized):
         raise ConfigurationError(
             f"DistributedSampler needs a dataset with a length, and {type(dataset).__name__} "
-            "has no __len__ — give it __len__, or shard an IterableDataset yourself by rank"
+            "has no __len__ — give it __len__ (or, to train on a stream, pass it to "
+            "phalanx.Trainer as train_dataset, which splits it by rank: docs/data.md)"
         )
     return len(dataset)
 

@@ -193,6 +193,8 @@ class Trainer(TrainerSetup):
     def _epoch_steps(self) -> Iterator[tuple[list[Any], int]]:
         """This epoch's steps from the current position on: (this rank's micro-batches, how
         many the step has on the longest rank)."""
+        if self.stream is not None:
+            return self.stream.steps(self.state.epoch, self.args.gradient_accumulation_steps)
         assert self.sampler is not None
         self.sampler.set_epoch(self.state.epoch)
         self._loader_generator.manual_seed(self.args.seed + self.state.epoch)
@@ -319,7 +321,7 @@ class Trainer(TrainerSetup):
     def save_checkpoint(self) -> Path:
         """Write output_dir/checkpoint-<step>/ now (every rank must call it)."""
         self._check_open()
-        if self.sampler is None:
+        if self.sampler is None and self.stream is None:
             raise ConfigurationError("save_checkpoint() needs a train_dataset — pass one")
         step = self.state.global_step
         check_parameters(self.model, self.world, step)  # never a NaN checkpoint over good ones

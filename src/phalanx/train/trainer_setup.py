@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.optim import Optimizer
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
 from phalanx import zero3
 from phalanx.data.sampler import DistributedSampler
@@ -53,8 +54,10 @@ from phalanx.train.setup import (
 from phalanx.train.stateful import Entry
 from phalanx.train.step import StepRunner, autocast_for
 from phalanx.train.stopping import Stop, StopRequests
+from phalanx.train.streams import Stream, StreamPosition, is_stream
 from phalanx.train.trainer_state import (
     Counters,
+    DataPosition,
     RngStreams,
     SamplerPosition,
     ShardedModel,
@@ -100,6 +103,8 @@ class TrainerSetup:
         self._saved_step: int | None = None
         """The step output_dir holds a checkpoint of, written or resumed by this Trainer."""
         self.sampler: DistributedSampler | None = None
+        self.stream: Stream | None = None
+        """A streaming train_dataset's part for this rank (streams.py); then no sampler."""
         self.world, self._owns_group = join_world(self.args)
         """Rank, world size, device, and the group: one of one rank for a plain process."""
         self._report = RunReport(self.world, self.args)
@@ -149,6 +154,20 @@ class TrainerSetup:
         self.scaler = torch.amp.GradScaler("cuda") if self.args.fp16 else None
 
     def _setup_training(self, dataset: Dataset[Any]) -> None:
+        if is_stream(dataset):
+            self._setup_stream(dataset)
+        else:
+            self._setup_sampler(dataset)
+        self._setup_steps()
+
+    def _setup_stream(self, dataset: IterableDataset[Any]) -> None:
+        """A streaming training set (streams.py): each rank reads its own part, no sampler."""
+        self.stream = Stream(dataset, self.world, self.args, self.collate_fn)
+        self.train_loader = self.stream.loader
+        self.micro_batches_per_epoch = sys.maxsize  # unknown: the ranks agree when a pass ends
+        self.max_steps = self.args.max_steps
+
+    def _setup_sampler(self, dataset: Dataset[Any]) -> None:
         args = self.args
         self.sampler = DistributedSampler(
             dataset,
@@ -174,6 +193,10 @@ class TrainerSetup:
             if args.max_steps > 0
             else math.ceil(args.num_train_epochs * steps_per_epoch)
         )
+
+    def _setup_steps(self) -> None:
+        """What a step needs, whatever the data: the schedule, checkpointer, guard, stepper."""
+        args = self.args
         warmup = warmup_steps_for(args.warmup_steps, args.warmup_ratio, self.max_steps)
         self.scheduler = make_scheduler(
             self.optimizer, args.lr_scheduler_type, warmup, self.max_steps, args.lr_scheduler_kwargs
@@ -231,11 +254,16 @@ class TrainerSetup:
 
     def _make_entries(self) -> None:
         """The adapters over the loop's own state (see trainer_state.py), for `self.state`."""
-        assert self.sampler is not None
         self._counters = Counters(self.state, self.args, self.world)
-        self._position = SamplerPosition(
-            self.sampler, self.state, self.args, self.micro_batches_per_epoch
-        )
+        self._position: DataPosition
+        if self.stream is not None:
+            batch = self.args.per_device_train_batch_size
+            self._position = StreamPosition(self.stream, self.state, batch)
+        else:
+            assert self.sampler is not None
+            self._position = SamplerPosition(
+                self.sampler, self.state, self.args, self.micro_batches_per_epoch
+            )
         self._rng = RngStreams()
 
     def checkpoint_states(self) -> dict[str, Entry]:
@@ -257,7 +285,7 @@ class TrainerSetup:
             states["comm"] = PerRank(local)
         if self.scaler is not None:
             states["scaler"] = self.scaler
-        states["sampler"] = self._position
+        states["stream" if self.stream is not None else "sampler"] = self._position
         states["rng"] = self._rng
         return states
 

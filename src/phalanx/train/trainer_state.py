@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 from torch import nn
 from torch.optim import Optimizer
@@ -124,6 +124,18 @@ class Counters:
 
     def changed_optimizer_fields(self) -> list[str]:
         return [c for c in self.changes if c.split(" ", 1)[0] in OPTIMIZER_FIELDS]
+
+
+class DataPosition(Protocol):
+    """What the resume reads of a data entry: a sampler's (below) or a stream's (streams.py)."""
+
+    approximate: str | None
+
+    def consumed(self) -> int: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
 class SamplerPosition:
@@ -234,7 +246,7 @@ class RngStreams:
             self._pending = None
 
 
-def resume_warning(name: str, counters: Counters, position: SamplerPosition) -> str | None:
+def resume_warning(name: str, counters: Counters, position: DataPosition) -> str | None:
     """One line naming every changed argument (old → new) and what it means, or None."""
     if not counters.changes:
         return None
