@@ -19,6 +19,7 @@ from tests.harness import run_workers
 
 pytest.importorskip("wandb", reason="wandb is a test extra")
 pytest.importorskip("mlflow", reason="mlflow-skinny is a test extra")
+pytest.importorskip("tensorboard", reason="tensorboard is a test extra")
 
 
 def _train(rank: int, world: int, out: str) -> None:
@@ -28,7 +29,7 @@ def _train(rank: int, world: int, out: str) -> None:
         logging_steps=2,
         eval_steps=3,
         save_steps=10_000,
-        report_to=["jsonl", "wandb", "mlflow"],
+        report_to=["jsonl", "wandb", "mlflow", "tensorboard"],
     )
     trainer = Trainer(
         model=_Net(), args=args, train_dataset=_data(), eval_dataset=_data(), loss_fn=_xent
@@ -118,3 +119,20 @@ def test_mlflow_holds_what_metrics_jsonl_holds(run: Path) -> None:
         for name, value in line.items():
             history = client.get_metric_history(mlflow_run.info.run_id, name)
             assert (step, value) in [(m.step, m.value) for m in history], (name, step)
+
+
+def test_tensorboard_holds_what_metrics_jsonl_holds_under_hf_names(run: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    expected: dict[str, list[tuple[int, float]]] = {}
+    for line in _jsonl(run):
+        step = line.pop("step")
+        for name, value in rewrite_logs(line).items():
+            expected.setdefault(name, []).append((step, value))
+    tags = events.Tags()["scalars"]
+    assert sorted(tags) == sorted(expected) and "train/loss" in tags and "eval/loss" in tags
+    for tag, points in expected.items():
+        got = [(e.step, e.value) for e in events.Scalars(tag)]
+        assert got == [(s, pytest.approx(v, rel=1e-6)) for s, v in points], tag
