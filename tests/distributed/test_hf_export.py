@@ -77,7 +77,19 @@ class Tokens(torch.utils.data.Dataset[dict[str, Tensor]]):
         return {self.names[0]: self.ids[i], self.names[1]: self.ids[i]}
 
 
-def _run(out: Path, model: nn.Module, stage: int, data: Tokens, **extra: Any) -> str:
+def _raw_tokenised(vocab: int) -> Any:
+    """What a tokeniser's map() gives: a datasets.Dataset of lists and a text column, with no
+    set_format (the Trainer's default batching makes the tensors); Tokens without datasets."""
+    try:
+        import datasets
+    except ImportError:
+        return Tokens(("input_ids", "labels"), vocab)
+    ids = Tokens(("input_ids", "labels"), vocab).ids.tolist()
+    rows = {"input_ids": ids, "labels": ids, "text": [f"sample {i}" for i in range(len(ids))]}
+    return datasets.Dataset.from_dict(rows)
+
+
+def _run(out: Path, model: nn.Module, stage: int, data: Any, **extra: Any) -> str:
     args = TrainingArguments(
         output_dir=str(out), max_steps=2, save_steps=2, zero_stage=stage,  # type: ignore[arg-type]
         per_device_train_batch_size=4, learning_rate=1e-2, report_to=[], disable_tqdm=True,
@@ -102,9 +114,9 @@ def _train(rank: int, world_size: int, root: str) -> dict[str, Any]:
     phalanx.init(backend="gloo")
     torch.set_num_threads(1)
     out = Path(root)
-    hf_data, plain_data = Tokens(("input_ids", "labels"), VOCAB), Tokens(("tokens", "labels"), 24)
+    hf_data, plain_data = _raw_tokenised(VOCAB), Tokens(("tokens", "labels"), 24)
 
-    def run(name: str, build: Any, stage: int, data: Tokens, **extra: Any) -> Any:
+    def run(name: str, build: Any, stage: int, data: Any, **extra: Any) -> Any:
         torch.manual_seed(0)
         return lambda: _run(out / name, build(), stage, data, **extra)
 

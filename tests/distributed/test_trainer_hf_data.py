@@ -8,11 +8,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from phalanx.train import Trainer, TrainingArguments
 from tests.distributed.test_trainer_zero import _args, _data, _Net, _xent
 from tests.harness import run_scenarios, run_workers
 from tests.unit.test_collate import _Classifier, _rows
+from tests.unit.test_hf_arguments_port import COMMON
 
 pytest.importorskip("transformers", reason="its default_data_collator batches dict rows")
 
@@ -110,3 +112,34 @@ def test_torch_compile_is_refused_at_stage_3() -> None:
 
     with pytest.raises(ConfigurationError, match="torch_compile with zero_stage=3"):
         TrainingArguments(torch_compile=True, zero_stage=3)
+
+
+def test_the_ported_call_runs(tmp_path: Path) -> None:
+    """The same arguments drive a real (one-process) run: evaluations every logging_steps,
+    the best checkpoint kept through save_total_limit and loaded at the end."""
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Linear(4, 2)
+
+        def forward(self, batch: list[torch.Tensor]) -> torch.Tensor:
+            return self.body(batch[0])
+
+    args = TrainingArguments(**{**COMMON, "output_dir": str(tmp_path), "max_steps": 40})
+    data = TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
+    trainer = Trainer(
+        model=Net(),
+        args=args,
+        train_dataset=data,
+        eval_dataset=data,
+        loss_fn=lambda out, batch: nn.functional.cross_entropy(out, batch[1]),
+    )
+    result = trainer.train()
+    best = trainer.state.best_model_checkpoint
+    trainer.close()
+    assert result.global_step == 40 and best is not None
+    kept = sorted(p.name for p in tmp_path.glob("checkpoint-*"))
+    assert Path(best).name in kept and len(kept) <= 3  # save_total_limit 2, and the best

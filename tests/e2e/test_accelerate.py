@@ -20,15 +20,18 @@ pytest.importorskip("accelerate", reason="accelerate is a test extra: pip instal
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "e2e" / "scripts" / "accelerate_ddp.py"
+TRAINER_SCRIPT = REPO / "tests" / "e2e" / "scripts" / "accelerate_trainer.py"
 COMMON = ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
 
 
-def _accelerate(flags: list[str], out: Path, mode: str) -> subprocess.CompletedProcess[str]:
+def _accelerate(
+    flags: list[str], out: Path, mode: str | None, script: Path = SCRIPT
+) -> subprocess.CompletedProcess[str]:
     exe = shutil.which("accelerate", path=str(Path(sys.executable).parent))
     assert exe is not None
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "src")}
     return subprocess.run(
-        [exe, "launch", *flags, *COMMON, str(SCRIPT), str(out), mode],
+        [exe, "launch", *flags, *COMMON, str(script), str(out), *([mode] if mode else [])],
         capture_output=True,
         text=True,
         timeout=150,
@@ -46,6 +49,14 @@ def test_multi_gpu_form_starts_two_phalanx_ranks_that_stay_identical(tmp_path: P
         (2, 2, 4),
         (2, 2, 4),
     ]  # 64 samples, batches of 8, sharded by accelerate's loader; check_replicas passed
+
+
+@pytest.mark.timeout(180)
+def test_a_trainer_script_trains_at_world_2_with_identical_replicas(tmp_path: Path) -> None:
+    done = _accelerate(["--multi_gpu", "--num_processes", "2"], tmp_path, None, TRAINER_SCRIPT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads((tmp_path / f"result_{r}.json").read_text()) for r in (0, 1)]
+    assert [(r["world_size"], r["steps"]) for r in records] == [(2, 6), (2, 6)]
 
 
 @pytest.mark.timeout(180)
