@@ -101,3 +101,10 @@ def test_a_planted_upward_import_fails(tmp_path: Path, monkeypatch: pytest.Monke
     finally:
         planted.unlink()
     assert found == ["src/phalanx/runtime/_planted_upward.py:1: runtime imports ddp"]
+
+
+def test_the_launchers_docstring_names_every_module() -> None:
+    doc = (SRC / "launch" / "__init__.py").read_text().split('"""')[1]
+    named = set(re.findall(r"`([a-z_]+)`", doc))
+    modules = {p.stem for p in (SRC / "launch").glob("*.py") if p.stem != "__init__"}
+    assert modules <= named, f"launch/__init__.py's docstring misses {sorted(modules - named)}"

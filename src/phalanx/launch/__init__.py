@@ -5,10 +5,19 @@ in milliseconds and can never hold a GPU that a worker needs; the workers
 rendezvous among themselves through torch.distributed's TCP store, using the
 MASTER_ADDR/MASTER_PORT the launcher puts in their environment.
 
-Modules: `cli` parses flags, `config` validates them, `devices` counts GPUs,
-`workerenv` builds each worker's environment, `rendezvous` handles the
-multi-node checks, `output` pumps worker output, `procgroup` signals process
-groups, `agent` spawns, supervises, fails fast and restarts.
+Modules (tests/unit/test_layers.py holds this list to the folder):
+- the command line: `cli` (parses, dispatches the subcommands), `flags` and
+  `rdzvflags` (torchrun's flags and their spellings), `config` (validated);
+- one node's run: `agent` (meet, spawn, watch, stop, restart), `meeting`
+  (this node's side of the rendezvous), `rendezvous` (finding the store,
+  node ranks), `storehost` (hosting the store), `devices` (GPUs, cores);
+- the workers: `workers` (one attempt's processes), `workerenv` (their
+  environment), `lifeline` (stops them if the launcher dies unseen),
+  `procgroup` (signals to process groups);
+- what a user sees: `output` (rank-prefixed lines), `routing` (where each
+  stream goes), `terminal` (rank 0's bar), `summary` (who failed, how);
+- the other commands: `bench`, `bench_report`, `bench_advice`, `bench_plot`
+  (`phalanx bench`), `consolidate_cmd` (`phalanx consolidate`).
 """
 
 from __future__ import annotations
