@@ -24,8 +24,8 @@ MIB = 1024 * 1024
 # in backward; torch DDP uses the same 1 MiB.
 FIRST_BUCKET_BYTES = 1 * MIB
 # A bucket whose parameters average at most this many bytes fills its slots all at
-# once when it launches: a Python copy per gradient costs ~5 us of dispatch, more than
-# a second pass over 16 KiB (measured on the 261-tensor GPT: 0.4 ms less backward).
+# once when it launches: below it, a Python copy per gradient costs more dispatch than
+# a second pass over the bytes (benchmarks/hook_path.py measures the hook path).
 SMALL_PARAM_BYTES = 16 * 1024
 
 
