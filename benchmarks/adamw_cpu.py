@@ -32,7 +32,7 @@ import interleave
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "adamw_cpu.json"
 VARIANTS = ("single", "foreach", "fused")
-OPTIONS: dict[str, dict[str, bool]] = {
+OPTIONS: dict[str, dict[str, Any]] = {
     "single": {"foreach": False},
     "foreach": {"foreach": True},
     "fused": {"fused": True},
@@ -58,6 +58,7 @@ def make_params(args: argparse.Namespace, dtensor: bool) -> list[Any]:
     out = []
     for p in params:
         d = torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)]))
+        assert p.grad is not None  # make_params gave every parameter one
         d.grad = distribute_tensor(p.grad, mesh, [Shard(0)])
         out.append(d)
     return out

@@ -88,7 +88,7 @@ class Variant:
         self.task, self.method = task, method
         self.model: torch.nn.Module = self.module
         self.stats: CommStats | None = None
-        opt_args = {"lr": task.lr, "weight_decay": task.weight_decay}
+        opt_args: dict[str, Any] = {"lr": task.lr, "weight_decay": task.weight_decay}
         if method in ("local8", "diloco8"):
             self.optimizer = torch.optim.AdamW(self.module.parameters(), **opt_args)
             cls = phalanx.LocalSGD if method == "local8" else phalanx.DiLoCo
@@ -131,11 +131,12 @@ class Variant:
         if self.steps_done % ROUND == 0:
             self.evals.append((self.steps_done, validation_loss(self.module, self.task)))
 
-    def bytes_sent(self) -> dict[str, float]:
+    def bytes_sent(self) -> dict[str, int]:
         if self.stats is not None:
             return self.stats.state_dict()
         # The default reducer all-reduces each bucket's whole flat buffer once per step.
-        per_step = sum(tensor_bytes(b.buffer) for b in self.model.reducer.buckets)  # type: ignore[union-attr]
+        assert isinstance(self.model, phalanx.DistributedDataParallel)  # no hook, no stats
+        per_step = sum(tensor_bytes(b.buffer) for b in self.model.reducer.buckets)
         grads = sum(tensor_bytes(p) for p in self.module.parameters())
         steps = self.steps_done
         return {"sent_bytes": per_step * steps, "gradient_bytes": grads * steps, "steps": steps}

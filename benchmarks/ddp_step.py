@@ -96,7 +96,8 @@ def round_order(round_index: int, variants: tuple[str, ...] = BASE_VARIANTS) -> 
 # ---------------------------------------------------------------- rank side
 
 
-Wrapper = Callable[[nn.Module], nn.Module]
+# A wrapper takes the module, and its options as keywords (the bucket sweep passes bucket_cap_mb).
+Wrapper = Callable[..., nn.Module]
 
 
 def no_communication(module: nn.Module) -> nn.Module:

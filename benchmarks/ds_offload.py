@@ -227,7 +227,7 @@ def main() -> None:
         print("deepspeed is not installed here: nothing to compare (see the docstring)")
         return
     Path(args.scratch).mkdir(parents=True, exist_ok=True)
-    runs = []
+    runs: list[dict[str, Any]] = []
     for r in range(interleave.balanced_rounds(args.rounds, args.rounds, len(VARIANTS))):
         for variant in interleave.balanced_order(r, VARIANTS):
             runs.append(launch(args, variant, 29500 + len(runs)))

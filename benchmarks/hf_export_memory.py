@@ -63,7 +63,7 @@ def make_checkpoints(root: Path, layers: int, width: int) -> tuple[Path, Path, i
         state[f"body.{i}.weight"] = torch.randn(width, width)
         state[f"body.{i}.bias"] = torch.randn(width)
     size = sum(t.numel() * t.element_size() for t in state.values())
-    optimizer = {"state": {}, "param_groups": []}  # the plain consolidate needs one
+    optimizer: dict[str, Any] = {"state": {}, "param_groups": []}  # the plain consolidate needs one
     pt = write_checkpoint(root / "pt", 1, {"model.pt": state, "optimizer.pt": optimizer})
     staging = begin(root / "dcp", 2)
     dcp.save({"model": state}, checkpoint_id=str(staging / "model"))

@@ -109,7 +109,8 @@ def worker(args: argparse.Namespace) -> None:
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     states = {name: get_model_state_dict(m, options=full) for name, (m, _) in variants.items()}
     if world.rank == 0:
-        flat, hsdp = states["flat"], states["hsdp"]
+        flat: dict[str, Any] = states["flat"]  # full_state_dict: plain CPU tensors
+        hsdp: dict[str, Any] = states["hsdp"]
         gap = max(float((flat[k] - hsdp[k]).abs().max()) for k in flat)
         steps = len(times["flat"])
         result = {

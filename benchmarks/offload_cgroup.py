@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import resource
@@ -155,6 +156,11 @@ def make_cgroup(name: str, cap_bytes: int | None) -> Path:
     return group
 
 
+def _join(group: Path) -> None:
+    """A child's preexec_fn: it moves into its cgroup before exec, so every byte counts."""
+    (group / "cgroup.procs").write_text(str(os.getpid()))
+
+
 def cgroup_peak(group: Path) -> float:
     for name in ("memory.peak", "memory.max_usage_in_bytes"):
         if (group / name).exists():
@@ -195,7 +201,7 @@ def run(args: argparse.Namespace, mode: str, cap: int | None, scratch: Path) -> 
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
-                preexec_fn=lambda g=group: (g / "cgroup.procs").write_text(str(os.getpid())),
+                preexec_fn=functools.partial(_join, group),
             )
         )
     start = time.monotonic()

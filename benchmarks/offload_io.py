@@ -29,6 +29,7 @@ the training), with ratios to `mmap`.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import mmap
 import os
@@ -257,7 +258,7 @@ def main() -> None:
     makers: dict[str, Callable[[], Any]] = {
         "mmap": lambda: MmapState(root / "mmap", sizes),
         **{
-            n: (lambda n=n: PoolState(root / n, sizes, args.window_mb * MB, args.threads, n))
+            n: functools.partial(PoolState, root / n, sizes, args.window_mb * MB, args.threads, n)
             for n in ("pread", "direct", "uring")
         },
     }

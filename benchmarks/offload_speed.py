@@ -361,7 +361,7 @@ def main() -> None:
     Path(args.scratch).mkdir(parents=True, exist_ok=True)
     ranks = spawn.run_ranks(rank_main, 2, args, threads=args.threads)
     params = args.layers * (args.width * args.width + args.width)
-    report = {
+    report: dict[str, Any] = {
         "config": {**vars(args), "out": str(args.out), "params": params},
         "summary": summarise(ranks, args),
         "ranks": ranks,

@@ -186,9 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.replot:
-        results = json.loads((args.out / "suite.json").read_text())
-        print(write(results, args.out))
-        for path in plots(results, args.out):
+        saved = json.loads((args.out / "suite.json").read_text())
+        print(write(saved, args.out))
+        for path in plots(saved, args.out):
             print(f"wrote {path}")
         return 0
     sweep = SWEEP

@@ -31,6 +31,7 @@ def rank_main(rank: int, world: int, calls: int) -> dict[str, float]:
         for name in ("reused", "fresh") if i % 2 else ("fresh", "reused"):
             dist.barrier()
             start = time.perf_counter()
+            assert dist.group.WORLD is not None
             average_coalesced(params, dist.group.WORLD, stats, kept if name == "reused" else {})
             times[name].append(time.perf_counter() - start)
     warm = max(1, calls // 10)  # the first reused call makes the buffer

@@ -93,6 +93,7 @@ def run_model(
         if variant != "phalanx":
             tl = timelines.Timeline(Path(tmp) / f"{name}-{variant}.json", rank, world)
             if variant == "timeline":
+                assert isinstance(model, DistributedDataParallel)
                 model.timeline = tl
         copies[variant] = Copy(model, spec, batches, tl)
     for variant in VARIANTS:

@@ -63,7 +63,7 @@ def cgroups_usable() -> bool:
     return os.geteuid() == 0 and os.access(root, os.W_OK)
 
 
-def build() -> nn.Module:
+def build() -> nn.Sequential:
     return nn.Sequential(*(nn.Sequential(nn.Linear(2500, 2500), nn.Tanh()) for _ in range(8)))
 
 

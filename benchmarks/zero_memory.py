@@ -73,8 +73,9 @@ def spec(name: str, tiny: bool) -> models.ModelSpec:
 
 def units(net: torch.nn.Module) -> list[torch.nn.Module]:
     """What each fully_shard variant shards first: the blocks of a GPT, the Linears of an MLP."""
-    if hasattr(net, "blocks"):
-        return list(net.blocks)
+    blocks = getattr(net, "blocks", None)
+    if blocks is not None:
+        return list(blocks)
     return [m for m in net.modules() if isinstance(m, torch.nn.Linear)]
 
 

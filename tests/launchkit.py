@@ -63,7 +63,7 @@ def finish(proc: subprocess.Popen[str], timeout_s: float = TIMEOUT_S) -> tuple[s
     except subprocess.TimeoutExpired:
         proc.kill()
         out, err = proc.communicate()
-        raise AssertionError(f"{proc.args} hung\nstdout:\n{out}\nstderr:\n{err}") from None
+        raise AssertionError(f"{proc.args!r} hung\nstdout:\n{out}\nstderr:\n{err}") from None
 
 
 def read_envs(out: Path, ranks: Sequence[int], restart: int = 0) -> list[dict[str, object]]:

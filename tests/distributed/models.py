@@ -30,7 +30,7 @@ from torch import Tensor, nn
 DDP_UNDER_TEST_ENV = "PHALANX_TEST_DDP"
 
 
-def ddp_under_test() -> Callable[..., Any]:
+def ddp_under_test() -> type[Any]:
     """The DistributedDataParallel class the parity tests compare to torch's."""
     choice = os.environ.get(DDP_UNDER_TEST_ENV, "phalanx")
     if choice == "torch":

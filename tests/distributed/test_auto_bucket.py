@@ -57,6 +57,7 @@ def _auto(rank: int, world_size: int) -> dict[str, Any]:
     _train(torch.nn.parallel.DistributedDataParallel(ref_net), rank)
     ours = phalanx.DistributedDataParallel(our_net, bucket_cap_mb="auto")
     tuner = ours.reducer.plan.tuner
+    assert tuner is not None, "bucket_cap_mb='auto' plans with a tuner"
     if rank == 1:  # disagree with rank 0 on purpose: small buckets look slow here
         real = tuner.record
 

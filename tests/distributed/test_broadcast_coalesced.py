@@ -43,6 +43,7 @@ def _broadcast(rank: int, world_size: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     mine = _tensors(seed=rank)
     shapes = [(t.shape, t.stride(), t.dtype) for t in mine]
+    assert dist.group.WORLD is not None
     traffic = broadcast_coalesced(mine, dist.group.WORLD, src=1)
     out["world"] = _bits(mine) == _bits(_tensors(seed=1))
     out["layout_kept"] = [(t.shape, t.stride(), t.dtype) for t in mine] == shapes

@@ -21,9 +21,12 @@ def _wrapped_twice(rank: int, world_size: int) -> None:
 
 def _wrapped_once(rank: int, world_size: int) -> float:
     torch.manual_seed(0)
-    model = phalanx.DistributedDataParallel(nn.Linear(4, 2))
+    inner = nn.Linear(4, 2)
+    model = phalanx.DistributedDataParallel(inner)
+    assert model.module is inner
     model(torch.randn(3, 4)).sum().backward()
-    return float(model.module.weight.grad.sum())
+    assert inner.weight.grad is not None
+    return float(inner.weight.grad.sum())
 
 
 def test_torch_ddp_around_phalanx_ddp_is_refused_on_every_rank() -> None:

@@ -90,8 +90,9 @@ class MLPWithStats(nn.Module):
         self.bn = nn.BatchNorm1d(32)
         self.fc2 = nn.Linear(32, 4)
         with torch.no_grad():
-            self.bn.running_mean.normal_()  # type: ignore[operator]
-            self.bn.running_var.uniform_(0.5, 1.5)  # type: ignore[operator]
+            assert self.bn.running_mean is not None and self.bn.running_var is not None
+            self.bn.running_mean.normal_()
+            self.bn.running_var.uniform_(0.5, 1.5)
 
     def forward(self, x: Tensor) -> Tensor:
         out: Tensor = self.fc2(torch.relu(self.bn(self.fc1(x))))

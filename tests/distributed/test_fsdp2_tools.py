@@ -39,7 +39,9 @@ def _api(impl: str) -> Any:
     return phalanx
 
 
-def _shard(net: TinyGPT, impl: str, **kwargs: Any) -> TinyGPT:
+def _shard(net: TinyGPT, impl: str, **kwargs: Any) -> Any:
+    """`net` itself, now also an FSDPModule: a class made at run time, which no annotation
+    names, so Any (its unshard, reshard and prefetch methods are what the tests call)."""
     api = _api(impl)
     for block in net.blocks:
         api.fully_shard(block, **kwargs)
@@ -66,7 +68,11 @@ def _full(net: nn.Module) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     state = get_model_state_dict(net, options=StateDictOptions(full_state_dict=True))
-    return {k: v.float().tolist() for k, v in state.items()}
+    full: dict[str, Any] = {}
+    for k, v in state.items():
+        assert isinstance(v, torch.Tensor), k  # full_state_dict: plain tensors
+        full[k] = v.float().tolist()
+    return full
 
 
 # ------------------------------------------------------------------ scenarios
@@ -164,15 +170,19 @@ def _resume(impl: str, rank: int, root: str, source: str, form: str) -> dict[str
     net = _shard(TinyGPT(), impl)
     opt = torch.optim.Adam(net.parameters(), lr=1e-2)
     if form == "sharded":
-        state = {"model": get_model_state_dict(net), "optim": get_optimizer_state_dict(net, opt)}
-        dcp.load(state, checkpoint_id=str(Path(root) / source))
-        set_model_state_dict(net, state["model"])
-        set_optimizer_state_dict(net, opt, state["optim"])
+        model_sd, optim_sd = get_model_state_dict(net), get_optimizer_state_dict(net, opt)
+        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(Path(root) / source))
+        set_model_state_dict(net, model_sd)
+        set_optimizer_state_dict(net, opt, optim_sd)
     else:
-        full = torch.load(Path(root) / f"{source}-full.pt", weights_only=True) if rank == 0 else {}
+        full: dict[str, Any] = {}
+        if rank == 0:
+            full = torch.load(Path(root) / f"{source}-full.pt", weights_only=True)
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        set_model_state_dict(net, full.get("model", {}), options=options)
-        set_optimizer_state_dict(net, opt, full.get("optim", {}), options=options)
+        model_state: dict[str, Any] = full.get("model", {})
+        optim_state: dict[str, Any] = full.get("optim", {})
+        set_model_state_dict(net, model_state, options=options)
+        set_optimizer_state_dict(net, opt, optim_state, options=options)
     return {"after": _steps(net, opt, rank, range(3, 6)), "state": _full(net)}
 
 

@@ -10,7 +10,7 @@ on the CPU, at stage 3 (in memory and disk-offloaded) and at stage 0.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 import torch
@@ -22,6 +22,9 @@ from phalanx.train import Trainer
 from tests.distributed.test_trainer_zero import _args, _data, _xent
 from tests.harness import run_scenarios, run_workers
 from tests.unit.test_meta_init import Tied, _Raw
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor  # the parameters' type under stage 3
 
 
 class _Stack(nn.Module):
@@ -63,7 +66,7 @@ def _sharded_init(rank: int, out_dir: str, disk: bool) -> dict[str, Any]:
     in_files = None
     if disk:
         files = shared_files(f"{out_dir}/offload", rank, "path")
-        in_files = all(files.holds(p._local_tensor) for p in model.parameters())
+        in_files = all(files.holds(cast("DTensor", p)._local_tensor) for p in model.parameters())
     return {
         "full": _lists(zero3.full_state_dict(model, to=0)),
         "largest": done.largest_temporary_bytes,

@@ -13,7 +13,7 @@ directory under zero_offload_dir, which must be gone once the Trainer closes.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 import torch
@@ -23,6 +23,9 @@ from phalanx.offload import streamer_of
 from phalanx.train import Trainer
 from tests.distributed.test_trainer_zero import _args, _data, _Net, _xent
 from tests.harness import run_workers
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor  # the parameters' type under stage 3
 
 STEPS = 20
 
@@ -71,7 +74,8 @@ def _train(out: Path, stage: int, offload: str | None, files_seen: list[Any]) ->
                 "state_in_files": all(files.holds(getattr(v, "_local_tensor", v)) for v in big),
                 "state_tensors": len(big),
                 "params_in_files": [
-                    files.holds(p._local_tensor) for p in trainer.model.parameters()
+                    files.holds(cast("DTensor", p)._local_tensor)
+                    for p in trainer.model.parameters()
                 ]
                 if stage == 3
                 else None,

@@ -71,7 +71,7 @@ def _ddp_run(
 
 
 def _parity(rank: int, approx_rank: int, batched: bool = False, steps: int = 20) -> Any:
-    kwargs = {
+    kwargs: dict[str, Any] = {
         "matrix_approximation_rank": approx_rank,
         "start_powerSGD_iter": START,
         "batch_tensors_with_same_shape": batched,

@@ -55,7 +55,7 @@ def _buffer_off(rank: int) -> str:
     net.register_buffer("ema", torch.zeros(3))
     model = phalanx.DistributedDataParallel(net, broadcast_buffers=False)
     if rank == 1:
-        net.ema[1] = 0.5  # a rank-local buffer nobody broadcasts
+        net.get_buffer("ema")[1] = 0.5  # a rank-local buffer nobody broadcasts
     return _check(model)
 
 

@@ -61,7 +61,8 @@ def _wandb_history(path: Path) -> list[dict[str, Any]]:
             records.append(partial)
     history = []
     for raw in records:
-        record = wandb_internal_pb2.Record()
+        # protobuf builds its message classes at import time: no stub names them.
+        record = wandb_internal_pb2.Record()  # type: ignore[attr-defined]
         record.ParseFromString(raw)
         if record.WhichOneof("record_type") == "history":
             items = {

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import TensorDataset
 
+from phalanx import DistributedDataParallel
 from phalanx.errors import ConfigurationError
 from phalanx.train import (
     CheckpointError,
@@ -257,6 +258,7 @@ def _fallback_scenario(rank: int, world: int, out_dir: str) -> dict[str, Any]:
         out = Trainer(model=model, args=longer, train_dataset=data, loss_fn=_xent).train(
             resume_from_checkpoint=True
         )
+    assert isinstance(first.wrapped_model, DistributedDataParallel)
     result["first_reducer_rounds"] = first.wrapped_model.reducer.stats.sync_rounds
     result["warnings"] = [
         str(w.message) for w in caught if issubclass(w.category, CheckpointFallbackWarning)
@@ -285,8 +287,8 @@ def test_a_torn_checkpoint_is_refused_or_skipped_back_to_the_previous_one(
     args = _args(str(tmp_path), max_steps=10, per_device_train_batch_size=4)
     trainer = Trainer(model=model, args=args, train_dataset=data, loss_fn=_xent)
     with pytest.warns(ResumeWarning) as caught:
-        out = trainer.train(resume_from_checkpoint=tmp_path / "checkpoint-4")
+        resumed = trainer.train(resume_from_checkpoint=tmp_path / "checkpoint-4")
     message = str(caught[0].message)
     assert "resuming checkpoint-4 with changed arguments: world size 2 → 1" in message
     assert "epoch 0 continues at sample 32 of 64" in message
-    assert (out.global_step, trainer.state.epoch, trainer.state.batches_done) == (10, 0, 14)
+    assert (resumed.global_step, trainer.state.epoch, trainer.state.batches_done) == (10, 0, 14)

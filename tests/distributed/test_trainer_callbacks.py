@@ -147,8 +147,9 @@ class _Snapshot(TrainerCallback):
     def __init__(self) -> None:
         self.saved: dict[int, list[Any]] = {}
 
-    def on_save(self, args: Any, state: Any, control: Any, model: Any, **kw: Any) -> None:
-        self.saved[state.global_step] = [p.detach().clone().tolist() for p in model.parameters()]
+    def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        params = kw["model"].parameters()
+        self.saved[state.global_step] = [p.detach().clone().tolist() for p in params]
 
 
 def _best(rank: int, out: Path) -> dict[str, Any]:

@@ -19,7 +19,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.data import TensorDataset
 
+from phalanx import DistributedDataParallel
 from phalanx.train import Trainer, TrainingArguments
+from phalanx.train.callbacks import TrainerCallback
 from tests.harness import run_workers
 
 
@@ -34,6 +36,17 @@ class _OnFirst(nn.Module):
 
 def _xent(outputs: Tensor, batch: list[Tensor]) -> Tensor:
     return nn.functional.cross_entropy(outputs, batch[1])
+
+
+class _TrainingLogs(TrainerCallback):
+    """Every training log line this rank's Trainer hands its callbacks."""
+
+    def __init__(self) -> None:
+        self.lines: list[dict[str, float]] = []
+
+    def on_log(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if "comm_bytes_per_step" in kw["logs"]:  # not an evaluation's line
+            self.lines.append(dict(kw["logs"]))
 
 
 def _train(rank: int, world: int, out_dir: str, even: bool, accumulation: int) -> dict[str, Any]:
@@ -54,9 +67,9 @@ def _train(rank: int, world: int, out_dir: str, even: bool, accumulation: int) -
         logging_steps=1,
         even_batches=even,
     )
-    trainer = Trainer(model=model, args=args, train_dataset=data, loss_fn=_xent)
-    logged: list[dict[str, float]] = []
-    trainer._emit = logged.append  # type: ignore[method-assign]
+    logs = _TrainingLogs()
+    trainer = Trainer(model=model, args=args, train_dataset=data, loss_fn=_xent, callbacks=[logs])
+    logged = logs.lines
     out = trainer.train()
     state = [p.detach().reshape(-1) for p in trainer.model.parameters()]
     for p in trainer.model.parameters():
@@ -64,6 +77,7 @@ def _train(rank: int, world: int, out_dir: str, even: bool, accumulation: int) -
     flat = torch.cat(state).double()
     gathered = [torch.zeros_like(flat) for _ in range(world)]
     dist.all_gather(gathered, flat)
+    assert isinstance(trainer.wrapped_model, DistributedDataParallel)
     stats = trainer.wrapped_model.reducer.stats
     return {
         "global_step": out.global_step,
@@ -97,6 +111,7 @@ def test_trainer_logs_bytes_and_collectives_per_step(tmp_path: Path) -> None:
         assert got["shadow_rounds"] == 0, got  # padded: nobody runs out
         # The first step also broadcasts the parameter order of the rebuild; after it, one
         # bucket and the small step signals per step: gradients plus a few bytes.
+        assert len(got["bytes_per_step"]) > 1, got  # logging_steps=1: a line a step
         for sent in got["bytes_per_step"][1:]:
             assert got["grad_bytes"] <= sent < got["grad_bytes"] + 256, got
         assert all(calls >= 1 for calls in got["collectives_per_step"]), got

@@ -23,7 +23,7 @@ from tests.harness import run_scenarios, run_workers
 def _nudge(trainer: Trainer) -> None:
     if in_step(trainer, 3, rank=1):
         with torch.no_grad():
-            trainer.model.net[0].weight[2, 1] += 1e-3  # type: ignore[index]
+            trainer.model.get_parameter("net.0.weight")[2, 1] += 1e-3
 
 
 def _train(out: Path, every: int) -> dict[str, Any]:

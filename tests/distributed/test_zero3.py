@@ -119,17 +119,19 @@ def _units(model: nn.Module) -> list[nn.Module]:
 
 
 def _shard(net: nn.Module, impl: str, reshard: Any = None, bf16: bool = False) -> nn.Module:
+    # torch's FSDP2 or ours: the same names, called the same way, but two distinct types.
+    api: Any
     if impl == "torch":
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        import torch.distributed.fsdp as api
     else:
-        from phalanx import MixedPrecisionPolicy, fully_shard  # type: ignore[assignment]
+        api = phalanx
     kwargs: dict[str, Any] = {}
     if bf16:
-        kwargs["mp_policy"] = MixedPrecisionPolicy(torch.bfloat16, torch.float32)
+        kwargs["mp_policy"] = api.MixedPrecisionPolicy(torch.bfloat16, torch.float32)
     for unit in _units(net):
         extra = {} if reshard is None else {"reshard_after_forward": reshard}
-        fully_shard(unit, **kwargs, **extra)
-    return fully_shard(net, **kwargs)
+        api.fully_shard(unit, **kwargs, **extra)
+    return api.fully_shard(net, **kwargs)
 
 
 def train(case: str, impl: str, rank: int, *, bf16: bool | None = None) -> dict[str, Any]:

@@ -61,8 +61,9 @@ def _wrapped_twice(rank: int) -> str:
 
 def _tied_across_units(rank: int) -> str:
     model = TinyGPT()
-    model.blocks[0].fc.weight = nn.Parameter(torch.randn(32, 16))
-    model.blocks[1].fc.weight = model.blocks[0].fc.weight  # tied between two blocks
+    first, second = model.get_submodule("blocks.0.fc"), model.get_submodule("blocks.1.fc")
+    first.weight = nn.Parameter(torch.randn(32, 16))
+    second.weight = first.weight  # tied between two blocks
     phalanx.fully_shard(model.blocks[0])
     return _error(lambda: phalanx.fully_shard(model.blocks[1]))
 
@@ -142,7 +143,7 @@ SCENARIOS: dict[str, Callable[[int], str]] = {
     "scalar": lambda r: _error(lambda: phalanx.fully_shard(Scalar())),
     "recovers": _recovers,
     "method": lambda r: _error(
-        lambda: phalanx.fully_shard(nn.Linear(4, 4)).set_custom_all_gather(None)  # type: ignore[attr-defined]
+        lambda: phalanx.fully_shard(nn.Linear(4, 4)).set_custom_all_gather(None)  # type: ignore[operator]
     ),
 }
 

@@ -114,7 +114,8 @@ def test_plain_file_loads_into_the_plain_optimizer_and_dcp_converts_without_phal
     model.load_state_dict(saved["model"])
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
-    plain = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest}])
+    groups: list[dict[str, Any]] = [{"params": decay, "weight_decay": 0.1}, {"params": rest}]
+    plain = torch.optim.AdamW(groups)
     plain.load_state_dict(saved["optimizer"])
     assert len(plain.state) == len(list(model.parameters()))
     for p in model.parameters():

@@ -9,6 +9,7 @@ synchronise CUDA parameters. One rank per visible GPU, up to 2.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -51,10 +52,13 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     dist.init_process_group("nccl", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
         params = {}
-        for name, hook, state in (
+        # torch's hook takes torch's GradBucket; phalanx's reducer hands it its own, which
+        # has the same methods (the drop-in promise), so the pair is typed loosely here.
+        cases: tuple[tuple[str, Callable[..., Any], Any], ...] = (
             ("torch", torch_powersgd.powerSGD_hook, torch_powersgd.PowerSGDState(None, 4, 3)),
             ("ours", powersgd_hook, PowerSGDState(None, 4, 3)),
-        ):
+        )
+        for name, hook, state in cases:
             model = phalanx.DistributedDataParallel(_net(device), device_ids=[device])
             model.register_comm_hook(state, hook)
             _train(model, rank, device)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 import torch
@@ -21,6 +21,10 @@ from torch.utils.data import TensorDataset
 
 from phalanx import zero3
 from phalanx.train import Trainer, TrainingArguments
+from phalanx.train.args import ZeroOffload
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor  # the parameters' type under stage 3
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -39,7 +43,7 @@ class _Net(nn.Module):
         return self.head(x)
 
 
-def _run(out: Path, offload: str | None) -> tuple[dict[str, Tensor], float, list[Any]]:
+def _run(out: Path, offload: ZeroOffload | None) -> tuple[dict[str, Tensor], float, list[Any]]:
     gen = torch.Generator().manual_seed(1)
     data = TensorDataset(
         torch.randn(640, 512, generator=gen), torch.randint(0, 8, (640,), generator=gen)
@@ -65,8 +69,8 @@ def _run(out: Path, offload: str | None) -> tuple[dict[str, Tensor], float, list
         loss_fn=lambda out, batch: nn.functional.cross_entropy(out, batch[1]),
     )
     homes = [
-        (p._local_tensor.device.type, p._local_tensor.is_pinned())
-        for p in trainer.model.parameters()
+        (shard.device.type, shard.is_pinned())
+        for shard in (cast("DTensor", p)._local_tensor for p in trainer.model.parameters())
     ]
     start = time.perf_counter()
     trainer.train()

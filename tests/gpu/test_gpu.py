@@ -128,7 +128,8 @@ def _zero_stages(rank: int, world_size: int) -> dict[str, float]:
             params = [state[k] for k in state] if state is not None else []
         else:
             params = list(net.parameters())
-        finals[str(stage)] = torch.cat([p.detach().reshape(-1) for p in params]) if params else None
+        if params:  # rank 0's; the others return nothing
+            finals[str(stage)] = torch.cat([p.detach().reshape(-1) for p in params])
     if rank != 0:
         return {}
     return {s: float((finals["0"] - finals[s]).abs().max()) for s in ("1", "2", "3")}

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from torch.utils.data import TensorDataset
 
 from phalanx.train import Trainer, TrainingArguments
+from phalanx.train.args import ZeroStage
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -36,7 +37,7 @@ class _Crash(Exception):
     pass
 
 
-def _trainer(out: Path, stage: int, crash_at: int = 0) -> Trainer:
+def _trainer(out: Path, stage: ZeroStage, crash_at: int = 0) -> Trainer:
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(96, 8, generator=gen)
     data = TensorDataset(x, torch.randint(0, 3, (96,), generator=gen))
@@ -63,7 +64,7 @@ def _trainer(out: Path, stage: int, crash_at: int = 0) -> Trainer:
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-def test_a_zero_run_on_cuda_resumes_bit_identical(tmp_path: Path, stage: int) -> None:
+def test_a_zero_run_on_cuda_resumes_bit_identical(tmp_path: Path, stage: ZeroStage) -> None:
     whole = _trainer(tmp_path / "whole", stage)
     whole.train()
     assert whole.world.device.type == "cuda" and whole.world.backend == "nccl"

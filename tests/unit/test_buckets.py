@@ -45,6 +45,11 @@ class _Sent:
         self.sent = bucket.grads.clone()
 
 
+def _grad(p: torch.nn.Parameter) -> torch.Tensor:
+    assert p.grad is not None
+    return p.grad
+
+
 def test_small_parameters_fill_at_launch_bit_for_bit_as_the_hooks_would() -> None:
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(8, 16)) for _ in range(4)]  # 512 B each
@@ -60,7 +65,7 @@ def test_small_parameters_fill_at_launch_bit_for_bit_as_the_hooks_would() -> Non
     bucket.mark_missing(3)  # never came this iteration: zeros, whatever .grad still holds
     reduction = _Sent()
     bucket.launch(reduction)  # type: ignore[arg-type]
-    expected = torch.cat([torch.mul(p.grad, scale).reshape(-1) for p in params[:3]])
+    expected = torch.cat([torch.mul(_grad(p), scale).reshape(-1) for p in params[:3]])
     assert torch.equal(reduction.sent[: expected.numel()], expected)  # the hooks' multiply
     assert reduction.sent[expected.numel() :].eq(0).all() and stale is params[3].grad
     bucket.reset()

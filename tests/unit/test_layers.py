@@ -56,6 +56,8 @@ def imports_of(path: Path) -> list[tuple[int, str]]:
             modules = [node.module]
             if node.module == "phalanx":  # from phalanx import progress_record
                 modules = [f"phalanx.{a.name}" for a in node.names]
+        else:
+            continue
         for module in modules:
             parts = module.split(".")
             if parts[0] == "phalanx" and len(parts) > 1:

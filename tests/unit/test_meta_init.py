@@ -51,6 +51,7 @@ def test_what_was_not_meta_keeps_its_values() -> None:
         model = nn.Linear(4, 4)
     model.register_buffer("mask", torch.tril(torch.ones(4, 4)))
     materialize(model)
+    assert isinstance(model.mask, torch.Tensor)
     assert torch.equal(model.mask, torch.tril(torch.ones(4, 4)))
     assert torch.isfinite(model.weight).all()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ LARGE_SIZES = (997, 4096, 100_003)
 WORLDS = range(1, 6)
 
 
-def _ours(n: int, world: int, rank: int, **kw: object) -> DistributedSampler:
+def _ours(n: int, world: int, rank: int, **kw: Any) -> DistributedSampler:
     return DistributedSampler(range(n), num_replicas=world, rank=rank, **kw)
 
 

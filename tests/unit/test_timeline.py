@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from phalanx.diagnostics.timeline import StepRecord, Timeline, merge
@@ -17,7 +18,7 @@ def test_hidden_is_the_part_of_each_flight_inside_backward() -> None:
 class _Done:
     """A future already complete: add_done_callback runs at once, as torch's does."""
 
-    def add_done_callback(self, fn):  # type: ignore[no-untyped-def]
+    def add_done_callback(self, fn: Callable[[_Done], object]) -> None:
         fn(self)
 
 
@@ -29,6 +30,7 @@ def test_two_ranks_merge_into_one_trace_with_a_comm_track_each(tmp_path: Path) -
             pass
         timeline.backward_started()
         timeline.bucket_launched(0, 4096, _Done())
+        assert timeline._current is not None
         timeline.backward_waited(
             timeline._current.backward[0] + 5, timeline._current.backward[0] + 9
         )

@@ -33,7 +33,7 @@ NAMES = [
 
 if __name__ == "__main__":
     out = Path(sys.argv[1])
-    values = {name: os.environ.get(name) for name in NAMES}
+    values: dict[str, object] = {name: os.environ.get(name) for name in NAMES}
     values["argv"] = sys.argv[2:]
     values["pid"] = os.getpid()
     restart = os.environ["PHALANX_RESTART_COUNT"]

@@ -152,7 +152,7 @@ def kill_in_offload_step(trainer: Trainer, where: str, marker: Path) -> None:
         die(f"writing window {count[2]} of {count[1]}: {half} of {len(tensors)} tensors")
 
     streamer._step_windows = step_windows_then  # type: ignore[method-assign]
-    streamer._raw_step = raw_step_then  # type: ignore[method-assign]
+    streamer._raw_step = raw_step_then
     streamer._write = write_then  # type: ignore[method-assign]
     streamer.files.release = release_then  # type: ignore[method-assign]
 

@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -139,7 +140,7 @@ def main() -> None:
     torch.manual_seed(0)
     with torch.device("meta"):
         model = Transformer()
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     if args.mixed_precision:
         kwargs["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32
@@ -147,6 +148,7 @@ def main() -> None:
     for layer in model.layers:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
+    assert isinstance(model, FSDPModule)  # fully_shard swapped its class in place
     if args.load is None:
         model.to_empty(device="cpu")
         model.reset_parameters()
@@ -156,8 +158,10 @@ def main() -> None:
     if args.explicit_prefetching:
         layers = list(model.layers)
         for i, layer in enumerate(layers[:-1]):
-            layer.set_modules_to_forward_prefetch([layers[i + 1]])
-            layers[i + 1].set_modules_to_backward_prefetch([layer])
+            after = layers[i + 1]
+            assert isinstance(layer, FSDPModule) and isinstance(after, FSDPModule)
+            layer.set_modules_to_forward_prefetch([after])
+            after.set_modules_to_backward_prefetch([layer])
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)
     if args.load is not None:
         full = torch.load(args.load / "optim.pt", mmap=True, weights_only=True, map_location="cpu")
@@ -171,9 +175,9 @@ def main() -> None:
         x = torch.randint(0, VOCAB, (4, SEQ), generator=generator)
         loss = F.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
         loss.backward()
-        norms.append(
-            float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0).full_tensor())
-        )
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+        assert isinstance(norm, DTensor)  # of sharded gradients
+        norms.append(float(norm.full_tensor()))
         optim.step()
         optim.zero_grad()
         losses.append(loss.item())

@@ -37,7 +37,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
 
 DIM, VOCAB, LAYERS, MICRO = 32, 48, 4, 2
 
@@ -76,6 +77,7 @@ class Model(nn.Module):
     def init_weights(self) -> None:
         nn.init.normal_(self.embed.weight)
         for i, block in enumerate(self.blocks):
+            assert isinstance(block, Block)
             block.init_weights(0.02 / (2 * (i + 1)) ** 0.5)
         self.norm.reset_parameters()
         nn.init.trunc_normal_(self.head.weight, std=DIM**-0.5)
@@ -131,6 +133,7 @@ def main() -> None:
     with torch.device("meta"):
         model = Model()
     parallelize(model, mesh, reshard)
+    assert isinstance(model, FSDPModule)  # fully_shard swapped its class in place
     model.to_empty(device="cpu")
     torch.manual_seed(0)
     model.init_weights()
@@ -150,6 +153,7 @@ def main() -> None:
             losses.append(loss.item())
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        assert isinstance(total, DTensor)  # of sharded gradients
         total = total.full_tensor()
         torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm=1.0, total_norm=total)
         norms.append(float(total))
