@@ -205,7 +205,7 @@ class Bucket:
             view.copy_(param.grad)
             param.grad = view
 
-    def launch(self, reduction: BucketReduction) -> None:
+    def launch(self, reduction: BucketReduction[Any]) -> None:
         if self.fill_at_launch:
             self.fill_slots()
         self.work = reduction.launch(self)
@@ -238,7 +238,7 @@ class Bucket:
             for p, view, _ in copied:
                 p.grad = view
 
-    def wait(self, reduction: BucketReduction) -> None:
+    def wait(self, reduction: BucketReduction[Any]) -> None:
         """Block until this bucket's collective is done and `grads` holds the result."""
         if self.work is not None:
             reduction.finish(self, self.work)

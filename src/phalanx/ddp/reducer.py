@@ -75,7 +75,7 @@ class Reducer:
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.batched_copy = batched_copy
         self.stats = ReducerStats()
-        self.reduction: BucketReduction = AllReduce(group)
+        self.reduction: BucketReduction[Any] = AllReduce(group)
         self.sharded_by: Callable[[], object | None] = lambda: None
         """A weak reference to the ZeroRedundancyOptimizer whose pieces these parameters are
         (set by it): its step is a collective of its own, which Join must know about."""
@@ -142,7 +142,7 @@ class Reducer:
     def _slot_view(self, i: int) -> torch.Tensor:
         return self._bucket_of[i].views[self._slot_of[i]]
 
-    def set_reduction(self, reduction: BucketReduction) -> None:
+    def set_reduction(self, reduction: BucketReduction[Any]) -> None:
         """Choose what a full bucket does (phalanx.ddp.reductions)."""
         rebuild = reduction.keeps_gradients != self.buckets[0].keeps_gradients
         self.reduction = reduction

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -23,8 +23,12 @@ from phalanx.ddp.comm_hooks import CommHook, GradBucket
 from phalanx.ddp.comm_stats import stats_of
 from phalanx.ddp.stats import Collective, Traffic, ring_wire_bytes
 
+HandleT = TypeVar("HandleT")
+"""What a reduction's launch returns and its finish takes: torch's Work for the all-reduce,
+a Future for a comm hook, a ReduceScatterState for ZeRO-2's reduce-scatter."""
 
-class BucketReduction(ABC):
+
+class BucketReduction(ABC, Generic[HandleT]):
     """Starts a bucket's collective, and finishes it into the bucket's `grads`."""
 
     carries_flags: bool = False
@@ -43,11 +47,11 @@ class BucketReduction(ABC):
         """Average over `divisor` ranks from now on (Join: the ranks still training)."""
 
     @abstractmethod
-    def launch(self, bucket: Bucket) -> Any:
+    def launch(self, bucket: Bucket) -> HandleT:
         """Start the collective for a full bucket; return what `finish` needs."""
 
     @abstractmethod
-    def finish(self, bucket: Bucket, handle: Any) -> None:
+    def finish(self, bucket: Bucket, handle: HandleT) -> None:
         """Wait for `handle`; afterwards `bucket.grads` holds the reduced gradients."""
 
     def write_back(self, bucket: Bucket, skip: set[int]) -> None:
@@ -55,19 +59,19 @@ class BucketReduction(ABC):
         except for the parameters in `skip` (reducer indices: unused on every rank)."""
         bucket.write_back(skip)
 
-    def traffic(self, bucket: Bucket, handle: Any, world_size: int) -> Traffic:
+    def traffic(self, bucket: Bucket, handle: HandleT, world_size: int) -> Traffic:
         """What this launch handed to collectives, asked once `finish` returned (counters).
 
         Default: one all-reduce of the bucket's gradients.
         """
         return Traffic.of(Collective.ALL_REDUCE, world_size, gradient_bytes=bucket.grad_bytes)
 
-    def future(self, handle: Any) -> torch.futures.Future[Any] | None:
+    def future(self, handle: HandleT) -> torch.futures.Future[Any] | None:
         """A future completed with the collective, for the timeline (None: unknown)."""
         return None
 
 
-class AllReduce(BucketReduction):
+class AllReduce(BucketReduction[dist.Work]):
     """The default: average the whole buffer with one async all-reduce (torch DDP's path)."""
 
     carries_flags = True
@@ -93,7 +97,7 @@ class AllReduce(BucketReduction):
             self._world_size = divisor
             self._inverse_world.fill_(1.0 / divisor)  # in place: the buckets hold this tensor
 
-    def launch(self, bucket: Bucket) -> Any:
+    def launch(self, bucket: Bucket) -> dist.Work:
         if not bucket.scaled:
             # Raw sums in the slots (gradient_as_bucket_view accumulates in place;
             # batched_grad_copy copies unscaled): average them now, dividing as
@@ -103,13 +107,13 @@ class AllReduce(BucketReduction):
             return dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
         return self.group.allreduce([bucket.buffer], self._options)
 
-    def finish(self, bucket: Bucket, handle: Any) -> None:
+    def finish(self, bucket: Bucket, handle: dist.Work) -> None:
         handle.wait()
 
-    def traffic(self, bucket: Bucket, handle: Any, world_size: int) -> Traffic:
+    def traffic(self, bucket: Bucket, handle: dist.Work, world_size: int) -> Traffic:
         return _all_reduce_traffic(world_size, bucket.grad_bytes, bucket.flags.nbytes)
 
-    def future(self, handle: Any) -> torch.futures.Future[Any]:
+    def future(self, handle: dist.Work) -> torch.futures.Future[Any]:
         future: torch.futures.Future[Any] = handle.get_future()
         return future
 
@@ -122,7 +126,11 @@ def _all_reduce_traffic(world_size: int, grad_bytes: int, flag_bytes: int) -> Tr
     )
 
 
-class CommHookReduction(BucketReduction):
+HookFuture = torch.futures.Future[Any]
+"""A comm hook's handle: the future it returned."""
+
+
+class CommHookReduction(BucketReduction[HookFuture]):
     """A user's `register_comm_hook(state, hook)`: the hook owns the wire format.
 
     It gets the bucket's raw gradient sums and returns a Future of the averaged
@@ -140,7 +148,7 @@ class CommHookReduction(BucketReduction):
     def __init__(self, hook: CommHook, state: Any) -> None:
         self.hook = hook
         self.state = state
-        self._previous: torch.futures.Future[Any] | None = None
+        self._previous: HookFuture | None = None
         self._hook_stats = stats_of(state)
         """The hook's own counters when its state is a HookState (what it really sent)."""
         self._counted = (0, 0)  # (sent_bytes, collectives) of _hook_stats already booked
@@ -148,7 +156,7 @@ class CommHookReduction(BucketReduction):
     def set_divisor(self, divisor: int) -> None:
         """A comm hook divides as it chooses (torch's rule): nothing to change here."""
 
-    def launch(self, bucket: Bucket) -> Any:
+    def launch(self, bucket: Bucket) -> HookFuture:
         grad_bucket = GradBucket(
             bucket.index, bucket.grads, bucket.params, bucket.views, bucket.is_last
         )
@@ -161,7 +169,7 @@ class CommHookReduction(BucketReduction):
         self._previous = future
         return future
 
-    def _start_after(self, grad_bucket: GradBucket, result: torch.futures.Future[Any]) -> None:
+    def _start_after(self, grad_bucket: GradBucket, result: HookFuture) -> None:
         """Run the hook now that the previous bucket is done; forward its outcome to `result`."""
         try:
             inner = self.hook(self.state, grad_bucket)
@@ -169,7 +177,7 @@ class CommHookReduction(BucketReduction):
             result.set_exception(exc)
             return
 
-        def forward(done: torch.futures.Future[Any]) -> None:
+        def forward(done: HookFuture) -> None:
             try:
                 result.set_result(done.value())
             except Exception as exc:
@@ -177,7 +185,7 @@ class CommHookReduction(BucketReduction):
 
         inner.add_done_callback(forward)
 
-    def finish(self, bucket: Bucket, handle: Any) -> None:
+    def finish(self, bucket: Bucket, handle: HookFuture) -> None:
         handle.wait()
         result = handle.value()
         if isinstance(result, list):
@@ -185,7 +193,7 @@ class CommHookReduction(BucketReduction):
         if result is not bucket.grads:
             bucket.grads.copy_(result)
 
-    def traffic(self, bucket: Bucket, handle: Any, world_size: int) -> Traffic:
+    def traffic(self, bucket: Bucket, handle: HookFuture, world_size: int) -> Traffic:
         """What the hook counted in its `HookState.stats` since the last bucket was booked
         (its chained collectives are done once the bucket is); a hook without one (torch's
         own, a process group as state) is booked as an all-reduce of the bucket."""
@@ -198,6 +206,6 @@ class CommHookReduction(BucketReduction):
         wire = ring_wire_bytes(Collective.ALL_REDUCE, sent, world_size)
         return Traffic(calls, sent, 0, wire, "hook")
 
-    def future(self, handle: Any) -> torch.futures.Future[Any]:
-        future: torch.futures.Future[Any] = handle
+    def future(self, handle: HookFuture) -> HookFuture:
+        future: HookFuture = handle
         return future

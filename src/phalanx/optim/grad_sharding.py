@@ -13,8 +13,6 @@ only full-size gradient memory.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
@@ -30,7 +28,7 @@ from phalanx.optim.collectives import (
 from phalanx.optim.sharding import Piece, ShardedFlat
 
 
-class ReduceScatter(BucketReduction):
+class ReduceScatter(BucketReduction[ReduceScatterState]):
     """Average each bucket into the owners' shard gradients with one reduce-scatter."""
 
     keeps_gradients = False
@@ -55,7 +53,7 @@ class ReduceScatter(BucketReduction):
     def set_divisor(self, divisor: int) -> None:
         self._divisor = divisor
 
-    def launch(self, bucket: Bucket) -> Any:
+    def launch(self, bucket: Bucket) -> ReduceScatterState:
         layout = self._layout(bucket)
         with torch.no_grad():
             send = layout.reduce_scatter_input([p.grad for p in bucket.params])
@@ -65,13 +63,12 @@ class ReduceScatter(BucketReduction):
         received = torch.empty(layout.block, dtype=send.dtype, device=send.device)
         return start_reduce_scatter(received, send, self.group)
 
-    def finish(self, bucket: Bucket, handle: Any) -> None:
+    def finish(self, bucket: Bucket, handle: ReduceScatterState) -> None:
         self._outputs[bucket.index] = wait_reduce_scatter(handle, self.group)
 
-    def traffic(self, bucket: Bucket, handle: Any, world_size: int) -> Traffic:
+    def traffic(self, bucket: Bucket, handle: ReduceScatterState, world_size: int) -> Traffic:
         """One reduce-scatter of the laid-out bucket (padding included: it is sent)."""
-        state: ReduceScatterState = handle
-        nbytes = state.input.numel() * state.input.element_size()
+        nbytes = handle.input.numel() * handle.input.element_size()
         return Traffic.of(Collective.REDUCE_SCATTER, world_size, gradient_bytes=nbytes)
 
     def write_back(self, bucket: Bucket, skip: set[int]) -> None:
