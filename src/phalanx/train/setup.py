@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +13,6 @@ from torch import nn
 from torch.optim import SGD, Adagrad, AdamW, Optimizer, RMSprop
 from torch.utils.data import DataLoader, Dataset
 
-from phalanx import zero3
 from phalanx.data.sampler import DistributedSampler
 from phalanx.ddp.module import DistributedDataParallel
 from phalanx.ddp.sync import raise_if_settings_differ
@@ -24,15 +22,11 @@ from phalanx.offload import (
     CPUOffloadPolicy,
     DiskOffloadPolicy,
     OffloadPolicy,
-    offload_optimizer,
     shared_files,
     streamer_of,
 )
-from phalanx.optim.zero import ZeroRedundancyOptimizer
 from phalanx.runtime import World, init, shutdown
-from phalanx.runtime.hostmem import return_freed_memory
 from phalanx.train.args import TrainingArguments
-from phalanx.zero3.meta_init import has_meta_tensors, materialize
 
 
 def join_world(args: TrainingArguments) -> tuple[World, bool]:
@@ -77,28 +71,16 @@ def _check_precision(args: TrainingArguments, device: torch.device) -> None:
         )
 
 
-def prepare_model(model: nn.Module, args: TrainingArguments, world: World) -> nn.Module:
-    """Check the precision fits the device, turn on gradient checkpointing if asked, and
-    move the model to this rank's device. At stage 3 or under offload, host memory freed
-    goes back to the kernel (runtime/hostmem.py).
-
-    A model built on the meta device is given rank 0's initial values here, whole,
-    below stage 3; at stage 3 it stays meta until `wrap_model` has sharded it, so
-    that each rank only ever holds its shards (zero3/meta_init.py).
-    """
+def prepare_device_model(model: nn.Module, args: TrainingArguments, world: World) -> nn.Module:
+    """What every strategy does first: check the precision fits the device, turn on gradient
+    checkpointing if asked, and compile if asked (the strategy then places the model)."""
     _check_precision(args, world.device)
-    if args.zero_stage == 3 or args.zero_offload is not None:
-        return_freed_memory()  # the point of these runs is less host memory: see hostmem.py
     if args.gradient_checkpointing:
         _enable_gradient_checkpointing(model)
     if args.torch_compile:
         # In place, before any wrapper: DDP's hooks sit on the parameters, outside the graph.
         model.compile(backend=args.torch_compile_backend, mode=args.torch_compile_mode)
-    if has_meta_tensors(model):
-        if args.zero_stage == 3:
-            return model  # fully_shard moves what is not meta to the device
-        materialize(model, world.device, group=world.process_group)
-    return model.to(world.device)
+    return model
 
 
 def _enable_gradient_checkpointing(model: nn.Module) -> None:
@@ -122,17 +104,11 @@ def _enable_gradient_checkpointing(model: nn.Module) -> None:
         enable()
 
 
-def build_optimizer(model: nn.Module, args: TrainingArguments, world: World) -> Optimizer:
-    """AdamW (or `args.optim`); weight decay on matrices only, since decaying biases and
-    norm gains hurts.
-
-    Under ZeRO the same two groups go to a ZeroRedundancyOptimizer over AdamW,
-    built after the model is wrapped (stage 2 hooks the wrapper's reducer). A
-    world of one runs it too, with one shard: its checkpoints then have the
-    sharded layout, so a one-process run and a many-rank run resume each
-    other's. Stage 2 there is stage 1: with no reducer there is nothing to
-    reduce-scatter, and the single shard is the whole gradient.
-    """
+def optimizer_recipe(
+    model: nn.Module, args: TrainingArguments
+) -> tuple[Any, list[dict[str, Any]], dict[str, Any]]:
+    """`args.optim`'s class, the two parameter groups, and its settings: weight decay on
+    matrices only, since decaying biases and norm gains hurts (the strategy builds it)."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not trainable:
         raise ConfigurationError(
@@ -145,28 +121,11 @@ def build_optimizer(model: nn.Module, args: TrainingArguments, world: World) -> 
         {"params": decay, "weight_decay": args.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    groups = [g for g in groups if g["params"]]
-    disk = offload_policy(args)
-    disk = disk if isinstance(disk, DiskOffloadPolicy) else None
     cls, defaults = OPTIMIZERS[args.optim]
+    settings = {"lr": args.learning_rate, **defaults}
     if cls is AdamW:
-        defaults = {
-            **defaults,
-            "betas": (args.adam_beta1, args.adam_beta2),
-            "eps": args.adam_epsilon,
-        }
-    if args.zero_stage in (0, 3):  # stage 3's optimizer steps the model's DTensor shards
-        optimizer = cls(groups, lr=args.learning_rate, **defaults)
-        return optimizer if disk is None else offload_optimizer(optimizer, disk)
-    return ZeroRedundancyOptimizer(
-        groups,
-        cls,
-        process_group=world.process_group,
-        shard_gradients=args.zero_stage == 2 and world.is_distributed,
-        offload_policy=disk,
-        lr=args.learning_rate,
-        **defaults,
-    )
+        settings.update(betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
+    return cls, [g for g in groups if g["params"]], settings
 
 
 # TrainingArguments.optim, by Hugging Face's names: torch's own optimizers, all elementwise
@@ -194,32 +153,6 @@ def offload_policy(args: TrainingArguments) -> OffloadPolicy | None:
     return None
 
 
-def check_user_optimizer(optimizer: Optimizer, args: TrainingArguments) -> None:
-    """Refuse the optimizers the Trainer cannot drive: it builds ZeRO itself, after wrapping."""
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
-        raise ConfigurationError(
-            "the Trainer builds ZeroRedundancyOptimizer itself, after it wraps the model "
-            "(stage 2 must hook that wrapper) — pass zero_stage=1 or 2 instead of "
-            "optimizer=ZeroRedundancyOptimizer(...)"
-        )
-    if args.zero_stage == 3:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        if not all(zero3.is_sharded(p) for p in params):
-            raise ConfigurationError(
-                "zero_stage=3 shards the model, so an optimizer built over its whole "
-                "parameters steps tensors the model no longer uses — shard the model first "
-                "(phalanx.zero3.shard_model) and build the optimizer over model.parameters(), "
-                "or drop optimizer= and let the Trainer build AdamW"
-            )
-        return
-    if args.zero_stage in (1, 2):
-        raise ConfigurationError(
-            f"zero_stage={args.zero_stage} shards the AdamW the Trainer builds, so it cannot "
-            f"take your {type(optimizer).__name__} — drop optimizer= (and set learning_rate "
-            "and weight_decay), or keep your optimizer with zero_stage=0"
-        )
-
-
 def train_loader(
     dataset: Dataset[Any],
     sampler: DistributedSampler,
@@ -244,33 +177,6 @@ def train_loader(
             "per_device_train_batch_size or set dataloader_drop_last=False"
         )
     return loader
-
-
-def wrap_model(model: nn.Module, args: TrainingArguments, world: World) -> nn.Module:
-    """phalanx DDP with the arguments' DDP options, or the model itself in a world of one
-    or under a local sync_method.
-
-    Under zero_stage=3 the model is sharded in place instead (its units, then the
-    root; in a world of one too, so checkpoints have one layout whatever the size)
-    unless it arrives sharded already, and the loop calls it as it is.
-    """
-    if args.zero_stage == 3:
-        if zero3.unit_of(model) is None:
-            policy = zero3.by_class_names(args.zero3_units) if args.zero3_units else None
-            zero3.shard_model(model, policy, offload_policy=offload_policy(args))
-        if has_meta_tensors(model):
-            materialize(model, world.device, group=world.process_group)
-        return model
-    if not world.is_distributed or args.sync_method != "ddp":
-        # One rank has nothing to all-reduce; local SGD / DiLoCo sync parameters themselves.
-        return model
-    # A model wrapped before (by an earlier Trainer) is unhooked from that wrapper by DDP itself.
-    return DistributedDataParallel(
-        model,
-        device_ids=[world.device] if world.device.type == "cuda" else None,
-        process_group=world.process_group,
-        **asdict(args.ddp_options()),
-    )
 
 
 def record_offload_to(optimizer: Optimizer, timeline: Timeline | None) -> None:

@@ -348,7 +348,7 @@ class Trainer(TrainerSetup):
         default), as HF's Trainer.save_model; every rank must call it."""
         self._check_open()
         out = Path(output_dir if output_dir is not None else self.args.output_dir)
-        sharded = self.args.zero_stage == 3
+        sharded = self.strategy.sharded_model
         hf_save.save_model(self.model, self.world, out, self._tied, sharded)
         self._report.say(f"saved the model in Hugging Face's format to {out}")
         return out

@@ -41,26 +41,22 @@ from phalanx.train.report import RunReport
 from phalanx.train.runlog import RunLog
 from phalanx.train.schedules import make_scheduler, warmup_steps_for
 from phalanx.train.setup import (
-    build_optimizer,
     check_same_arguments,
-    check_user_optimizer,
     join_world,
-    prepare_model,
     record_offload_to,
     release,
     train_loader,
-    wrap_model,
 )
 from phalanx.train.stateful import Entry
 from phalanx.train.step import StepRunner, autocast_for
 from phalanx.train.stopping import Stop, StopRequests
+from phalanx.train.strategy import strategy_for
 from phalanx.train.streams import Stream, StreamPosition, is_stream
 from phalanx.train.trainer_state import (
     Counters,
     DataPosition,
     RngStreams,
     SamplerPosition,
-    ShardedModel,
     TrainState,
 )
 
@@ -127,12 +123,14 @@ class TrainerSetup:
     # ------------------------------------------------------------------ setup
     def _setup_model(self, model: nn.Module, optimizer: Optimizer | None) -> None:
         self._tied = hf_save.tied_copies(model)  # before sharding: ties are identities here
-        self.model: nn.Module = prepare_model(model, self.args, self.world)
+        self.strategy = strategy_for(self.args, self.world)
+        """How the run is data-parallel (strategy.py): the only reader of zero_stage."""
+        self.model: nn.Module = self.strategy.prepare(model)
         """The unwrapped module: what you save, export, or evaluate yourself."""
         if self.collate_fn is None:  # Hugging Face's default: needs the model's forward
             columns = forward_columns(self.model) if self.args.remove_unused_columns else None
             self.collate_fn = DefaultCollator(columns)
-        self.wrapped_model: nn.Module = wrap_model(self.model, self.args, self.world)
+        self.wrapped_model: nn.Module = self.strategy.wrap(self.model)
         """What the loop calls: phalanx DDP with more than one rank, else the model itself."""
         if isinstance(self.wrapped_model, DistributedDataParallel):
             self.wrapped_model.timeline = self.timeline
@@ -141,11 +139,9 @@ class TrainerSetup:
         self.comm_state = attach_comm_hook(self.wrapped_model, self.args, self.world)
         """PowerSGD's state (error feedback, warm-start Qs) when ddp_comm_hook="powersgd"."""
         if optimizer is not None:
-            check_user_optimizer(optimizer, self.args)
+            self.strategy.check_user_optimizer(optimizer)
         self.optimizer = (
-            optimizer
-            if optimizer is not None
-            else build_optimizer(self.model, self.args, self.world)
+            optimizer if optimizer is not None else self.strategy.build_optimizer(self.model)
         )
         """AdamW, or under zero_stage 1/2 a phalanx.ZeroRedundancyOptimizer over AdamW."""
         record_offload_to(self.optimizer, self.timeline)
@@ -273,11 +269,9 @@ class TrainerSetup:
         optimizer is sharded, "rng" per rank, the rest replicated. "trainer"
         comes first: it loads the counters the others' messages use.
         """
-        sharded = self.args.zero_stage == 3  # the model holds pieces: both go through DCP
         states: dict[str, Entry] = {
             "trainer": self._counters,
-            "model": ShardedModel(self.model) if sharded else self.model,
-            "optimizer": ShardedModel(self.model, self.optimizer) if sharded else self.optimizer,
+            **self.strategy.checkpoint_entries(self.model, self.optimizer),
             "scheduler": self.scheduler,
         }
         local = self.comm_state if self.comm_state is not None else self.periodic_sync

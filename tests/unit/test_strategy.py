@@ -1,0 +1,28 @@
+"""The data-parallel strategy is chosen once: nothing in the Trainer's loop or setup reads
+`zero_stage` but the strategy factory (and the arguments' own checks)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+TRAIN = Path(__file__).resolve().parents[2] / "src" / "phalanx" / "train"
+# Where reading zero_stage is the point: the factory, and the arguments' definition and checks.
+ALLOWED = {"strategy.py", "args.py", "args_checks.py", "comm_checks.py", "fields.py"}
+
+
+def test_only_the_strategy_factory_reads_zero_stage() -> None:
+    readers = []
+    for path in sorted(TRAIN.glob("*.py")):
+        if path.name in ALLOWED:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "zero_stage":
+                readers.append(f"{path.name}:{node.lineno}")
+    assert readers == [], f"the Trainer branches on zero_stage outside strategy.py: {readers}"
+
+
+def test_the_factory_maps_every_stage() -> None:
+    from phalanx.train.strategy import _BY_STAGE, FullyShard, ShardedOptimizer, Strategy
+
+    assert {0: Strategy, 1: ShardedOptimizer, 2: ShardedOptimizer, 3: FullyShard} == _BY_STAGE
