@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 
 def rehash(checkpoint: Path) -> None:
@@ -20,3 +21,17 @@ def rehash(checkpoint: Path) -> None:
             files[name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
     manifest["files"] = files
     manifest_path.write_text(json.dumps(manifest))
+
+
+def record_loss_sums(trainer: Any) -> list[float]:
+    """The Trainer's running loss sum at each log line, appended as the run goes (the list
+    it returns fills in): what parity tests compare step by step."""
+    sums: list[float] = []
+    original = trainer._log
+
+    def log() -> None:
+        original()
+        sums.append(trainer.state.loss_sum)
+
+    trainer._log = log
+    return sums

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from phalanx import zero3
 from phalanx.offload import shared_files
 from phalanx.train import Trainer
+from tests.checkpoints import record_loss_sums
 from tests.distributed.test_trainer_zero import _args, _data, _xent
 from tests.harness import run_scenarios, run_workers
 from tests.unit.test_meta_init import Tied, _Raw
@@ -79,14 +80,7 @@ def _train(rank: int, out: Path, meta: bool, **extra: Any) -> dict[str, Any]:
     args = _args(out, max_steps=6, logging_steps=1, save_steps=10_000, **extra)
     trainer = Trainer(model=_built(meta, rank), args=args, train_dataset=_data(), loss_fn=_xent)
     initial = _full(trainer, args.zero_stage)
-    losses: list[float] = []
-    original = trainer._log
-
-    def log() -> None:
-        original()
-        losses.append(trainer.state.loss_sum)
-
-    trainer._log = log  # type: ignore[method-assign]
+    losses = record_loss_sums(trainer)
     trainer.train()
     result = {"initial": initial, "final": _full(trainer, args.zero_stage), "losses": losses}
     trainer.close()

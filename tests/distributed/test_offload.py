@@ -21,6 +21,7 @@ import torch
 from phalanx import zero3
 from phalanx.offload import streamer_of
 from phalanx.train import Trainer
+from tests.checkpoints import record_loss_sums
 from tests.distributed.test_trainer_zero import _args, _data, _Net, _xent
 from tests.harness import run_workers
 
@@ -53,14 +54,7 @@ def _train(out: Path, stage: int, offload: str | None, files_seen: list[Any]) ->
         **extra,
     )
     trainer = Trainer(model=_Net(), args=args, train_dataset=_data(), loss_fn=_xent)
-    losses: list[float] = []
-    original = trainer._log
-
-    def log() -> None:
-        original()
-        losses.append(trainer.state.loss_sum)
-
-    trainer._log = log  # type: ignore[method-assign]
+    losses = record_loss_sums(trainer)
     trainer.train()
     if offload == "disk":
         inner = getattr(trainer.optimizer, "optim", trainer.optimizer)
