@@ -9,9 +9,7 @@ the private methods real code calls (phalanx.ddp.torch_surface).
 
 from __future__ import annotations
 
-import functools
-import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -28,7 +26,7 @@ from phalanx.ddp.reducer import Reducer
 from phalanx.ddp.reductions import AllReduce, CommHookReduction
 from phalanx.ddp.registry import reducer_of
 from phalanx.ddp.sync import broadcast_coalesced, verify_same_state
-from phalanx.ddp.torch_surface import TorchSurface, refuse_torch_ddp_around
+from phalanx.ddp.torch_surface import TorchSurface, eager, refuse_torch_ddp_around
 from phalanx.diagnostics import timeline as timelines
 from phalanx.diagnostics.timeline import Timeline
 from phalanx.errors import ConfigurationError, ReducerError
@@ -38,24 +36,6 @@ from phalanx.runtime.exit import register_exit_hook
 __all__ = ["DEFAULT_BUCKET_CAP_MB", "DistributedDataParallel", "reducer_of"]
 
 
-def _eager(method: Callable[..., None]) -> Callable[..., None]:
-    """`torch.compiler.disable(method)`, made at its first call with torch._dynamo loaded.
-
-    Marking it at import would load torch._dynamo in every process: seconds of CPU
-    per rank, before the first step. Only a process that compiles loads it, and
-    only there does the mark matter.
-    """
-    lazily = torch._disable_dynamo(method)  # torch's lazy form, as torch's own DDP uses
-
-    @functools.wraps(method)
-    def call(*args: Any) -> None:
-        if "torch._dynamo" in sys.modules:
-            return lazily(*args)
-        return method(*args)
-
-    return call
-
-
 class DistributedDataParallel(TorchSurface, nn.Module, JoinableDDP):
     """Replicate `module` on every rank and average its gradients during backward.
 
@@ -63,7 +43,28 @@ class DistributedDataParallel(TorchSurface, nn.Module, JoinableDDP):
     are bucketed (reverse registration order, `bucket_cap_mb`, a 1 MiB first
     bucket), each bucket is all-reduced asynchronously as soon as its last
     gradient arrives, and the buckets are rebuilt once in the order gradients
-    really arrived.
+    really arrived. torch 2.13's arguments, with torch's meanings:
+
+    module: the model; every rank must hold the same parameters (checked at wrap,
+        then rank 0's values broadcast unless `init_sync=False`).
+    device_ids / output_device: one CUDA device (or None on CPU); inputs go there.
+    dim: the batch dimension the timeline counts samples along.
+    broadcast_buffers: rank 0's buffers to every rank before each forward.
+    init_sync: broadcast rank 0's parameters and buffers at wrap.
+    process_group: the ranks that average (default: every rank).
+    bucket_cap_mb: bucket size in MiB, or "auto" (measured in the first steps);
+        bucket_cap_mb_list: one size per bucket instead.
+    find_unused_parameters: search the graph after forward for parameters that get
+        no gradient (else one is an error naming it).
+    gradient_as_bucket_view: `.grad` is a view into the bucket (no copy).
+    static_graph: the same graph every step (unused parameters learned once).
+    skip_all_reduce_unused_params: leave buckets of unused parameters unsent.
+    batched_grad_copy: copy a bucket's gradients in one pass when it launches.
+    forward_sync_buffers: None (follow `broadcast_buffers`) or an explicit choice.
+    check_reduction: deprecated in torch; warned, ignored.
+    mixed_precision, delay_all_reduce_named_params, param_to_hook_all_reduce,
+        device_mesh: refused by name where phalanx does not support them
+        (docs/ddp.md's table).
     """
 
     def __init__(
@@ -295,7 +296,7 @@ class DistributedDataParallel(TorchSurface, nn.Module, JoinableDDP):
     # The bookkeeping around the module's forward runs eagerly even under
     # torch.compile(DDP(model)): it talks to the process group and keeps Python
     # state, which a compiled graph must not capture. The module itself compiles.
-    @_eager
+    @eager
     def _before_forward(self) -> None:
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         plan = ForwardPlan(
@@ -318,7 +319,7 @@ class DistributedDataParallel(TorchSurface, nn.Module, JoinableDDP):
         """Broadcast rank `src`'s buffers (of the process group) to every rank, counted."""
         self.reducer.stats.add(broadcast_coalesced(self._buffers_to_sync, self.process_group, src))
 
-    @_eager
+    @eager
     def _after_forward(self, output: Any) -> None:
         grad_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         if torch.is_grad_enabled():

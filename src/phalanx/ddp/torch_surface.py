@@ -9,7 +9,9 @@ and the reason, instead of an AttributeError that says nothing.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import functools
+import sys
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NoReturn
 
 import torch
@@ -133,3 +135,21 @@ def refuse_torch_ddp_around(module: nn.Module) -> None:
             "all-reduce every gradient — give prepare() the optimizer and the dataloader only, "
             "or give it the plain model without phalanx's DDP"
         )
+
+
+def eager(method: Callable[..., None]) -> Callable[..., None]:
+    """`torch.compiler.disable(method)`, made at its first call with torch._dynamo loaded.
+
+    Marking it at import would load torch._dynamo in every process: seconds of CPU
+    per rank, before the first step. Only a process that compiles loads it, and
+    only there does the mark matter.
+    """
+    lazily = torch._disable_dynamo(method)  # torch's lazy form, as torch's own DDP uses
+
+    @functools.wraps(method)
+    def call(*args: Any) -> None:
+        if "torch._dynamo" in sys.modules:
+            return lazily(*args)
+        return method(*args)
+
+    return call

@@ -64,7 +64,23 @@ WHOLE_TENSOR = {
 
 
 class ZeroRedundancyOptimizer(Optimizer):
-    """Wrap `optimizer_class` so each rank keeps (and steps) only 1/N of its state."""
+    """Wrap `optimizer_class` so each rank keeps (and steps) only 1/N of its state.
+
+    torch's arguments, with torch's meanings, plus phalanx's:
+
+    params: the parameters, or parameter groups (each group's options kept).
+    optimizer_class: an elementwise optimizer (AdamW, SGD, ...); one that reads
+        whole tensors (Muon, LBFGS, ...) is refused by name.
+    process_group: the ranks that share the state (default: every rank).
+    parameters_as_bucket_view: accepted; the all-gather always uses flat buffers.
+    overlap_with_ddp: refused (phalanx's stage 2 overlaps through the reducer).
+    shard_gradients: (phalanx's) ZeRO-2: the DDP reducer reduce-scatters each
+        bucket, so every rank keeps 1/N of the gradients too.
+    offload_policy: (phalanx's) a DiskOffloadPolicy keeps the state in files.
+    **defaults: `optimizer_class`'s own options (lr, betas, weight_decay, ...).
+    Every tensor is cut in N pieces (docs/zero.md), so a rank's share stays 1/N
+    even where one layer holds most of the model.
+    """
 
     def __init__(
         self,

@@ -63,7 +63,8 @@ from phalanx.train.trainer_state import (
 
 class TrainerSetup:
     """A Trainer's construction and teardown: the world, the model and optimizer, the data,
-    the callbacks, and the checkpoint entries over them (the loop is `Trainer`'s)."""
+    the callbacks, and the checkpoint entries over them (the loop is `Trainer`'s).
+    """
 
     def __init__(
         self,
@@ -78,6 +79,21 @@ class TrainerSetup:
         callbacks: list[Any] | None = None,
         data_collator: Callable[[list[Any]], Any] | None = None,
     ) -> None:
+        """Join the world, then prepare the model, optimizer, data and callbacks.
+
+        model: the model, built on the CPU or on the meta device (then materialised
+            shard by shard: docs/zero.md); the Trainer moves, wraps or shards it.
+        args: TrainingArguments (default: all defaults).
+        train_dataset / eval_dataset: map-style datasets (sharded by a
+            DistributedSampler), or for training a streaming IterableDataset.
+        loss_fn: `loss_fn(outputs, batch)`; None takes the loss the model returns.
+        optimizer: your own (stage 0, or stage 3 over the sharded parameters);
+            None builds `args.optim` over two weight-decay groups.
+        collate_fn / data_collator: how samples become a batch (one of the two;
+            None: Hugging Face's default for dict samples, torch's otherwise).
+        compute_metrics: `compute_metrics(EvalPrediction) -> dict` at evaluation.
+        callbacks: Hugging Face's callbacks (train/callbacks.py), on every rank.
+        """
         self.args = args if args is not None else TrainingArguments()
         self.train_dataset = train_dataset
         self.eval_dataset = eval_dataset
