@@ -49,9 +49,29 @@ def _run(script: Path, launcher: str, world: int, out: Path, *flags: object) -> 
         f"{standalone}--nproc-per-node {world}", script, out, *flags,
         prefix=prefix, env=env, timeout_s=150,
     )  # fmt: skip
-    assert done.returncode == 0, f"{launcher} {script.name} {flags}:\n{done.stdout}\n{done.stderr}"
+    if not (script.parent == SCRIPTS and _aborted_at_exit_after_finishing(done, out)):
+        assert done.returncode == 0, (
+            f"{launcher} {script.name} {flags}:\n{done.stdout}\n{done.stderr}"
+        )
     result: dict[str, Any] = json.loads((out / "result.json").read_text())
     return result
+
+
+# torch's gloo, when a finished collective's last reference is dropped by its worker thread
+# while the interpreter finalizes (pytorch#190489): the process aborts after its work is done.
+# phalanx's fully_shard installs an exit hook against it; torch's own FSDP2, which the
+# reference runs use (the script as written, in SCRIPTS), does not.
+_UPSTREAM_EXIT_ABORT = "terminate called without an active exception"
+
+
+def _aborted_at_exit_after_finishing(done: Any, out: Path) -> bool:
+    """Whether torch's reference run finished its work (result written) and then hit the
+    exit abort above; its results stand. phalanx's own runs never get this pass."""
+    return (
+        done.returncode != 0
+        and _UPSTREAM_EXIT_ABORT in done.stderr
+        and (out / "result.json").is_file()
+    )
 
 
 def _close(ours: list[float], theirs: list[float]) -> None:

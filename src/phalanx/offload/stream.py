@@ -81,6 +81,8 @@ class Streamer:
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="phalanx-offload-read")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="phalanx-offload-write")
         self._writes: list[Future[None]] = []
+        self._first_ahead: Future[None] | None = None
+        """The next step's first window, read while forward and backward run."""
         base = type(optimizer).step
         self._raw_step: Callable[[Optimizer], Any] = getattr(base, "__wrapped__", base)
 
@@ -137,11 +139,20 @@ class Streamer:
         failure: str | None = None
         try:
             self._step_windows(optimizer)
+            self._read_first_window_ahead(optimizer)
         except OffloadError as e:
             failure = str(e)
         finally:
             self.stats.step_s += time.perf_counter() - start
         self._agree(failure)
+
+    def _read_first_window_ahead(self, optimizer: Optimizer) -> None:
+        """Start reading the next step's first window now: otherwise every step begins by
+        waiting for it, the one read nothing else overlaps (its gradients, made by the
+        next backward, are read with it then; they are fresh in memory anyway)."""
+        windows = self.windows(optimizer)
+        if windows:
+            self._first_ahead = self._read(*self._tensors(optimizer, windows[0]))
 
     def _step_windows(
         self,
@@ -156,8 +167,10 @@ class Streamer:
         windows = self.windows(optimizer, only)
         drop = {id(p) for p in free_grads or ()}
         fused = _fuse_where_default(optimizer)
+        ahead, self._first_ahead = self._first_ahead, None  # read during forward and backward
         try:
-            ahead = self._read(*self._tensors(optimizer, windows[0])) if windows else None
+            if ahead is None and windows:
+                ahead = self._read(*self._tensors(optimizer, windows[0]))
             for i, window in enumerate(windows):
                 written, read = self._tensors(optimizer, window)
                 if ahead is not None:
@@ -286,7 +299,7 @@ class Streamer:
                 self.files.forget(grads)
 
         self._writes.append(self._writer.submit(self._timed, "write", release, written, nbytes))
-        while len(self._writes) > 2:  # at most two windows being written: a bounded window
+        while len(self._writes) > 4:  # at most four windows being written: a bounded window
             self._wait(self._writes.pop(0))
 
     def discard_grads(self, optimizer: Optimizer) -> None:
