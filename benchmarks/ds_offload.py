@@ -36,27 +36,11 @@ from pathlib import Path
 from typing import Any
 
 import interleave
+from models import TanhMLP
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "ds_offload.json"
 VARIANTS = ("phalanx", "deepspeed")
-
-
-def _net(layers: int, width: int) -> Any:
-    from torch import nn
-
-    class Net(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            body: list[nn.Module] = []
-            for _ in range(layers):
-                body += [nn.Linear(width, width), nn.Tanh()]
-            self.body = nn.Sequential(*body[:-1])
-
-        def forward(self, batch: list[Any]) -> Any:
-            return self.body(batch[0])
-
-    return Net()
 
 
 def _batches(args: argparse.Namespace, rank: int) -> list[list[Any]]:
@@ -87,7 +71,7 @@ def run_phalanx(args: argparse.Namespace, rank: int) -> tuple[list[float], list[
     from phalanx.train.trainer_state import TrainState
 
     torch.manual_seed(0)
-    model = _net(args.layers, args.width)
+    model = TanhMLP(args.layers, args.width)
     targs = phalanx.TrainingArguments(
         output_dir=str(Path(args.scratch) / "out-phalanx"),
         overwrite_output_dir=True,
@@ -128,7 +112,7 @@ def run_deepspeed(args: argparse.Namespace, rank: int) -> tuple[list[float], lis
 
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
-    model = _net(args.layers, args.width)
+    model = TanhMLP(args.layers, args.width)
     nvme = Path(args.scratch) / f"offload-deepspeed-{rank}"
     nvme.mkdir(parents=True, exist_ok=True)
     config = {

@@ -193,3 +193,19 @@ SPECS: dict[str, Callable[[bool], ModelSpec]] = {
     "cnn": cnn_spec,
     "mlp50": mlp50_spec,
 }
+
+
+class TanhMLP(nn.Module):
+    """Square Linears with Tanh between (the offload benchmarks' model); takes (x, y), the
+    Trainer's batch, and returns the output for x."""
+
+    def __init__(self, layers: int, width: int) -> None:
+        super().__init__()
+        body: list[nn.Module] = []
+        for _ in range(layers):
+            body += [nn.Linear(width, width), nn.Tanh()]
+        self.body = nn.Sequential(*body[:-1])
+
+    def forward(self, batch: list[torch.Tensor]) -> torch.Tensor:
+        out: torch.Tensor = self.body(batch[0])
+        return out

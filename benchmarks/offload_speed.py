@@ -94,35 +94,16 @@ def variants(args: argparse.Namespace) -> list[str]:
     return [*VARIANTS, *extra]
 
 
-def _net_class() -> type:
-    from torch import nn
-
-    class Net(nn.Module):
-        """Square Linears with Tanh between (offload_cgroup.py's MLP); takes (x, y)."""
-
-        def __init__(self, layers: int, width: int) -> None:
-            super().__init__()
-            body: list[nn.Module] = []
-            for _ in range(layers):
-                body += [nn.Linear(width, width), nn.Tanh()]
-            self.body = nn.Sequential(*body[:-1])
-
-        def forward(self, batch: list[Any]) -> Any:
-            return self.body(batch[0])
-
-    return Net
-
-
 def make_trainer(variant: str, args: argparse.Namespace, scratch: Path) -> Any:
     import torch
+    from models import TanhMLP
     from torch import nn
     from torch.utils.data import TensorDataset
 
     import phalanx
 
-    Net = _net_class()
     torch.manual_seed(0)
-    model = Net(args.layers, args.width)
+    model = TanhMLP(args.layers, args.width)
     data = TensorDataset(torch.zeros(8, args.width))  # unused: the loop feeds its own batches
     disk = variant.startswith("disk")
     window = float(variant.split("-")[1]) if "-" in variant else args.window_mb

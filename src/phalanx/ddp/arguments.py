@@ -164,3 +164,13 @@ def collective_settings(
         "static_graph": static_graph,
         "buffer broadcast (broadcast_buffers)": forward_sync_buffers,
     }
+
+
+def require_process_group() -> None:
+    """DDP needs the group first: refused in one line naming the call to make."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise ConfigurationError(
+            "torch.distributed is not initialised — call phalanx.init() (or "
+            "torch.distributed.init_process_group) before wrapping the model in "
+            "DistributedDataParallel"
+        )

@@ -91,12 +91,7 @@ class DistributedDataParallel(TorchSurface, nn.Module, JoinableDDP):
         forward_sync_buffers: bool | None = None,
     ) -> None:
         super().__init__()
-        if not dist.is_available() or not dist.is_initialized():
-            raise ConfigurationError(
-                "torch.distributed is not initialised — call phalanx.init() (or "
-                "torch.distributed.init_process_group) before wrapping the model in "
-                "DistributedDataParallel"
-            )
+        arguments.require_process_group()
         arguments.refuse_unsupported(
             mixed_precision, delay_all_reduce_named_params, param_to_hook_all_reduce
         )

@@ -30,6 +30,7 @@ from torch.optim import Optimizer
 from phalanx.errors import OffloadError
 from phalanx.offload.agree import raise_on_every_rank
 from phalanx.offload.files import OffloadFiles
+from phalanx.offload.fused import fuse_where_default, local
 
 if TYPE_CHECKING:
     from phalanx.diagnostics.timeline import Timeline
@@ -53,11 +54,6 @@ class IOStats:
     """Time the training thread waited for a window's pages (the exposed I/O)."""
     step_s: float = 0.0
     """Wall time of the offloaded optimizer steps."""
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local tensor; any other tensor itself."""
-    return getattr(t, "_local_tensor", t)
 
 
 class Streamer:
@@ -166,7 +162,7 @@ class Streamer:
         originals = [g["params"] for g in groups]
         windows = self.windows(optimizer, only)
         drop = {id(p) for p in free_grads or ()}
-        fused = _fuse_where_default(optimizer)
+        fused = fuse_where_default(optimizer)
         ahead, self._first_ahead = self._first_ahead, None  # read during forward and backward
         try:
             if ahead is None and windows:
@@ -387,27 +383,6 @@ def _streamed_step(self: Optimizer, closure: Callable[[], Any] | None = None) ->
     assert streamer is not None
     streamer.step(self)
     return loss
-
-
-def _fuse_where_default(optimizer: Optimizer) -> list[dict[str, Any]]:
-    """Have torch's Adam / AdamW step these groups with its fused CPU kernel where the
-    user left the choice to torch (foreach and fused None; on CPU torch would run the
-    per-tensor loop): one pass over each window's pages instead of one per operation,
-    several times faster on CPU (docs/zero.md, "Offload"). The groups changed, to restore
-    after the step, so that checkpoints and the user see the settings they gave."""
-    if not isinstance(optimizer, torch.optim.Adam):  # AdamW is an Adam
-        return []
-    changed = []
-    for group in optimizer.param_groups:
-        if group.get("fused") is not None or group.get("foreach") is not None:
-            continue
-        if group.get("differentiable") or group.get("capturable"):
-            continue
-        params = [local(p) for p in group["params"]]
-        if all(p.device.type == "cpu" and p.is_floating_point() for p in params):
-            group["fused"] = True
-            changed.append(group)
-    return changed
 
 
 def _zero_grad_of(cls: type[Optimizer]) -> Callable[..., None]:

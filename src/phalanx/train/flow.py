@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from phalanx.errors import ConfigurationError
 from phalanx.train.args import TrainingArguments
 from phalanx.train.callbacks import TrainerControl
 from phalanx.train.trainer_state import TrainState
@@ -62,8 +63,6 @@ def record_evaluation(
     if key is None:
         return False
     if key not in metrics:
-        from phalanx.errors import ConfigurationError
-
         raise ConfigurationError(
             f"metric_for_best_model={args.metric_for_best_model!r} looks for {key}, which the "
             f"evaluation did not report (it reported {sorted(metrics)}) — name one of those"

@@ -98,25 +98,10 @@ class TrainerSetup:
         self.train_dataset = train_dataset
         self.eval_dataset = eval_dataset
         self.loss_fn = loss_fn
-        if collate_fn is not None and data_collator is not None:
-            raise ConfigurationError(
-                "collate_fn and data_collator are one argument (phalanx's name and Hugging "
-                "Face's) — pass one of them"
-            )
-        self.collate_fn = collate_fn if collate_fn is not None else data_collator
+        self.collate_fn = _one_collator(collate_fn, data_collator)
         """How samples become a batch; None until the model is known, then the default."""
         self.compute_metrics = compute_metrics
-        self.state = TrainState()
-        self._runlog: RunLog | None = None
-        """The log window and totals of the train() call under way (phalanx.train.runlog)."""
-        self._loss_before = 0.0
-        self._stopped_by: Stop | None = None
-        """The signal the ranks agreed to stop for (train() then saves and exits)."""
-        self._saved_step: int | None = None
-        """The step output_dir holds a checkpoint of, written or resumed by this Trainer."""
-        self.sampler: DistributedSampler | None = None
-        self.stream: Stream | None = None
-        """A streaming train_dataset's part for this rank (streams.py); then no sampler."""
+        self._init_loop_state()
         self.world, self._owns_group = join_world(self.args)
         """Rank, world size, device, and the group: one of one rank for a plain process."""
         self._report = RunReport(self.world, self.args)
@@ -135,6 +120,20 @@ class TrainerSetup:
         except BaseException:
             self.close()  # a Trainer that could not be made must not keep its group
             raise
+
+    def _init_loop_state(self) -> None:
+        """What the loop keeps between train() calls, before any is made."""
+        self.state = TrainState()
+        self._runlog: RunLog | None = None
+        """The log window and totals of the train() call under way (phalanx.train.runlog)."""
+        self._loss_before = 0.0
+        self._stopped_by: Stop | None = None
+        """The signal the ranks agreed to stop for (train() then saves and exits)."""
+        self._saved_step: int | None = None
+        """The step output_dir holds a checkpoint of, written or resumed by this Trainer."""
+        self.sampler: DistributedSampler | None = None
+        self.stream: Stream | None = None
+        """A streaming train_dataset's part for this rank (streams.py); then no sampler."""
 
     # ------------------------------------------------------------------ setup
     def _setup_model(self, model: nn.Module, optimizer: Optimizer | None) -> None:
@@ -327,3 +326,15 @@ class TrainerSetup:
             raise ConfigurationError(
                 "this Trainer was closed and has let go of the process group — make a new one"
             )
+
+
+def _one_collator(
+    collate_fn: Callable[[list[Any]], Any] | None, data_collator: Callable[[list[Any]], Any] | None
+) -> Callable[[list[Any]], Any] | None:
+    """collate_fn (phalanx's name) or data_collator (Hugging Face's): one argument."""
+    if collate_fn is not None and data_collator is not None:
+        raise ConfigurationError(
+            "collate_fn and data_collator are one argument (phalanx's name and Hugging "
+            "Face's) — pass one of them"
+        )
+    return collate_fn if collate_fn is not None else data_collator
