@@ -12,10 +12,12 @@ __all__ = [
     "CheckpointError",
     "ConfigurationError",
     "MasterUnreachableError",
+    "NoQuorum",
     "NonFiniteError",
     "NotSupportedError",
     "OffloadError",
     "OutputError",
+    "PeerLost",
     "PhalanxError",
     "PortTakenError",
     "ReducerError",
@@ -86,3 +88,12 @@ TRACEBACK_ENV = "PHALANX_TRACEBACK"
 """Set to 1: an uncaught PhalanxError prints its whole traceback (phalanx/runtime/errorhook.py)."""
 TRACEBACK_FILE_ENV = "PHALANX_TRACEBACK_FILE"
 """Where an uncaught PhalanxError's traceback is written; `phalanx launch --log-dir` sets it."""
+
+
+class PeerLost(PhalanxError):
+    """Under live recovery, a peer died, stalled or is joining while a collective was in
+    flight: the step is abandoned on every member and the group is formed again."""
+
+
+class NoQuorum(PhalanxError):
+    """Under live recovery, too few members checked in to form the next group in time."""

@@ -25,6 +25,7 @@ from typing import IO, Any
 from phalanx.errors import TRACEBACK_FILE_ENV, ConfigurationError
 from phalanx.launch.config import LaunchConfig
 from phalanx.launch.lifeline import LAUNCH_ID_ENV, Lifeline
+from phalanx.launch.live import LiveSupervisor
 from phalanx.launch.meeting import Meeting
 from phalanx.launch.output import OutputSink
 from phalanx.launch.procgroup import describe_returncode
@@ -39,6 +40,7 @@ from phalanx.launch.workers import (
     WorkerGroup,
     spawn_worker,
 )
+from phalanx.live_keys import LIVE_ENV, MEMBER_ENV, MIN_MEMBERS_ENV, QUORUM_TIMEOUT_ENV, STALL_ENV
 from phalanx.progress_record import PROGRESS_DIR_VAR, read_stop
 
 # A hang-up (a dropped ssh session) or SIGQUIT stops the workers as SIGTERM does: SIGTERM
@@ -106,9 +108,17 @@ class Agent:
         self._announce_start(restart, port)
         progress_dir = Path(tempfile.mkdtemp(prefix="phalanx-progress-"))
         plan = self._output_plan(restart)
+        extra = {**extra, PROGRESS_DIR_VAR: str(progress_dir), **self._live_env()}
         try:
-            group = self._spawn(restart, port, {**extra, PROGRESS_DIR_VAR: str(progress_dir)},
-                                plan, lifeline)  # fmt: skip
+            group = self._spawn(restart, port, extra, plan, lifeline)
+            if self.config.live is not None:
+                status = self._supervise_live(group, restart, port, extra, plan, lifeline,
+                                              progress_dir)  # fmt: skip
+                signum = self.stop_request.signum
+                group.stop(_sent_signal(signum or signal.SIGTERM), self.config.grace_s,
+                           self.stop_request)  # fmt: skip
+                group.drain_output()
+                return status if signum is None else self._stopped_by(signum)
             outcome = self._supervise(group)
             if isinstance(outcome, Failure):
                 return self._after_failure(group, outcome, restart, progress_dir)
@@ -180,6 +190,46 @@ class Agent:
             self.sink.message(f"no restarts left (--max-restarts {max_restarts})")
         return failure.exit_code
 
+    def _live_env(self) -> dict[str, str]:
+        live = self.config.live
+        if live is None:
+            return {}
+        return {
+            LIVE_ENV: "1",
+            STALL_ENV: f"{live.stall_s:g}",
+            MIN_MEMBERS_ENV: str(live.min_members),
+            QUORUM_TIMEOUT_ENV: f"{live.quorum_timeout_s:g}",
+        }
+
+    def _supervise_live(
+        self,
+        group: WorkerGroup,
+        restart: int,
+        port: int,
+        extra: Mapping[str, str],
+        plan: OutputPlan,
+        lifeline: Lifeline,
+        progress_dir: Path,
+    ) -> int:
+        """--live-recovery: replace lost workers, leave the others running (launch/live.py)."""
+        assert self.config.live is not None
+
+        def respawn(local_rank: int, member: str) -> Worker:
+            return self._spawn_one(local_rank, restart, port, {**extra, MEMBER_ENV: member},
+                                   plan, lifeline)  # fmt: skip
+
+        return LiveSupervisor(
+            group=group,
+            store_addr=(self.config.master_addr, port),
+            progress_dir=progress_dir,
+            respawn=respawn,
+            replacements=self.config.max_restarts,
+            stall_s=self.config.live.stall_s,
+            say=self.sink.message,
+            stop_request=self.stop_request,
+            interval_s=self.config.monitor_interval_s,
+        ).run()
+
     def _supervise(self, group: WorkerGroup) -> Failure | int:
         """Wait for a worker to fail (its Failure), all to succeed (0), or a signal (signum)."""
         while True:
@@ -202,26 +252,41 @@ class Agent:
         lifeline: Lifeline,
     ) -> WorkerGroup:
         workers: list[Worker] = []
+        try:
+            for local_rank in range(self.config.nproc_per_node):
+                workers.append(self._spawn_one(local_rank, restart, port, extra, plan, lifeline))
+        except ConfigurationError:
+            WorkerGroup(workers, lifeline).stop(signal.SIGKILL, 0.0, self.stop_request)
+            raise
+        return WorkerGroup(workers, lifeline)
+
+    def _spawn_one(
+        self,
+        local_rank: int,
+        restart: int,
+        port: int,
+        extra: Mapping[str, str],
+        plan: OutputPlan,
+        lifeline: Lifeline,
+    ) -> Worker:
         cfg = self.config
         argv = worker_argv(cfg, self.python)
+        env = worker_env(cfg, local_rank=local_rank, restart_count=restart,
+                         master_port=port, base=self.environ, extra=extra)  # fmt: skip
+        env[LAUNCH_ID_ENV] = lifeline.launch_id  # the guard's way to find it (lifeline.py)
+        rank = cfg.global_rank(local_rank)
+        if plan.log_dir is not None and TRACEBACK_FILE_ENV not in env:
+            # The console shows a PhalanxError's one line; the log dir keeps it whole.
+            env[TRACEBACK_FILE_ENV] = str(plan.log_dir / f"rank_{rank}.traceback")
         try:
-            for local_rank in range(cfg.nproc_per_node):
-                env = worker_env(cfg, local_rank=local_rank, restart_count=restart,
-                                 master_port=port, base=self.environ, extra=extra)  # fmt: skip
-                env[LAUNCH_ID_ENV] = lifeline.launch_id  # the guard's way to find it (lifeline.py)
-                rank = cfg.global_rank(local_rank)
-                if plan.log_dir is not None and TRACEBACK_FILE_ENV not in env:
-                    # The console shows a PhalanxError's one line; the log dir keeps it whole.
-                    env[TRACEBACK_FILE_ENV] = str(plan.log_dir / f"rank_{rank}.traceback")
-                workers.append(spawn_worker(argv, env, rank, local_rank, self.sink, plan))
-                # At once, not after the whole group: a SIGKILL now must not orphan it.
-                lifeline.watch(workers[-1].pid)
+            worker = spawn_worker(argv, env, rank, local_rank, self.sink, plan)
         except OSError as exc:
-            WorkerGroup(workers, lifeline).stop(signal.SIGKILL, 0.0, self.stop_request)
             raise ConfigurationError(
                 f"cannot start {argv[0]!r}: {exc.strerror or exc} — check the command"
             ) from exc
-        return WorkerGroup(workers, lifeline)
+        # At once, not after the whole group: a SIGKILL now must not orphan it.
+        lifeline.watch(worker.pid)
+        return worker
 
     @contextlib.contextmanager
     def _handle_signals(self) -> Iterator[None]:

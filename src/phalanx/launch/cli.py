@@ -17,7 +17,13 @@ from pathlib import Path
 from phalanx.errors import ConfigurationError, PhalanxError, UsageError
 from phalanx.launch.agent import Agent
 from phalanx.launch.bench import bench_main
-from phalanx.launch.config import LaunchConfig, parse_nnodes, parse_nproc, parse_signals
+from phalanx.launch.config import (
+    LaunchConfig,
+    LiveOptions,
+    parse_nnodes,
+    parse_nproc,
+    parse_signals,
+)
 from phalanx.launch.consolidate_cmd import consolidate_main
 from phalanx.launch.flags import build_parser
 from phalanx.launch.output import OutputSink
@@ -59,6 +65,7 @@ def config_from_args(ns: argparse.Namespace) -> LaunchConfig:
         master_addr=site.master_addr,
         master_port=site.master_port,
         max_restarts=ns.max_restarts,
+        live=_live(ns),
         log_dir=ns.log_dir,
         routing=_routing(ns),
         rdzv_timeout_s=site.rdzv_timeout_s,
@@ -183,3 +190,13 @@ def main(argv: list[str] | None = None) -> int:
         file=sys.stderr,
     )
     return USAGE_EXIT
+
+
+def _live(ns: argparse.Namespace) -> LiveOptions | None:
+    if not ns.live_recovery:
+        return None
+    return LiveOptions(
+        stall_s=ns.live_stall_timeout,
+        min_members=ns.live_min_members,
+        quorum_timeout_s=ns.live_quorum_timeout,
+    )

@@ -48,6 +48,15 @@ class Rendezvous:
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
+class LiveOptions:
+    """--live-recovery's settings (launch/live.py; the workers get them in their env)."""
+
+    stall_s: float = 5.0
+    min_members: int = 1
+    quorum_timeout_s: float = 60.0
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
 class LaunchConfig:
     """Everything the agent needs; built by `cli`, never changed after validation."""
 
@@ -68,7 +77,10 @@ class LaunchConfig:
     master_port: int = 0
     """0 on a single node means: a free port, held by the launcher for the whole run."""
     max_restarts: int = 0
-    """Restart the whole worker group after a failure at most this many times."""
+    """Restart the whole worker group after a failure at most this many times (under
+    live_recovery: start at most this many replacements)."""
+    live: LiveOptions | None = None
+    """--live-recovery and its settings: None restarts the whole group instead."""
     log_dir: str | None = None
     """When set, each rank's output is also written to LOG_DIR/rank_<rank>.log."""
     routing: OutputRouting = field(default_factory=lambda: OutputRouting())
@@ -128,6 +140,14 @@ def _check_counts(config: LaunchConfig) -> None:
             0 <= config.master_port <= 65535,
             f"--master-port {config.master_port} is not a TCP "
             "port — use 1..65535, or 0 to pick a free one",
+        ),
+        (
+            config.live is None or config.live.stall_s > 0,
+            "--live-stall-timeout must be positive",
+        ),
+        (
+            config.live is None or config.live.min_members >= 1,
+            "--live-min-members must be 1 or more",
         ),
         (config.max_restarts >= 0, f"--max-restarts must be 0 or more, got {config.max_restarts}"),
         (

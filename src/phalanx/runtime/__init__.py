@@ -26,10 +26,12 @@ from phalanx import netif
 from phalanx import progress_record as progress
 from phalanx.errors import ConfigurationError, RendezvousError
 from phalanx.jobenv import LaunchInfo, detect_launch, launched_by_launcher
+from phalanx.live_keys import LIVE_ENV, MEMBER_ENV
 from phalanx.parent_launch import describe_single_accelerate_process
 from phalanx.runtime.backend import backend_names, claim_device, resolve_backend, select_device
 from phalanx.runtime.errorhook import install_error_hook
 from phalanx.runtime.exit import register_exit_hook, shutdown
+from phalanx.runtime.live import LIVE_BACKEND, register_live_backend
 from phalanx.runtime.store import make_store
 from phalanx.runtime.world import World, describe_default_group
 
@@ -91,12 +93,23 @@ def _pin_gloo_interface(backend: str, info: LaunchInfo) -> None:
 
 def _join_group(backend: str, info: LaunchInfo, device: torch.device, wait: timedelta) -> None:
     store = make_store(info, wait)
+    rank, world_size = info.rank, info.world_size
+    if os.environ.get(LIVE_ENV) == "1":  # phalanx launch --live-recovery: runtime/live.py
+        if "gloo" not in backend_names(backend):
+            raise ConfigurationError(
+                f"live recovery runs over gloo, not {backend!r} — drop --live-recovery, or "
+                "use the gloo backend"
+            )
+        register_live_backend()
+        backend = LIVE_BACKEND
+        if os.environ.get(MEMBER_ENV):  # a replacement: its group comes with LiveRecovery.join
+            rank, world_size = 0, 1
     try:
         dist.init_process_group(
             backend,
             store=store,
-            rank=info.rank,
-            world_size=info.world_size,
+            rank=rank,
+            world_size=world_size,
             timeout=wait,
             # Binds NCCL to this rank's GPU up front instead of guessing it at the first collective.
             device_id=device if device.type == "cuda" else None,

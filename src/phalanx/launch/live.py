@@ -1,0 +1,114 @@
+"""`phalanx launch --live-recovery`: the launcher's side. A worker that dies is reported lost
+in the job's store and replaced, and the others are left running; a worker whose heartbeat
+stops (SIGSTOP, a wedged process) is killed first, so it cannot come back with stale state.
+
+The workers do the rest (runtime/live.py, runtime/membership.py): the survivors agree
+on the next members and go on; the replacement is let in at a step boundary and given
+its state by a live peer. The job ends when every worker has exited: 0 when the last
+ones to finish succeeded.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from phalanx.launch.procgroup import describe_returncode, signal_group
+from phalanx.launch.workers import StopRequest, Worker, WorkerGroup
+from phalanx.live_keys import JOIN_SEQ_KEY, heartbeat_name, lost_key
+from phalanx.storeclient import StoreClient
+
+__all__ = ["LiveSupervisor", "Respawn"]
+
+Respawn = Callable[[int, str], Worker]
+"""Start a replacement for local slot `local_rank` as member `member`."""
+
+_STORE_TIMEOUT_S = 10.0
+
+
+@dataclass
+class _Slot:
+    worker: Worker
+    member: str
+    done: bool = False
+    fenced_after_s: float | None = None
+
+
+@dataclass
+class LiveSupervisor:
+    """Watches this node's workers for a live-recovery run (module docstring)."""
+
+    group: WorkerGroup
+    store_addr: tuple[str, int]
+    progress_dir: Path
+    respawn: Respawn
+    replacements: int
+    stall_s: float
+    say: Callable[[str], None]
+    stop_request: StopRequest
+    interval_s: float = 0.1
+    _slots: list[_Slot] = field(default_factory=list)
+
+    def run(self) -> int:
+        """Exit status once every worker (replacements included) has exited, or the signum
+        that stopped the launcher."""
+        self._slots = [_Slot(w, f"r{w.rank}") for w in self.group.workers]
+        status = 0
+        while True:
+            if self.stop_request.signum is not None:
+                return self.stop_request.signum
+            for slot in list(self._slots):
+                if slot.done:
+                    continue
+                code = slot.worker.exit_status()
+                if code is None:
+                    self._fence_if_stalled(slot)
+                    continue
+                slot.done = True
+                status = code if code == 0 else self._lost(slot, code)
+            if all(slot.done for slot in self._slots):
+                return self._final_status(status)
+            time.sleep(self.interval_s)
+
+    def _final_status(self, last: int) -> int:
+        """0 when any worker finished the run; else the last failure's exit code."""
+        codes = [s.worker.exit_status() for s in self._slots]
+        if any(code == 0 for code in codes):
+            return 0
+        return last if last > 0 else 128 - last
+
+    def _fence_if_stalled(self, slot: _Slot) -> None:
+        beat = self.progress_dir / heartbeat_name(slot.member)
+        try:
+            age = time.time() - beat.stat().st_mtime
+        except FileNotFoundError:  # not started yet: its first beat comes with its group
+            return
+        if age > self.stall_s and slot.fenced_after_s is None:
+            slot.fenced_after_s = age
+            self.say(
+                f"rank {slot.worker.rank} ({slot.member}) has not beaten for {age:.1f} s "
+                f"(--live-stall-timeout {self.stall_s:g}); fencing it off (SIGKILL)"
+            )
+            signal_group(slot.worker.pid, signal.SIGKILL)
+
+    def _lost(self, slot: _Slot, code: int) -> int:
+        """Report `slot`'s member lost, start its replacement if one is left; its exit code."""
+        why = "fenced" if slot.fenced_after_s is not None else describe_returncode(code)
+        with StoreClient(*self.store_addr, _STORE_TIMEOUT_S) as store:
+            store.set(lost_key(slot.member), why.encode())
+            if self.replacements <= 0:
+                self.say(f"rank {slot.worker.rank} ({slot.member}) lost ({why}); no replacement "
+                         "left (--max-restarts), the others go on")  # fmt: skip
+                return code
+            self.replacements -= 1
+            number = store.add(JOIN_SEQ_KEY, 1)
+        member = f"j{number}"
+        self.say(f"rank {slot.worker.rank} ({slot.member}) lost ({why}); the others go on, "
+                 f"replacement {member} starting")  # fmt: skip
+        worker = self.respawn(slot.worker.local_rank, member)
+        self.group.workers.append(worker)
+        self._slots.append(_Slot(worker, member))
+        return code

@@ -1,0 +1,35 @@
+"""The names live recovery shares between the launcher (no torch) and the workers: the
+store keys of its protocol and the environment the launcher sets (runtime/membership.py,
+launch/live.py)."""
+
+from __future__ import annotations
+
+KEY = "phalanx/live/"
+"""Every key of the protocol in the job's store starts so."""
+JOIN_SEQ_KEY = f"{KEY}join/seq"
+"""A counter: the launcher takes each replacement's number from it (member `j<n>`)."""
+
+LIVE_ENV = "PHALANX_LIVE_RECOVERY"
+"""Set to "1" in every worker of a `phalanx launch --live-recovery` run."""
+MEMBER_ENV = "PHALANX_LIVE_MEMBER"
+"""A replacement's member name (`j<n>`); first workers are `r<rank>` and have none."""
+STALL_ENV = "PHALANX_LIVE_STALL_S"
+"""Seconds without a heartbeat after which the launcher fences a worker (and survivors stop
+waiting for a member that neither checked in nor was reported lost)."""
+MIN_MEMBERS_ENV = "PHALANX_LIVE_MIN_MEMBERS"
+"""The fewest members the run goes on with."""
+QUORUM_TIMEOUT_ENV = "PHALANX_LIVE_QUORUM_TIMEOUT_S"
+"""How long survivors wait for that many members before they stop."""
+
+HEARTBEAT_S = 0.5
+"""How often a worker's heartbeat file is touched."""
+
+
+def lost_key(member: str) -> str:
+    """Written by a member's launcher when it died or was fenced."""
+    return f"{KEY}lost/{member}"
+
+
+def heartbeat_name(member: str) -> str:
+    """A worker's heartbeat file, in its progress directory (PHALANX_PROGRESS_DIR)."""
+    return f"live-{member}.beat"

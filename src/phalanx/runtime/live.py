@@ -1,0 +1,268 @@
+"""The process group of a live-recovery run: one object for the whole run, over a gloo group
+that is formed again, with a new store prefix, whenever the membership changes.
+
+Gloo's collectives cannot be cancelled (`abort()` and `shutdown()` leave a blocked
+wait blocked, and a peer blocked on us stays blocked too), and a group cannot
+lose a rank. So the outer group (`LiveGroup`, a Python `ProcessGroup` that every
+`dist.*` call and the reducer accept) hands each collective to the current inner
+gloo group and waits for it in short slices; between slices it looks at a flag a
+watcher thread keeps from the store. A member that sees a collective fail (a
+dead peer's sockets close at once) or learns of a loss from its launcher marks
+the generation aborted in the store, so that every member leaves its wait within
+a slice, with `PeerLost`; the abandoned inner group is kept, never destroyed (its
+threads may still be blocked on a stopped peer). `membership.py` then agrees on
+the next members and this group's `reform` builds the inner group for them.
+Design and alternatives: docs/reliability.md, "Live recovery".
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from phalanx.errors import PeerLost
+from phalanx.live_keys import HEARTBEAT_S, KEY, MEMBER_ENV, heartbeat_name
+from phalanx.progress_record import PROGRESS_DIR_VAR
+
+__all__ = ["LIVE_BACKEND", "LiveGroup", "current_live_group"]
+
+LIVE_BACKEND = "phalanx_live"
+"""The backend name `init_process_group` is given under live recovery (runtime/__init__)."""
+
+
+_SLICE = timedelta(seconds=0.2)
+_WATCH_S = 0.1
+_ABORT_REASON_BYTES = 400
+
+_CURRENT: list[LiveGroup] = []
+
+
+def current_live_group() -> LiveGroup | None:
+    """The live group this process joined, if it runs under live recovery."""
+    return _CURRENT[0] if _CURRENT else None
+
+
+def abort_key(generation: int) -> str:
+    return f"{KEY}g{generation}/abort"
+
+
+def grow_key(generation: int) -> str:
+    return f"{KEY}g{generation}/grow"
+
+
+class _LiveWork(dist._Work):
+    """A collective of the inner group, waited for in slices that notice an abort."""
+
+    def __init__(self, group: LiveGroup, inner: dist.Work, generation: int) -> None:
+        super().__init__()
+        self._group = group
+        self._inner = inner
+        self._generation = generation
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        while True:
+            self._group.raise_if_aborted(self._generation)
+            try:
+                return bool(self._inner.wait(_SLICE))
+            except RuntimeError as exc:
+                if "timed out" in str(exc).lower():
+                    continue
+                raise self._group.lost(f"a collective failed ({_first_line(exc)})") from exc
+
+    def is_completed(self) -> bool:
+        return bool(self._inner.is_completed())
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        future: torch.futures.Future[Any] = self._inner.get_future()
+        return future
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:200] if text else type(exc).__name__
+
+
+_OPS = (
+    "allreduce",
+    "allreduce_coalesced",
+    "broadcast",
+    "allgather",
+    "_allgather_base",
+    "allgather_coalesced",
+    "reduce",
+    "reduce_scatter",
+    "_reduce_scatter_base",
+    "gather",
+    "scatter",
+    "alltoall_base",
+    "barrier",
+)
+
+
+class LiveGroup(dist.ProcessGroup):
+    """The run's process group under live recovery (module docstring)."""
+
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        size: int,
+        timeout: timedelta,
+        replacement: str | None = None,
+    ) -> None:
+        """The first workers are members `r<rank>` of generation 0; a `replacement` (`j<n>`)
+        has no group until `LiveRecovery.join` lets it in."""
+        super().__init__(rank, size)  # type: ignore[call-arg]  # the stubs know one overload
+        self.store = store
+        """The job's store, unprefixed: the protocol's keys and each generation's prefix."""
+        self.timeout = timeout
+        self.generation = 0 if replacement is None else -1
+        self.members: list[str] = [f"r{r}" for r in range(size)] if replacement is None else []
+        self.member = replacement or f"r{rank}"
+        self._inner: dist.ProcessGroupGloo | None = None
+        if replacement is None:
+            self._inner = self._gloo(0, rank, size)
+        self._rank, self._size = rank, size
+        self._aborted: dict[int, str] = {}
+        self._grow_asked: set[int] = set()
+        self._abandoned: list[dist.ProcessGroupGloo] = []
+        self._lock = threading.Lock()
+        self._watch_store = store.clone()  # type: ignore[attr-defined]  # TCPStore's
+        self._watcher = threading.Thread(target=self._watch, name="phalanx-live", daemon=True)
+        self._watcher.start()
+        start_heartbeat(self.member)
+        _CURRENT[:] = [self]
+
+    # ------------------------------------------------------------ the group
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+    def getBackendName(self) -> str:
+        return LIVE_BACKEND
+
+    def _gloo(
+        self, generation: int, rank: int, size: int, connect: timedelta | None = None
+    ) -> dist.ProcessGroupGloo:
+        """Generation `generation`'s gloo group: connected within `connect`, its collectives
+        bounded by the run's timeout."""
+        prefix = dist.PrefixStore(f"{KEY}g{generation}/pg/", self.store)
+        group = dist.ProcessGroupGloo(prefix, rank, size, connect or self.timeout)
+        group._set_default_timeout(self.timeout)
+        return group
+
+    def reform(self, generation: int, members: list[str], member: str, connect: timedelta) -> None:
+        """Connect to `members` as generation `generation` (every one of them calls this;
+        one that does not within `connect` makes it PeerLost on the others)."""
+        rank = members.index(member)
+        try:
+            inner = self._gloo(generation, rank, len(members), connect)
+        except RuntimeError as exc:
+            raise PeerLost(
+                f"generation {generation}: a member did not connect ({_first_line(exc)})"
+            ) from exc
+        with self._lock:
+            if self._inner is not None:
+                self._abandoned.append(self._inner)
+            self._inner = inner
+            self.generation, self.members, self.member = generation, members, member
+            self._rank, self._size = rank, len(members)
+
+    # ------------------------------------------------------------ aborting
+    def raise_if_aborted(self, generation: int | None = None) -> None:
+        """PeerLost when the generation (the current one by default) was aborted."""
+        gen = self.generation if generation is None else generation
+        if gen < 0:
+            raise PeerLost(f"{self.member} is a replacement that has not joined the run yet")
+        reason = self._aborted.get(gen)
+        if reason is not None or gen != self.generation:
+            raise PeerLost(f"generation {gen} ended: {reason or 'the group was formed again'}")
+
+    def lost(self, reason: str) -> PeerLost:
+        """Mark the current generation aborted for every member; the error to raise here."""
+        gen = self.generation
+        self.store.compare_set(abort_key(gen), "", f"{self.member}: {reason}"[:_ABORT_REASON_BYTES])
+        self._aborted.setdefault(gen, reason)
+        return PeerLost(f"generation {gen} ended: {reason}")
+
+    def grow_requested(self) -> bool:
+        """Whether a replacement waits to join the current generation (seen by the watcher)."""
+        return self.generation in self._grow_asked
+
+    def _watch(self) -> None:
+        """Keep `_aborted` and `_grow_asked` in step with the store (a daemon thread)."""
+        store = self._watch_store
+        stop = threading.Event()
+        while not stop.wait(_WATCH_S):
+            gen = self.generation
+            try:
+                if gen not in self._aborted and store.check([abort_key(gen)]):
+                    self._aborted[gen] = store.get(abort_key(gen)).decode(errors="replace")
+                if gen not in self._grow_asked and store.check([grow_key(gen)]):
+                    self._grow_asked.add(gen)
+            except RuntimeError:  # the store went away: the next collective fails and says so
+                return
+
+
+def start_heartbeat(member: str) -> None:
+    """Touch this worker's heartbeat file while the process runs (a daemon thread): its
+    launcher fences a worker whose file goes stale (stopped, or wedged with the GIL held)."""
+    directory = os.environ.get(PROGRESS_DIR_VAR)
+    if not directory:
+        return
+    path = Path(directory) / heartbeat_name(member)
+
+    def beat() -> None:
+        while True:
+            try:
+                path.touch()
+            except OSError:
+                return
+            time.sleep(HEARTBEAT_S)
+
+    threading.Thread(target=beat, name="phalanx-heartbeat", daemon=True).start()
+
+
+def _delegate(name: str) -> Callable[..., dist.Work]:
+    def op(self: LiveGroup, *args: Any) -> dist.Work:
+        generation = self.generation
+        self.raise_if_aborted(generation)
+        try:
+            inner = getattr(self._inner, name)(*args)  # raise_if_aborted: joined, so set
+        except RuntimeError as exc:
+            raise self.lost(f"a collective could not start ({_first_line(exc)})") from exc
+        return _LiveWork(self, inner, generation)
+
+    op.__name__ = name
+    op.__doc__ = f"The inner gloo group's {name}, waited for in slices."
+    return op
+
+
+for _name in _OPS:
+    setattr(LiveGroup, _name, _delegate(_name))
+
+
+def create_live_group(
+    store: dist.Store, rank: int, size: int, timeout: timedelta
+) -> dist.ProcessGroup:
+    """`dist.Backend.register_backend`'s creator: the store `init_process_group` passes is
+    its own prefix over the job's; the protocol uses the job's store itself."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return LiveGroup(store, rank, size, timeout, os.environ.get(MEMBER_ENV) or None)
+
+
+def register_live_backend() -> None:
+    """Make `init_process_group(LIVE_BACKEND, ...)` build a `LiveGroup` (idempotent)."""
+    if LIVE_BACKEND not in dist.Backend.backend_list:
+        dist.Backend.register_backend(LIVE_BACKEND, create_live_group, devices=["cpu"])

@@ -1,0 +1,146 @@
+"""What a training loop does under live recovery: check at each step boundary, recover
+after `PeerLost`, and, as a replacement, join; the state travels from a live peer.
+
+The loop keeps its state as of the last step it applied (an aborted step is
+never applied: its gradients are dropped). Members can differ by one applied
+step: a ring all-reduce may complete on one rank and fail on another when a
+peer dies inside it. So after the members are agreed each says how many steps
+it applied, the first member with the most is the donor, and its state (the
+loop's `save()`: model, optimizer, sampler position, counters) is broadcast
+over the new group to every member behind it, replacements included. Either
+every member applies a step or none does, and no step applied anywhere is
+lost.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from phalanx.errors import PeerLost
+from phalanx.runtime.live import LiveGroup
+from phalanx.runtime.membership import Membership, Settings
+
+__all__ = ["LiveRecovery", "Recovered"]
+
+SaveFn = Callable[[], dict[str, Any]]
+LoadFn = Callable[[dict[str, Any]], None]
+
+
+@dataclass(frozen=True)
+class Recovered:
+    """What one recovery did, for the log line and the tests."""
+
+    generation: int
+    members: list[str]
+    rank: int
+    world_size: int
+    step: int
+    """The step every member is at now (the donor's)."""
+    donor: str
+    received: bool
+    """Whether this member loaded the donor's state."""
+    seconds: float
+    reason: str
+
+
+class LiveRecovery:
+    """The loop's side of live recovery over the run's `LiveGroup`."""
+
+    def __init__(self, group: LiveGroup, settings: Settings) -> None:
+        self.group = group
+        self.membership = Membership(group, settings)
+        self._connect = timedelta(seconds=settings.settle_s)
+
+    def boundary(self) -> None:
+        """Between steps: PeerLost if the generation ended, or (on rank 0) to let a waiting
+        replacement in, so that every member leaves at this boundary or in the next step."""
+        self.group.raise_if_aborted()
+        if self.group.rank() == 0 and self.group.grow_requested():
+            self.membership.ask_to_grow()
+
+    def recover(self, applied_step: int, reason: str, save: SaveFn, load: LoadFn) -> Recovered:
+        """Agree on the next members, connect to them, and bring everyone to the donor's state."""
+        start = time.monotonic()
+        first_reason = reason
+        while True:
+            try:
+                members = self.membership.next_generation(applied_step, reason)
+                self.group.reform(
+                    self.group.generation + 1, members, self.group.member, self._connect
+                )
+                return self._sync(applied_step, save, load, start, first_reason)
+            except PeerLost as exc:  # lost another member while forming: once more
+                reason = str(exc)
+
+    def join(self, member: str, save: SaveFn, load: LoadFn) -> Recovered:
+        """As replacement `member`: wait to be let in, then take the donor's state."""
+        start = time.monotonic()
+        generation, members = self.membership.join(member)
+        self.group.reform(generation, members, member, self._connect)
+        return self._sync(-1, save, load, start, "joined as a replacement")
+
+    def _sync(
+        self, applied_step: int, save: SaveFn, load: LoadFn, start: float, reason: str
+    ) -> Recovered:
+        group = self.group
+        steps = _all_gather_ints(group, applied_step)
+        best = max(steps)
+        donor = steps.index(best)
+        behind = any(step != best for step in steps)
+        received = False
+        if behind:
+            blob = _broadcast_bytes(group, _dump(save()) if group.rank() == donor else b"", donor)
+            if applied_step != best:
+                load(_load(blob))
+                received = True
+        return Recovered(
+            generation=group.generation,
+            members=list(group.members),
+            rank=group.rank(),
+            world_size=group.size(),
+            step=best,
+            donor=group.members[donor],
+            received=received,
+            seconds=time.monotonic() - start,
+            reason=reason,
+        )
+
+
+def _all_gather_ints(group: LiveGroup, value: int) -> list[int]:
+    mine = torch.tensor([value], dtype=torch.int64)
+    out = [torch.zeros(1, dtype=torch.int64) for _ in range(group.size())]
+    group.allgather([out], [mine]).wait()
+    return [int(t.item()) for t in out]
+
+
+def _broadcast_bytes(group: LiveGroup, payload: bytes, root: int) -> bytes:
+    """`payload` from group rank `root` on every member (its size first, then the bytes)."""
+    options = dist.BroadcastOptions()
+    options.rootRank = root
+    size = torch.tensor([len(payload)], dtype=torch.int64)
+    group.broadcast([size], options).wait()
+    if group.rank() == root:
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    else:
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+    group.broadcast([data], options).wait()
+    return data.numpy().tobytes()
+
+
+def _dump(state: dict[str, Any]) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
+
+
+def _load(blob: bytes) -> dict[str, Any]:
+    state: dict[str, Any] = torch.load(io.BytesIO(blob), weights_only=True)
+    return state

@@ -1,0 +1,95 @@
+"""A hand-written DDP loop under `phalanx launch --live-recovery` (tests/faults/test_live.py).
+
+Each step takes the next `world * BATCH` samples of one fixed order, this rank's
+slice of them; so a ledger of (step, offset, world) per applied step shows
+whether any sample was skipped or repeated. KILL_MEMBER kills or stops itself
+(KILL_SIGNAL) at KILL_STEP, before the step's backward, with a collective in
+flight on the others.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import phalanx
+from phalanx.errors import PeerLost
+from phalanx.runtime.live import current_live_group
+from phalanx.runtime.membership import settings_from_env
+from phalanx.runtime.recovery import LiveRecovery
+
+BATCH, SAMPLES, STEPS = 4, 4096, int(os.environ.get("STEPS", "30"))
+PAUSE_S = float(os.environ.get("PAUSE_S", "0"))
+
+
+def main() -> None:
+    phalanx.init(backend="gloo", timeout=60)
+    group = current_live_group()
+    assert group is not None, "run me under phalanx launch --live-recovery"
+    live = LiveRecovery(group, settings_from_env())
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    data = torch.randn(SAMPLES, 16, generator=torch.Generator().manual_seed(1))
+    target = data.sum(dim=1, keepdim=True).sin()
+    order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(2))
+    at = {"step": 0, "offset": 0}
+
+    def save() -> dict[str, Any]:
+        return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), **at}
+
+    def load(state: dict[str, Any]) -> None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        at.update(step=state["step"], offset=state["offset"])
+
+    if group.member.startswith("j"):
+        say(group, f"joined: {live.join(group.member, save, load)}")
+    ddp = phalanx.DistributedDataParallel(model, process_group=group)
+    ledger = Path(os.environ["LEDGER_DIR"]) / f"{group.member}.jsonl"
+    while at["step"] < STEPS:
+        try:
+            live.boundary()
+            world, rank = group.size(), group.rank()
+            start = at["offset"] + rank * BATCH
+            rows = order[start : start + BATCH]
+            loss = nn.functional.mse_loss(ddp(data[rows]), target[rows])
+            maybe_die(group.member, at["step"])
+            time.sleep(PAUSE_S)  # a step of a real model's length, so a replacement can catch up
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            at["step"] += 1
+            at["offset"] += world * BATCH
+            with ledger.open("a") as out:
+                out.write(json.dumps({"step": at["step"], "offset": at["offset"], "world": world,
+                                      "loss": loss.item()}) + "\n")  # fmt: skip
+        except PeerLost as exc:
+            optimizer.zero_grad(set_to_none=True)
+            done = live.recover(at["step"], str(exc), save, load)
+            say(group, f"recovered: {done}")
+            ddp = phalanx.DistributedDataParallel(model, process_group=group)
+    phalanx.check_replicas(ddp, group)
+    digest = float(sum(p.detach().double().sum() for p in model.parameters()))
+    say(group, f"done step={at['step']} offset={at['offset']} digest={digest:.12e}")
+
+
+def maybe_die(member: str, step: int) -> None:
+    if member == os.environ.get("KILL_MEMBER") and step == int(os.environ["KILL_STEP"]):
+        os.kill(os.getpid(), getattr(signal, os.environ.get("KILL_SIGNAL", "SIGKILL")))
+
+
+def say(group: Any, line: str) -> None:
+    print(f"[{group.member}] {line}", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    main()
