@@ -21,6 +21,10 @@ MIN_MEMBERS_ENV = "PHALANX_LIVE_MIN_MEMBERS"
 QUORUM_TIMEOUT_ENV = "PHALANX_LIVE_QUORUM_TIMEOUT_S"
 """How long survivors wait for that many members before they stop."""
 
+RESTART_MARK = "live-restart"
+"""A file in the progress directory: this run cannot go on without a lost rank (ZeRO's
+shards), so a loss restarts the group from its checkpoint instead."""
+
 HEARTBEAT_S = 0.5
 """How often a worker's heartbeat file is touched."""
 

@@ -83,6 +83,9 @@ class DistributedSampler(Sampler[int]):
         self.drop_last = drop_last
         self.pad = pad
         self.epoch = 0
+        self.base = 0
+        """Where in the epoch's order this sharding starts: 0, or after `reshard` the samples
+        every rank had used by then."""
         self.total_size = self._epoch_total()
         self.num_samples = _count_from(self.rank, self.total_size, self.num_replicas)
         if drop_last and self.num_samples == 0:
@@ -130,7 +133,45 @@ class DistributedSampler(Sampler[int]):
         if epoch != self.epoch:
             self._resume_at = 0
             self._start_pass(0)
+            self._shard_from(0)
         self.epoch = epoch
+
+    def reshard(self, num_replicas: int, rank: int, used_by_all: int) -> None:
+        """Deal the rest of this epoch, from the `used_by_all`-th index of its order on, over
+        `num_replicas` ranks (live recovery: the world changed mid-epoch).
+
+        Nothing of the epoch is skipped or dealt twice; the rest is padded (or,
+        with drop_last, cut) to a multiple of the new world as torch pads an
+        epoch, so every rank has the same count. The next iteration starts there;
+        the next epoch is dealt as usual over the new world.
+        """
+        _check_rank(rank, num_replicas)
+        if not 0 <= used_by_all <= self.total_size:
+            raise ConfigurationError(
+                f"used_by_all={used_by_all} is outside this epoch's {self.total_size} indices "
+                "— pass how many of the epoch's indices all ranks together have used"
+            )
+        self.num_replicas, self.rank = num_replicas, rank
+        self._shard_from(used_by_all)
+        self._resume_at = 0
+        self._start_pass(0)
+        self._last_iterated_epoch = None  # the epoch goes on: no forgotten set_epoch
+
+    def _shard_from(self, base: int) -> None:
+        """This sharding: the epoch's order from `base` on, over the current world."""
+        self.base = base
+        if base == 0:
+            self.total_size = self._epoch_total()
+        else:
+            rest, world = self._epoch_total_after(base), self.num_replicas
+            self.total_size = base + (
+                rest - rest % world if self.drop_last else -(-rest // world) * world
+            )
+        self.num_samples = _count_from(self.rank, self.total_size - self.base, self.num_replicas)
+
+    def _epoch_total_after(self, base: int) -> int:
+        """Indices of the epoch's order (unpadded) left after `base`."""
+        return max(0, self._dataset_len - base)
 
     def __iter__(self) -> Iterator[int]:
         # A generator: nothing happens until the first index is drawn, so an iterator
@@ -164,7 +205,7 @@ class DistributedSampler(Sampler[int]):
         rank's strided slice without building the padded list.
         """
         n = self._dataset_len
-        first = self.rank + start * self.num_replicas
+        first = self.base + self.rank + start * self.num_replicas
         if first >= self.total_size:
             return []
         slots = torch.arange(first, self.total_size, self.num_replicas) % n
@@ -200,6 +241,7 @@ class DistributedSampler(Sampler[int]):
         return {
             "epoch": self.epoch,
             "position": position,
+            "base": self.base,
             "seed": self.seed,
             "num_replicas": self.num_replicas,
             "dataset_len": self._dataset_len,
@@ -230,12 +272,16 @@ class DistributedSampler(Sampler[int]):
             )
         self._check_same_setup(state)
         position = int(state["position"])
+        epoch, base = self.epoch, self.base
+        self.epoch = int(state["epoch"])
+        self._shard_from(int(state.get("base", 0)))  # checkpoints before live recovery: 0
         if not 0 <= position <= self.num_samples:
+            self.epoch = epoch
+            self._shard_from(base)
             raise ConfigurationError(
                 f"saved sampler position {position} is outside this rank's shard of "
                 f"{self.num_samples} samples — the state belongs to another setup"
             )
-        self.epoch = int(state["epoch"])
         self._resume_at = position
         self._start_pass(position)
         self._last_iterated_epoch = None

@@ -112,8 +112,11 @@ class Agent:
         try:
             group = self._spawn(restart, port, extra, plan, lifeline)
             if self.config.live is not None:
-                status = self._supervise_live(group, restart, port, extra, plan, lifeline,
-                                              progress_dir)  # fmt: skip
+                supervisor = self._live_supervisor(group, restart, port, extra, plan, lifeline,
+                                                   progress_dir)  # fmt: skip
+                status = supervisor.run()
+                if supervisor.fell_back is not None:
+                    return self._after_failure(group, supervisor.fell_back, restart, progress_dir)
                 signum = self.stop_request.signum
                 group.stop(_sent_signal(signum or signal.SIGTERM), self.config.grace_s,
                            self.stop_request)  # fmt: skip
@@ -201,7 +204,7 @@ class Agent:
             QUORUM_TIMEOUT_ENV: f"{live.quorum_timeout_s:g}",
         }
 
-    def _supervise_live(
+    def _live_supervisor(
         self,
         group: WorkerGroup,
         restart: int,
@@ -210,7 +213,7 @@ class Agent:
         plan: OutputPlan,
         lifeline: Lifeline,
         progress_dir: Path,
-    ) -> int:
+    ) -> LiveSupervisor:
         """--live-recovery: replace lost workers, leave the others running (launch/live.py)."""
         assert self.config.live is not None
 
@@ -228,7 +231,7 @@ class Agent:
             say=self.sink.message,
             stop_request=self.stop_request,
             interval_s=self.config.monitor_interval_s,
-        ).run()
+        )
 
     def _supervise(self, group: WorkerGroup) -> Failure | int:
         """Wait for a worker to fail (its Failure), all to succeed (0), or a signal (signum)."""

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from phalanx.launch.procgroup import describe_returncode, signal_group
-from phalanx.launch.workers import StopRequest, Worker, WorkerGroup
-from phalanx.live_keys import JOIN_SEQ_KEY, heartbeat_name, lost_key
+from phalanx.launch.workers import Failure, StopRequest, Worker, WorkerGroup
+from phalanx.live_keys import JOIN_SEQ_KEY, RESTART_MARK, heartbeat_name, lost_key
 from phalanx.storeclient import StoreClient
 
 __all__ = ["LiveSupervisor", "Respawn"]
@@ -50,6 +50,9 @@ class LiveSupervisor:
     say: Callable[[str], None]
     stop_request: StopRequest
     interval_s: float = 0.1
+    fell_back: Failure | None = None
+    """The loss that ended a run which cannot go on without the lost rank (ZeRO: its
+    workers left RESTART_MARK): the agent restarts the group as without live recovery."""
     _slots: list[_Slot] = field(default_factory=list)
 
     def run(self) -> int:
@@ -68,6 +71,9 @@ class LiveSupervisor:
                     self._fence_if_stalled(slot)
                     continue
                 slot.done = True
+                if code != 0 and (self.progress_dir / RESTART_MARK).exists():
+                    self.fell_back = Failure(slot.worker, code)
+                    return code
                 status = code if code == 0 else self._lost(slot, code)
             if all(slot.done for slot in self._slots):
                 return self._final_status(status)

@@ -33,6 +33,7 @@ ZeroStage = Literal[0, 1, 2, 3]
 ZeroOffload = Literal["cpu", "disk"]
 CommHookName = Literal["allreduce", "fp16", "bf16", "powersgd"]
 SyncMethod = Literal["ddp", "local_sgd", "diloco"]
+FaultTolerance = Literal["restart", "live"]
 Strategy = Literal["no", "steps", "epoch"]
 SaveStrategy = Literal["no", "steps", "epoch", "best"]
 OptimName = Literal["adamw_torch", "adamw_torch_fused", "sgd", "adagrad", "rmsprop"]
@@ -257,6 +258,17 @@ class TrainingArguments(Config):
     """With sync_method="diloco": the outer SGD's learning rate (the paper's 0.7)."""
     diloco_outer_momentum: float = 0.9
     """With sync_method="diloco": the outer SGD's Nesterov momentum (the paper's 0.9)."""
+
+    # ----------------------------------------------------------- faults
+    fault_tolerance: FaultTolerance = "restart"
+    """What a lost rank costs. "restart": the run stops, and `phalanx launch --max-restarts`
+    restarts every rank from the last checkpoint (every step since it is trained again).
+    "live" (under `phalanx launch --live-recovery`): the survivors drop the step in flight
+    and go on from their memory, the rest of the epoch dealt over them, and a replacement
+    joins with a live peer's state; the per-rank batch stays, so each step then averages
+    fewer samples. Stage 0 only (sync_method ddp, local_sgd or diloco): under zero_stage
+    1-3 a lost rank's shard exists nowhere else, so "live" falls back to "restart", said
+    at start-up. docs/reliability.md."""
 
     def __post_init__(self) -> None:
         check_fields(self)  # types from the annotations, before any value check reads them

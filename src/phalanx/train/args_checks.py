@@ -238,6 +238,17 @@ def check_combinations(args: TrainingArguments) -> None:
     """The documents' warnings, made errors: each combination gives wrong results or crashes."""
     check_comm_combinations(args)
     require(
+        args.fault_tolerance != "live" or args.ddp_comm_hook is None,
+        f'fault_tolerance="live" does not work with ddp_comm_hook={args.ddp_comm_hook!r} — a '
+        "hook's futures cannot be abandoned when a peer is lost; drop the hook, or use "
+        'fault_tolerance="restart"',
+    )
+    require(
+        args.fault_tolerance != "live" or args.even_batches,
+        'fault_tolerance="live" does not work with even_batches=False — the rest of an epoch '
+        "is dealt evenly over the survivors; leave even_batches at True",
+    )
+    require(
         not (args.bf16 and args.fp16),
         "bf16 and fp16 are both set — choose one precision (bf16 needs no loss scaling)",
     )

@@ -42,6 +42,14 @@ class CommMeter:
         self.sharded = wrapped_model if zero3.unit_of(wrapped_model) is not None else None
         self.zero = optimizer if isinstance(optimizer, ZeroRedundancyOptimizer) else None
         self.periodic_sync = periodic_sync
+        self._carried = (0, 0, 0.0)
+        """(bytes, collectives, wait) of the meters this one took over from (continue_from)."""
+
+    def continue_from(self, earlier: CommMeter) -> CommMeter:
+        """Count on from `earlier`'s totals (live recovery wrapped the model again)."""
+        (sent, calls), waited = earlier.sent(), earlier.wait_s()
+        self._carried = (sent, calls, waited)
+        return self
 
     def _counters(self) -> list[CommCounter]:
         counters = []
@@ -55,11 +63,11 @@ class CommMeter:
         """Seconds the training thread waited for collectives: the reducer's end of backward,
         stage 3's gathers and reductions, ZeRO's parameter all-gathers."""
         waited = self.ddp.reducer.stats.comm_wait_s if self.ddp is not None else 0.0
-        return waited + sum(c.wait_s for c in self._counters())
+        return self._carried[2] + waited + sum(c.wait_s for c in self._counters())
 
     def sent(self) -> tuple[int, int]:
         """(payload bytes, collectives) handed to collectives so far."""
-        sent = calls = 0
+        sent, calls, _ = self._carried
         if self.ddp is not None:
             sent, calls = self.ddp.reducer.stats.bytes_sent, self.ddp.reducer.stats.collectives
         for counter in self._counters():

@@ -25,7 +25,7 @@ from torch.utils.data import Dataset
 from phalanx import progress_record as progress
 from phalanx.diagnostics import timeline as timelines
 from phalanx.diagnostics.replicas import check_replicas
-from phalanx.errors import ConfigurationError
+from phalanx.errors import ConfigurationError, PeerLost
 from phalanx.train import hf_save
 from phalanx.train.batches import step_groups
 from phalanx.train.checkpoint import PREFIX
@@ -35,7 +35,7 @@ from phalanx.train.nonfinite import check_parameters
 from phalanx.train.outputdir import prepare_output_dir, restart_note
 from phalanx.train.report import human_size
 from phalanx.train.rng import seed_everything
-from phalanx.train.runlog import CommMeter, RunLog, emit
+from phalanx.train.runlog import RunLog, emit
 from phalanx.train.stopping import Stop, TrainingStopped
 from phalanx.train.trainer_setup import TrainerSetup
 from phalanx.train.trainer_state import (
@@ -80,6 +80,31 @@ class Trainer(TrainerSetup):
         self._check_open()
         if self.train_dataset is None:
             raise ConfigurationError("train() needs a train_dataset — pass one to the Trainer")
+        resumed_from: str | None = None
+        if self._live is not None and self._live.is_replacement:
+            self._join_run()
+        else:
+            started = self._start_run(resume_from_checkpoint)
+            if isinstance(started, TrainOutput):
+                return started
+            resumed_from = started
+        try:
+            with self._stop_requests.installed(self.args.save_on_signal):
+                self._loop()
+                if self._stopped_by is not None:
+                    raise self._stop_and_save(self._stopped_by)
+            self._load_best_model()
+            self._callbacks.fire("on_train_end")
+            self._callbacks.agree()
+        finally:
+            self._report.close()
+        return self._output(resumed_from)
+
+    def _start_run(
+        self, resume_from_checkpoint: bool | str | Path | None
+    ) -> str | TrainOutput | None:
+        """Everything before the loop: the output dir, the resume, the report, the callbacks'
+        first event; the checkpoint resumed from, or the output when nothing is left to do."""
         resume = resume_from_checkpoint
         if resume is None:  # HF's field; "true" (any case) is True
             field = self.args.resume_from_checkpoint
@@ -104,17 +129,19 @@ class Trainer(TrainerSetup):
         self._callbacks.control._new_training()
         self._callbacks.fire("on_train_begin")
         self._callbacks.agree()
-        try:
-            with self._stop_requests.installed(self.args.save_on_signal):
-                self._loop()
-                if self._stopped_by is not None:
-                    raise self._stop_and_save(self._stopped_by)
-            self._load_best_model()
-            self._callbacks.fire("on_train_end")
-            self._callbacks.agree()
-        finally:
-            self._report.close()
-        return self._output(resumed_from)
+        return resumed_from
+
+    def _join_run(self) -> None:
+        """A replacement under live recovery: join, take a live peer's state, and go on where
+        the others are (no output dir to prepare, no checkpoint to read, no barrier: the
+        others are mid-run; the callbacks' on_train_begin was theirs)."""
+        assert self._live is not None
+        seed_everything(self.args.seed)
+        self.state = TrainState()
+        self._make_entries()
+        self._live.join()
+        self._saved_step = None
+        self._callbacks.control._new_training()
 
     def _load_best_model(self) -> None:
         """load_best_model_at_end: the model of the best evaluation's checkpoint, on every rank."""
@@ -151,8 +178,7 @@ class Trainer(TrainerSetup):
 
     def _loop(self) -> None:
         """Train until max_steps, or until the ranks agree to stop at a step boundary."""
-        comm = CommMeter(self.wrapped_model, self.periodic_sync, self.optimizer)
-        self._runlog = RunLog(self.world, self._report, comm, self.timeline)
+        self._runlog = RunLog(self.world, self._report, self.comm_meter(), self.timeline)
         self._loss_before = self.state.loss_sum
         while not self._train_epoch():
             self.state.epoch += 1
@@ -173,18 +199,27 @@ class Trainer(TrainerSetup):
         with uneven_inputs(self.wrapped_model, self.args.even_batches) as shadow:
             self._stepper.shadow = shadow
             steps = self._epoch_steps()
-            while not self._stop_agreed() and self.state.global_step < self.max_steps:
-                if control.should_training_stop:
-                    return True
-                if control.should_epoch_stop:
-                    return False
-                batches, expected = next(steps, ([], 0))
-                if shadow is None:  # no one to shadow: a loader shorter than its len() ends here
-                    expected = len(batches)
-                if not expected:
-                    return False
-                self._train_step(batches, expected)
-        return True
+            while True:
+                try:
+                    if self._live is not None:
+                        self._live.boundary()
+                    if self._stop_agreed() or self.state.global_step >= self.max_steps:
+                        return True
+                    if control.should_training_stop:
+                        return True
+                    if control.should_epoch_stop:
+                        return False
+                    batches, expected = next(steps, ([], 0))
+                    if shadow is None:  # none to shadow: a loader shorter than its len() ends
+                        expected = len(batches)
+                    if not expected:
+                        return False
+                    self._train_step(batches, expected)
+                except PeerLost as lost:
+                    if self._live is None:
+                        raise
+                    self._live.recover(lost)  # the step in flight is dropped on every member
+                    steps = self._epoch_steps()
 
     def _stop_agreed(self) -> bool:
         self._stopped_by = self._stop_requests.agree()
@@ -197,6 +232,8 @@ class Trainer(TrainerSetup):
             return self.stream.steps(self.state.epoch, self.args.gradient_accumulation_steps)
         assert self.sampler is not None
         self.sampler.set_epoch(self.state.epoch)
+        if self._live is not None:  # the world may have changed: this epoch's length in it
+            self.set_epoch_length(len(self.train_loader))
         self._loader_generator.manual_seed(self.args.seed + self.state.epoch)
         return step_groups(
             iter(self.train_loader),
@@ -264,7 +301,7 @@ class Trainer(TrainerSetup):
         state = self.state
         extra = {
             "lr": float(self.scheduler.get_last_lr()[0]),
-            "epoch": state.epoch + state.batches_done / self.micro_batches_per_epoch,
+            "epoch": self.epoch_progress(),
         }
         if self.args.on_nonfinite_grad == "skip":
             extra["skipped_steps"] = float(state.skipped_steps)

@@ -36,9 +36,10 @@ from phalanx.train.checkpointer import Checkpointer
 from phalanx.train.collate import DefaultCollator, forward_columns
 from phalanx.train.comm import PerRank, attach_comm_hook, make_periodic_sync
 from phalanx.train.evaluation import ComputeMetrics
+from phalanx.train.live import live_training_for
 from phalanx.train.nonfinite import NonFiniteGuard
 from phalanx.train.report import RunReport
-from phalanx.train.runlog import RunLog
+from phalanx.train.runlog import CommMeter, RunLog
 from phalanx.train.schedules import make_scheduler, warmup_steps_for
 from phalanx.train.setup import (
     check_same_arguments,
@@ -117,6 +118,8 @@ class TrainerSetup:
             if train_dataset is not None:
                 self._setup_training(train_dataset)
             self._callbacks = self._setup_callbacks(callbacks)
+            self._live = live_training_for(self)
+            """fault_tolerance="live": the survivors go on after a loss (train/live.py)."""
         except BaseException:
             self.close()  # a Trainer that could not be made must not keep its group
             raise
@@ -251,7 +254,7 @@ class TrainerSetup:
         per_epoch = self.__dict__.get("micro_batches_per_epoch") or 1
         return {
             "global_step": state.global_step,
-            "epoch": state.epoch + state.batches_done / per_epoch,
+            "epoch": self.epoch_progress(per_epoch),
             "max_steps": self.__dict__.get("max_steps", 0),
             "num_train_epochs": self.args.num_train_epochs,
             "logging_steps": self.args.logging_steps,
@@ -297,6 +300,44 @@ class TrainerSetup:
         states["stream" if self.stream is not None else "sampler"] = self._position
         states["rng"] = self._rng
         return states
+
+    def world_holders(self) -> list[Any]:
+        """Everything that keeps the `World` (live recovery hands them a new one)."""
+        parts = [self, self._report, self.strategy, self._callbacks, self._counters]
+        parts += [self.__dict__.get(n) for n in ("_stepper", "_checkpointer", "_guard")]
+        parts += [self.__dict__.get("_stop_requests"), self._runlog]
+        return [part for part in parts if part is not None]
+
+    def rewrap(self) -> None:
+        """Wrap the model again for the current world (live recovery, after the members
+        changed): phalanx DDP over the new group, or the model itself in a world of one."""
+        self.wrapped_model = self.strategy.wrap(self.model)
+        if isinstance(self.wrapped_model, DistributedDataParallel):
+            self.wrapped_model.timeline = self.timeline
+        self._stepper.wrapped_model = self.wrapped_model
+        if self._runlog is not None:
+            self._runlog.comm = self.comm_meter().continue_from(self._runlog.comm)
+
+    def comm_meter(self) -> CommMeter:
+        """What the log's traffic figures read: the wrapper's, the local sync's, ZeRO's."""
+        return CommMeter(self.wrapped_model, self.periodic_sync, self.optimizer)
+
+    def epoch_progress(self, per_epoch: int | None = None) -> float:
+        """Epochs done, the current one's fraction included (after a live recovery dealt the
+        rest of an epoch over a new world, counted in the epoch's samples)."""
+        state, sampler = self.state, self.sampler
+        if sampler is not None and sampler.base:
+            batch = self.args.per_device_train_batch_size
+            mine = min(state.batches_done * batch, len(sampler))
+            return state.epoch + (sampler.base + mine * sampler.num_replicas) / sampler.total_size
+        return state.epoch + state.batches_done / (per_epoch or self.micro_batches_per_epoch)
+
+    def set_epoch_length(self, micro_batches: int) -> None:
+        """This rank's micro-batches in the epoch (from the current position, after a
+        live recovery dealt the rest of it over a new world)."""
+        self.micro_batches_per_epoch = micro_batches
+        if isinstance(self._position, SamplerPosition):
+            self._position.micro_batches_per_epoch = micro_batches
 
     def _autocast(self) -> AbstractContextManager[Any]:
         return autocast_for(self.args, self.world.device)

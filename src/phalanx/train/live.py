@@ -1,0 +1,166 @@
+"""The Trainer under `fault_tolerance="live"`: a lost rank costs the step in flight, not a
+restart from disk (runtime/recovery.py has the protocol, docs/reliability.md the design).
+
+After the members agree, every one of them rebuilds what depends on the world in
+the same order: the `World` its parts hold, phalanx DDP over the new group, and
+the sampler, which deals the rest of the epoch over the new world from the
+samples every rank had used (`DistributedSampler.reshard`). A replacement builds
+its Trainer as a world of one, then joins, takes the donor's state and rebuilds
+the same way; so both arrive at the loop's next step with the same collectives.
+The per-rank batch stays as configured: after a loss each step averages fewer
+samples (same learning rate, more gradient noise), and an epoch takes more steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from phalanx.ddp.module import DistributedDataParallel
+from phalanx.errors import ConfigurationError, PeerLost
+from phalanx.live_keys import RESTART_MARK
+from phalanx.progress_record import PROGRESS_DIR_VAR
+from phalanx.runtime.live import LiveGroup, current_live_group
+from phalanx.runtime.membership import settings_from_env
+from phalanx.runtime.recovery import LiveRecovery, Recovered
+from phalanx.train.stateful import Stateful
+
+if TYPE_CHECKING:
+    from phalanx.train.trainer_setup import TrainerSetup
+
+__all__ = ["LiveTraining", "live_training_for"]
+
+_TRANSFERRED = ("trainer", "model", "optimizer", "scheduler", "comm", "scaler")
+"""The checkpoint entries a donor sends (not "rng": each member reseeds, below; not the
+data position: sent as the samples all ranks used)."""
+
+
+def live_training_for(trainer: TrainerSetup) -> LiveTraining | None:
+    """The run's live recovery, or None; refuses what it cannot keep, in one line."""
+    args = trainer.args
+    if args.fault_tolerance != "live" or trainer.train_dataset is None:
+        return None
+    group = current_live_group()
+    if group is None:
+        raise ConfigurationError(
+            'fault_tolerance="live" needs the live group of `phalanx launch --live-recovery` '
+            "— launch with it, or leave fault_tolerance at its default"
+        )
+    if args.zero_stage > 0:
+        trainer._report.say(
+            f'fault_tolerance="live" with zero_stage={args.zero_stage}: a lost rank\'s shard '
+            "exists nowhere else, so a loss restarts every rank from the last checkpoint "
+            "instead (--max-restarts); use zero_stage=0 to keep the survivors running"
+        )
+        fall_back_to_restart()
+        return None
+    if trainer.stream is not None or trainer.sampler is None:
+        raise ConfigurationError(
+            'fault_tolerance="live" deals a map-style train_dataset over the survivors; a '
+            "stream cannot be re-dealt mid-epoch — use a dataset with a length, or "
+            'fault_tolerance="restart"'
+        )
+    return LiveTraining(trainer, group)
+
+
+class LiveTraining:
+    """The Trainer's side of live recovery (module docstring)."""
+
+    def __init__(self, trainer: TrainerSetup, group: LiveGroup) -> None:
+        self.trainer = trainer
+        self.group = group
+        self.recovery = LiveRecovery(group, settings_from_env())
+        self._data: dict[str, int] | None = None
+        """The donor's data position, when this member took the donor's state."""
+
+    @property
+    def is_replacement(self) -> bool:
+        """A replacement not yet in the run (its Trainer was built as a world of one)."""
+        return self.group.generation < 0
+
+    def boundary(self) -> None:
+        self.recovery.boundary()
+
+    def recover(self, lost: PeerLost) -> None:
+        """Drop the step in flight, agree on the members, take the donor's state, rebuild."""
+        trainer = self.trainer
+        trainer.optimizer.zero_grad(set_to_none=True)
+        done = self.recovery.recover(trainer.state.global_step, str(lost), self._save, self._load)
+        self._rebuild(done)
+
+    def join(self) -> None:
+        done = self.recovery.join(self.group.member, self._save, self._load)
+        self._rebuild(done)
+
+    # ------------------------------------------------------------ the state
+    def _used_by_all(self) -> int:
+        """Samples of the epoch's order every rank together has used (the sampler's start
+        plus each rank's share so far)."""
+        trainer = self.trainer
+        sampler = trainer.sampler
+        assert sampler is not None
+        batch = trainer.args.per_device_train_batch_size
+        mine = min(trainer.state.batches_done * batch, len(sampler))
+        return sampler.base + mine * sampler.num_replicas
+
+    def _entries(self) -> dict[str, Stateful]:
+        """The transferred checkpoint entries (stage 0: all of them plain Statefuls)."""
+        entries = self.trainer.checkpoint_states()
+        return {n: entries[n] for n in _TRANSFERRED if isinstance(entries.get(n), Stateful)}  # type: ignore[misc]
+
+    def _save(self) -> dict[str, Any]:
+        state: dict[str, Any] = {n: e.state_dict() for n, e in self._entries().items()}
+        state["data"] = {"epoch": self.trainer.state.epoch, "used_by_all": self._used_by_all()}
+        return state
+
+    def _load(self, state: dict[str, Any]) -> None:
+        for name, entry in self._entries().items():
+            entry.load_state_dict(state[name])
+        self._data = {k: int(v) for k, v in state["data"].items()}
+
+    # ------------------------------------------------------------ the rebuild
+    def _rebuild(self, done: Recovered) -> None:
+        trainer = self.trainer
+        data = self._data or {"epoch": trainer.state.epoch, "used_by_all": self._used_by_all()}
+        self._data = None
+        world = dataclasses.replace(trainer.world, rank=done.rank, world_size=done.world_size)
+        for part in trainer.world_holders():
+            part.world = world
+        old = trainer.wrapped_model
+        if isinstance(old, DistributedDataParallel):
+            old.reducer.remove_hooks()
+        trainer.rewrap()
+        sampler = trainer.sampler
+        assert sampler is not None
+        trainer.state.epoch = data["epoch"]
+        sampler.set_epoch(data["epoch"])
+        sampler.reshard(world.world_size, world.rank, data["used_by_all"])
+        trainer.state.batches_done = 0  # the epoch's length from here: Trainer._epoch_steps
+        _reseed(trainer.args.seed, done.generation, done.rank)
+        who = ", ".join(done.members)
+        trainer._report.say(
+            f"live recovery: {done.world_size} ranks ({who}) at step {done.step}, "
+            f"state from {done.donor}, {done.seconds:.2f} s — {done.reason}"
+        )
+
+
+def fall_back_to_restart() -> None:
+    """Tell this node's launcher that a loss must restart the group (launch/live.py)."""
+    directory = os.environ.get(PROGRESS_DIR_VAR)
+    if directory:
+        (Path(directory) / RESTART_MARK).touch()
+
+
+def _reseed(seed: int, generation: int, rank: int) -> None:
+    """Each member's generators after a change of members: a function of the seed, the
+    generation and the rank, so a replay of the same membership is bit-identical."""
+    mixed = (seed * 1_000_003 + generation * 10_007 + rank) % (2**32)
+    random.seed(mixed)
+    np.random.seed(mixed)
+    torch.manual_seed(mixed)

@@ -1,0 +1,91 @@
+"""The Trainer under `phalanx launch --live-recovery` with fault_tolerance="live"
+(tests/faults/test_live_trainer.py).
+
+The model records the sample indices of each micro-batch; a callback writes them to
+this member's ledger when the step is applied (a dropped step's are forgotten at the
+next step's start). KILL_MEMBER kills or stops itself (KILL_SIGNAL) in the forward of
+KILL_STEP. Arguments: OUTPUT_DIR MAX_STEPS [resume]. Prints the final parameters' digest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import TensorDataset
+
+from phalanx.train import Trainer, TrainingArguments
+from phalanx.train.callbacks import TrainerCallback
+
+SAMPLES = 480
+PAUSE_S = float(os.environ.get("PAUSE_S", "0.03"))
+
+
+class Recorder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Dropout(0.1), nn.Linear(32, 3))
+        self.pending: list[int] = []
+        self.trainer: Trainer | None = None
+
+    def forward(self, batch: list[Tensor]) -> Tensor:
+        x, y, index = batch
+        self.pending += index.tolist()
+        assert self.trainer is not None
+        member = os.environ.get("PHALANX_LIVE_MEMBER") or f"r{os.environ['RANK']}"
+        step = self.trainer.state.global_step
+        if member == os.environ.get("KILL_MEMBER") and step == int(os.environ["KILL_STEP"]):
+            os.kill(os.getpid(), getattr(signal, os.environ.get("KILL_SIGNAL", "SIGKILL")))
+        return nn.functional.cross_entropy(self.net(x), y)
+
+
+class Ledger(TrainerCallback):
+    def __init__(self, model: Recorder, path: Path) -> None:
+        self.model, self.path = model, path
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.model.pending = []  # a dropped step's samples were never trained on
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer = self.model.trainer
+        assert trainer is not None
+        entry = {"step": state.global_step, "world": trainer.world.world_size,
+                 "epoch": trainer.state.epoch, "indices": self.model.pending}  # fmt: skip
+        with self.path.open("a") as out:
+            out.write(json.dumps(entry) + "\n")
+        time.sleep(PAUSE_S)
+
+
+def main() -> None:
+    out, max_steps = Path(sys.argv[1]), int(sys.argv[2])
+    resume = len(sys.argv) > 3
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(SAMPLES, 6, generator=gen)
+    data = TensorDataset(x, torch.randint(0, 3, (SAMPLES,), generator=gen), torch.arange(SAMPLES))
+    model = Recorder()
+    member = os.environ.get("PHALANX_LIVE_MEMBER") or f"r{os.environ['RANK']}"
+    ledger = Path(os.environ["LEDGER_DIR"]) / f"{member}.jsonl"
+    args = TrainingArguments(
+        output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=4,
+        learning_rate=0.05, logging_steps=10, save_steps=int(os.environ.get("SAVE_STEPS", "0"))
+        or max_steps, save_strategy="steps", fault_tolerance="live", disable_tqdm=True,
+        overwrite_output_dir=not resume, ddp_backend="gloo", seed=3,
+    )  # fmt: skip
+    trainer = Trainer(model, args, train_dataset=data, callbacks=[Ledger(model, ledger)])
+    model.trainer = trainer
+    result = trainer.train(resume_from_checkpoint=True if resume else None)
+    digest = float(sum(p.detach().double().sum() for p in trainer.model.parameters()))
+    print(f"[{member}] done step={result.global_step} loss={result.train_loss:.6f} "
+          f"digest={digest:.15e}", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

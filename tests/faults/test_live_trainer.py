@@ -1,0 +1,106 @@
+"""The Trainer with fault_tolerance="live" under `phalanx launch --live-recovery` (issue 27):
+a rank lost mid-step, the survivors going on from memory, a replacement joining with a live
+peer's state, every sample of an epoch trained once, and a checkpoint taken after the
+recovery resuming exactly.
+
+tests/faults/scripts/live_trainer.py writes, per member, a ledger line per applied step:
+the step, the world, the epoch and the sample indices this member trained on in it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.launchkit import FAULT_SCRIPTS, clean_env, launch
+
+pytestmark = pytest.mark.faults
+
+SCRIPT = FAULT_SCRIPTS / "live_trainer.py"
+SAMPLES = 480  # live_trainer.py's dataset
+FLAGS = "--live-recovery --live-stall-timeout 2 --max-restarts 1"
+
+
+def _train(out: Path, ledger: Path, steps: int, nproc: int = 3, *extra: str, **env: str) -> str:
+    ledger.mkdir(exist_ok=True)
+    run = launch(
+        f"--nproc-per-node {nproc} {FLAGS}",
+        SCRIPT,
+        out,
+        steps,
+        *extra,
+        env=clean_env(LEDGER_DIR=str(ledger), OMP_NUM_THREADS="1", **env),
+        merge=True,
+        timeout_s=170,
+    )
+    assert run.returncode == 0, run.stdout
+    return run.stdout
+
+
+def _steps(ledger: Path) -> dict[int, list[dict[str, object]]]:
+    steps: dict[int, list[dict[str, object]]] = {}
+    for path in ledger.glob("*.jsonl"):
+        for line in path.read_text().splitlines():
+            entry = json.loads(line)
+            steps.setdefault(entry["step"], []).append(entry)
+    return steps
+
+
+def _check_epochs(ledger: Path, total_steps: int) -> list[int]:
+    """Every step applied by every member of its world; each finished epoch's samples each
+    once but for torch's padding (its last step repeats at most world - 1 of them); the
+    world per step."""
+    steps = _steps(ledger)
+    assert sorted(steps) == list(range(1, total_steps + 1)), "a step applied nowhere"
+    by_epoch: dict[int, list[int]] = {}
+    worlds = []
+    for step in range(1, total_steps + 1):
+        entries = steps[step]
+        world = {e["world"] for e in entries}
+        assert len(world) == 1 and len(entries) == world.pop() == entries[0]["world"]
+        worlds.append(int(entries[0]["world"]))  # type: ignore[call-overload]
+        for entry in entries:
+            by_epoch.setdefault(int(entry["epoch"]), []).extend(entry["indices"])  # type: ignore[call-overload,arg-type]
+    finished = sorted(by_epoch)[:-1]
+    assert finished, "the run never finished an epoch"
+    for epoch in finished:
+        seen = Counter(by_epoch[epoch])
+        assert set(seen) == set(range(SAMPLES)), f"epoch {epoch} skipped samples"
+        repeated = sum(seen.values()) - SAMPLES
+        assert repeated <= max(worlds) - 1, f"epoch {epoch} saw {repeated} samples twice"
+    return worlds
+
+
+def _digests(out: str) -> list[str]:
+    return re.findall(r"done step=\d+ loss=\S+ digest=(\S+)", out)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
+def test_the_run_goes_on_and_grows_back(tmp_path: Path, how: str) -> None:
+    out = _train(tmp_path / "run", tmp_path / "ledger", 150, KILL_MEMBER="r1", KILL_STEP="10",
+                 KILL_SIGNAL=how)  # fmt: skip
+    worlds = _check_epochs(tmp_path / "ledger", 150)
+    assert worlds[:10] == [3] * 10 and worlds[10] == 2 and worlds[-1] == 3, worlds
+    assert "live recovery: 2 ranks (r0, r2) at step 10" in out
+    assert "live recovery: 3 ranks (r0, r2, j1)" in out
+    digests = _digests(out)
+    assert len(digests) == 3 and len(set(digests)) == 1, out  # identical replicas, j1's too
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpoint_after_a_recovery_resumes_exactly(tmp_path: Path) -> None:
+    first = _train(tmp_path / "a", tmp_path / "ledger_a", 150, KILL_MEMBER="r2", KILL_STEP="8",
+                   SAVE_STEPS="120")  # fmt: skip
+    world_at_save = _check_epochs(tmp_path / "ledger_a", 150)[119]
+    resumed = tmp_path / "b"
+    resumed.mkdir()
+    shutil.copytree(tmp_path / "a" / "checkpoint-120", resumed / "checkpoint-120")
+    second = _train(resumed, tmp_path / "ledger_b", 150, world_at_save, "resume")
+    assert "resumed from checkpoint-120" in second
+    assert set(_digests(second)) == set(_digests(first)), (first, second)
