@@ -22,11 +22,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from phalanx import netif
-from phalanx import progress_record as progress
 from phalanx.errors import ConfigurationError, RendezvousError
-from phalanx.jobenv import LaunchInfo, detect_launch, launched_by_launcher
-from phalanx.parent_launch import describe_single_accelerate_process
+from phalanx.ground import netif
+from phalanx.ground import progress_record as progress
+from phalanx.ground.jobenv import LaunchInfo, detect_launch, launched_by_launcher
+from phalanx.ground.parent_launch import describe_single_accelerate_process
 from phalanx.runtime.backend import backend_names, claim_device, resolve_backend, select_device
 from phalanx.runtime.errorhook import install_error_hook
 from phalanx.runtime.exit import register_exit_hook, shutdown

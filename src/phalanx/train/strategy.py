@@ -24,9 +24,9 @@ from phalanx.offload import DiskOffloadPolicy, offload_optimizer
 from phalanx.optim.zero import ZeroRedundancyOptimizer
 from phalanx.runtime import World
 from phalanx.runtime.hostmem import return_freed_memory
-from phalanx.train.args import TrainingArguments
+from phalanx.train.checkpoint.stateful import Entry
+from phalanx.train.config.args import TrainingArguments
 from phalanx.train.setup import offload_policy, optimizer_recipe, prepare_device_model
-from phalanx.train.stateful import Entry
 from phalanx.train.trainer_state import ShardedModel
 from phalanx.zero3.meta_init import has_meta_tensors, materialize
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
-from phalanx.nested import iter_tensors, map_tensors
+from phalanx.runtime.nested import iter_tensors, map_tensors
 from phalanx.zero3.root import Root, unit_of
 from phalanx.zero3.unit import Phase, Unit
 

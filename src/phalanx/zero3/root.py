@@ -23,7 +23,7 @@ from phalanx.ddp.stats import CommCounter
 from phalanx.ddp.sync import broadcast_coalesced
 from phalanx.diagnostics import timeline as timelines
 from phalanx.errors import ConfigurationError
-from phalanx.nested import iter_tensors
+from phalanx.runtime.nested import iter_tensors
 from phalanx.zero3.group import ParamGroup, PendingAllReduce
 from phalanx.zero3.unit import Phase, Unit
 

@@ -38,7 +38,7 @@ from typing import Any
 
 from phalanx.errors import CheckpointError, PhalanxError
 from phalanx.runtime import World
-from phalanx.train.checkpoint import (
+from phalanx.train.checkpoint.directory import (
     PREFIX,
     begin,
     checkpoint_bytes,
@@ -55,7 +55,7 @@ from phalanx.train.checkpoint import (
     verify_checkpoint,
     write_file,
 )
-from phalanx.train.stateful import (
+from phalanx.train.checkpoint.stateful import (
     Entry,
     Placement,
     ShardedStateful,

@@ -14,14 +14,15 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
+from phalanx.cli.bench import bench_main
+from phalanx.cli.consolidate_cmd import consolidate_main
+from phalanx.cli.launch_flags import build_parser
+from phalanx.cli.rdzvflags import store_site
 from phalanx.errors import ConfigurationError, PhalanxError, UsageError
+from phalanx.ground.netif import is_local_address
 from phalanx.launch.agent import Agent
-from phalanx.launch.bench import bench_main
 from phalanx.launch.config import LaunchConfig, parse_nnodes, parse_nproc, parse_signals
-from phalanx.launch.consolidate_cmd import consolidate_main
-from phalanx.launch.flags import build_parser
 from phalanx.launch.output import OutputSink
-from phalanx.launch.rdzvflags import store_site
 from phalanx.launch.routing import (
     ERR,
     OUT,
@@ -30,7 +31,6 @@ from phalanx.launch.routing import (
     parse_ranks,
     parse_std,
 )
-from phalanx.netif import is_local_address
 
 USAGE_EXIT = 2
 TOP_USAGE = """usage: phalanx <command> [args]
