@@ -1,6 +1,6 @@
 """Save and load a `dict[str, Stateful]` on every rank at once, failing on every rank together.
 
-Saving takes turns in one temporary directory (checkpoint.py makes it atomic):
+Saving takes turns in one temporary directory (directory.py makes it atomic):
 
 1. every rank hands rank 0 its per-rank states (one gather), and rank 0
    makes the empty `checkpoint-<step>.tmp/`;
