@@ -23,8 +23,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.errors import ConfigurationError, RendezvousError
-from phalanx.ground import netif
-from phalanx.ground import progress_record as progress
+from phalanx.ground import netif, progress_record
 from phalanx.ground.jobenv import LaunchInfo, detect_launch, launched_by_launcher
 from phalanx.ground.parent_launch import describe_single_accelerate_process
 from phalanx.runtime.backend import backend_names, claim_device, resolve_backend, select_device
@@ -136,7 +135,7 @@ def init(backend: str | None = None, timeout: float | timedelta = DEFAULT_TIMEOU
     claim_device(device)
     _pin_gloo_interface(chosen, info)
     _join_group(chosen, info, device, wait)
-    progress.start(info.rank, info.world_size, wait.total_seconds())
+    progress_record.start(info.rank, info.world_size, wait.total_seconds())
     register_exit_hook()
     world = describe_default_group(info)
     logger.info(

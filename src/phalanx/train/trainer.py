@@ -25,7 +25,7 @@ from torch.utils.data import Dataset
 from phalanx.diagnostics import timeline as timelines
 from phalanx.diagnostics.replicas import check_replicas
 from phalanx.errors import ConfigurationError
-from phalanx.ground import progress_record as progress
+from phalanx.ground import progress_record
 from phalanx.train.batches import step_groups
 from phalanx.train.checkpoint import hf_save
 from phalanx.train.checkpoint.directory import PREFIX
@@ -211,7 +211,7 @@ class Trainer(TrainerSetup):
         result = self._stepper.run(batches, expected, self.loss_fn, self.state)
         self.state.batches_done += expected
         self.state.global_step += 1
-        progress.step(self.state.global_step + 1)
+        progress_record.step(self.state.global_step + 1)
         assert self._runlog is not None
         self._runlog.add(result)
         self._report.advance()
@@ -254,7 +254,7 @@ class Trainer(TrainerSetup):
         stopped = TrainingStopped(stop.signum, step, path.name, stop.received_by)
         note = f"{stopped} — resume with resume_from_checkpoint=True"
         self._report.say(note)
-        progress.note_stop(note)
+        progress_record.note_stop(note)
         return stopped
 
     # ---------------------------------------------------------------- logging
