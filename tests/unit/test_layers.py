@@ -150,7 +150,7 @@ def test_the_torch_free_rows_are_the_bottom_row() -> None:
     assert layer_table()[-1][0] == TORCH_FREE_GROUND
 
 
-def test_the_launcher_imports_only_the_torch_free_ground() -> None:
+def test_the_launcher_and_the_command_import_only_the_torch_free_ground() -> None:
     assert torch_free_violations() == []
 
 
