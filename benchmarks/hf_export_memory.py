@@ -33,8 +33,8 @@ DEFAULT_OUT = REPO / "docs" / "results" / "hf_export_memory.json"
 # RSS before and its peak during the run (MB): the export's own memory, imports apart.
 CHILD = """
 import sys
-from phalanx.launch.consolidate_cmd import consolidate_main
-import phalanx.train.consolidate, safetensors.torch, huggingface_hub
+from phalanx.cli.consolidate_cmd import consolidate_main
+import phalanx.train.checkpoint.consolidate, safetensors.torch, huggingface_hub
 import torch.distributed.checkpoint.state_dict_loader
 
 def status(key):
@@ -55,7 +55,7 @@ def make_checkpoints(root: Path, layers: int, width: int) -> tuple[Path, Path, i
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from phalanx.train.checkpoint import begin, seal, write_checkpoint, write_file
+    from phalanx.train.checkpoint.directory import begin, seal, write_checkpoint, write_file
 
     torch.manual_seed(0)
     state = {}

@@ -1,6 +1,6 @@
 """What the progress record costs: per call, and per DDP step of the 261-tensor GPT model.
 
-Every rank records where it stands (`phalanx.progress_record`): the reducer
+Every rank records where it stands (`phalanx.ground.progress_record`): the reducer
 calls `collective()` once per bucket it launches, the Trainer `step()` once per
 optimizer step. Each call is a few stores into a memory-mapped file. This
 measures, in one process (a world of one, the same tiny batch as hook_path.py):
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from hook_path import make_step, tiny_batch
 
-from phalanx import progress_record as progress
+from phalanx.ground import progress_record as progress
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "progress_record.json"
 

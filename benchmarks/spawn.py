@@ -19,7 +19,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from phalanx.ports import free_port
+from phalanx.ground.ports import free_port
 
 
 def _die_with_parent() -> None:

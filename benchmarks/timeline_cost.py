@@ -37,9 +37,9 @@ import torch.distributed as dist
 from interleave import balanced_order
 from step_report import bootstrap_ci, round_ratios, round_sizes, slowest_rank_ms
 
+from phalanx.cli.bench_report import analyze_trace
 from phalanx.ddp.allreduce_probe import time_all_reduce
 from phalanx.diagnostics import timeline as timelines
-from phalanx.launch.bench_report import analyze_trace
 
 VARIANTS = ("compute", "phalanx", "timeline")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "timeline_cost.json"

@@ -29,8 +29,8 @@ from torch.utils.data import Dataset
 
 import phalanx
 from phalanx.train import Trainer, TrainingArguments
-from phalanx.train.checkpoint import list_checkpoints
-from phalanx.train.metrics import CSV_NAME, JSONL_NAME
+from phalanx.train.checkpoint.directory import list_checkpoints
+from phalanx.train.logging.metrics import CSV_NAME, JSONL_NAME
 
 # Small enough for a laptop CPU: 64 characters of context, 4 heads of 16, 2 layers.
 BLOCK = 64

@@ -29,8 +29,8 @@ from torch import Tensor, nn
 
 import phalanx
 from phalanx.train import EvalPrediction, Trainer, TrainingArguments
-from phalanx.train.checkpoint import list_checkpoints
-from phalanx.train.metrics import CSV_NAME, JSONL_NAME
+from phalanx.train.checkpoint.directory import list_checkpoints
+from phalanx.train.logging.metrics import CSV_NAME, JSONL_NAME
 
 # AdamW at 1e-3, decayed on a cosine over 20 epochs, 32 samples per rank per step
 # (digits.py's global batch of 64 on two ranks). At 30 epochs at a constant rate the test

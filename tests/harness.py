@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from phalanx.ports import free_port
+from phalanx.ground.ports import free_port
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from phalanx.launch.cli import main
+from phalanx.cli.main import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

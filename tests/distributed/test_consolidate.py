@@ -20,7 +20,7 @@ from torch import nn
 import phalanx
 from phalanx import zero3
 from phalanx.train import Trainer
-from phalanx.train.consolidate import consolidate
+from phalanx.train.checkpoint.consolidate import consolidate
 from tests.distributed.test_trainer_zero import _args, _data, _Net, _xent
 from tests.distributed.test_zero_state import _same
 from tests.harness import run_workers

@@ -25,9 +25,10 @@ import torch
 from torch import Tensor, nn
 
 import phalanx
-from phalanx.launch.consolidate_cmd import consolidate_main
-from phalanx.train import Trainer, TrainingArguments, hf_export
-from phalanx.train.consolidate import consolidate, consolidate_hf, model_source
+from phalanx.cli.consolidate_cmd import consolidate_main
+from phalanx.train import Trainer, TrainingArguments
+from phalanx.train.checkpoint import hf_export
+from phalanx.train.checkpoint.consolidate import consolidate, consolidate_hf, model_source
 from tests.distributed.test_zero3 import TinyGPT
 from tests.harness import run_scenarios, run_workers
 
@@ -320,7 +321,7 @@ def test_into_an_existing_directory_other_files_stay_and_old_shards_go(
 
 @pytest.mark.parametrize("build", [_gpt2, _bert])
 def test_the_tied_copies_are_those_transformers_leaves_out(build: Any) -> None:
-    from phalanx.train.hf_save import tied_copies
+    from phalanx.train.checkpoint.hf_save import tied_copies
 
     model = build()
     ours = tied_copies(model)

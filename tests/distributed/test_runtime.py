@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from phalanx.ports import free_port
+from phalanx.ground.ports import free_port
 from tests.harness import run_workers
 
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")
@@ -194,7 +194,7 @@ def test_plain_python_is_a_real_world_of_one() -> None:
 
 
 def _non_loopback_ipv4() -> tuple[str, str]:
-    from phalanx import netif
+    from phalanx.ground import netif
 
     for _index, name in socket.if_nameindex():
         address = netif.ipv4_address(name)

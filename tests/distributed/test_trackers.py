@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from phalanx.train import Trainer
-from phalanx.train.trackers import rewrite_logs
+from phalanx.train.logging.trackers import rewrite_logs
 from tests.distributed.test_trainer_zero import _args, _data, _Net, _xent
 from tests.harness import run_workers
 

@@ -25,7 +25,7 @@ from torch.utils.data import TensorDataset
 import phalanx
 from phalanx.errors import CheckpointError, ConfigurationError, OutputError
 from phalanx.train import CheckpointFallbackWarning, ResumeWarning, Trainer, TrainingArguments
-from phalanx.train.checkpoint import MANIFEST, verify_checkpoint
+from phalanx.train.checkpoint.directory import MANIFEST, verify_checkpoint
 from tests.disks import fill
 from tests.harness import run_workers
 

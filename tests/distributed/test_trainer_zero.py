@@ -24,7 +24,7 @@ import phalanx
 from phalanx import zero3
 from phalanx.errors import CheckpointError, ConfigurationError
 from phalanx.train import Trainer, TrainingArguments
-from phalanx.train.checkpoint import MANIFEST, verify_checkpoint
+from phalanx.train.checkpoint.directory import MANIFEST, verify_checkpoint
 from tests.distributed.test_zero_state import _same
 from tests.harness import run_workers
 
@@ -272,7 +272,7 @@ def _write_flat_pieces(directory: Path, state: dict[str, torch.Tensor]) -> None:
 def test_a_stage3_checkpoint_of_flat_pieces_is_refused_with_its_bridge(tmp_path: Path) -> None:
     """A stage-3 checkpoint written before DTensor parameters is refused in one line on
     every rank, naming `phalanx consolidate`; consolidate reads it whole."""
-    from phalanx.train.consolidate import consolidate
+    from phalanx.train.checkpoint.consolidate import consolidate
     from tests.checkpoints import rehash
 
     run_workers(_resume_old_stage3, 2, str(tmp_path), init_pg=False)

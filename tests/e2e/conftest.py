@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from phalanx.storeclient import ATTEMPT_KEY
+from phalanx.ground.storeclient import ATTEMPT_KEY
 
 
 @pytest.fixture

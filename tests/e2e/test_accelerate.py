@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from phalanx.parent_launch import accelerate_processes_asked
+from phalanx.ground.parent_launch import accelerate_processes_asked
 
 pytest.importorskip("accelerate", reason="accelerate is a test extra: pip install accelerate")
 

@@ -289,7 +289,7 @@ def test_launcher_imports_no_torch(tmp_path: Path) -> None:
         "import pkgutil, sys, phalanx.launch, phalanx.__main__\n"
         "for m in pkgutil.iter_modules(phalanx.launch.__path__):\n"
         "    __import__('phalanx.launch.' + m.name)\n"
-        "from phalanx.launch.cli import main\n"
+        "from phalanx.cli.main import main\n"
         f"code = main(['launch', {str(SCRIPTS / 'env_dump.py')!r}, {str(tmp_path)!r}])\n"
         "assert code == 0, code\n"
         "torch = sorted(m for m in sys.modules if m.split('.')[0] == 'torch')\n"

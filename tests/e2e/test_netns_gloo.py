@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from phalanx import netif
+from phalanx.ground import netif
 from tests.unit.test_netif import NS_LOCAL, veth_link
 
 # The namespaces are fresh and private, so a fixed port cannot collide with anything.

@@ -65,7 +65,7 @@ def _bench(out: Path, *flags: str) -> tuple[dict[str, Any], str]:
     """`phalanx bench` in an interpreter that must not import torch (the jobs do, it not)."""
     probe = (
         "import sys\n"
-        "from phalanx.launch.cli import main\n"
+        "from phalanx.cli.main import main\n"
         f"code = main(['bench', '--nproc', '1,2', '--steps', '3', '--warmup', '1', '--out', "
         f"{str(out)!r}, *{list(flags)!r}, {str(SCRIPTS / 'bench_mlp.py')!r}])\n"
         "assert code == 0, code\n"

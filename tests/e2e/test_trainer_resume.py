@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.utils.data import TensorDataset
 
 from phalanx.train import CheckpointError, CheckpointFallbackWarning, Trainer, TrainingArguments
-from phalanx.train.checkpoint import MANIFEST
+from phalanx.train.checkpoint.directory import MANIFEST
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "e2e" / "scripts" / "trainer_resume.py"

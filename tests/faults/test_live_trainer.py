@@ -14,6 +14,7 @@ import re
 import shutil
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,8 +43,8 @@ def _train(out: Path, ledger: Path, steps: int, nproc: int = 3, *extra: str, **e
     return run.stdout
 
 
-def _steps(ledger: Path) -> dict[int, list[dict[str, object]]]:
-    steps: dict[int, list[dict[str, object]]] = {}
+def _steps(ledger: Path) -> dict[int, list[dict[str, Any]]]:
+    steps: dict[int, list[dict[str, Any]]] = {}
     for path in ledger.glob("*.jsonl"):
         for line in path.read_text().splitlines():
             entry = json.loads(line)
@@ -63,9 +64,9 @@ def _check_epochs(ledger: Path, total_steps: int) -> list[int]:
         entries = steps[step]
         world = {e["world"] for e in entries}
         assert len(world) == 1 and len(entries) == world.pop() == entries[0]["world"]
-        worlds.append(int(entries[0]["world"]))  # type: ignore[call-overload]
+        worlds.append(int(entries[0]["world"]))
         for entry in entries:
-            by_epoch.setdefault(int(entry["epoch"]), []).extend(entry["indices"])  # type: ignore[call-overload,arg-type]
+            by_epoch.setdefault(int(entry["epoch"]), []).extend(entry["indices"])
     finished = sorted(by_epoch)[:-1]
     assert finished, "the run never finished an epoch"
     for epoch in finished:

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from phalanx.errors import ConfigurationError
-from phalanx.jobenv import detect_launch
-from phalanx.ports import free_port
+from phalanx.ground.jobenv import detect_launch
+from phalanx.ground.ports import free_port
 from tests.harness import run_workers
 from tests.launchkit import SCRIPTS, launch
 

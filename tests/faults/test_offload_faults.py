@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from phalanx.train.checkpoint import list_checkpoints, verify_checkpoint
+from phalanx.train.checkpoint.directory import list_checkpoints, verify_checkpoint
 from tests.launchkit import SCRIPTS, clean_env, launch
 
 pytestmark = pytest.mark.faults

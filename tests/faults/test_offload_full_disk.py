@@ -34,7 +34,7 @@ from typing import Any
 
 import pytest
 
-from phalanx.train.checkpoint import list_checkpoints, verify_checkpoint
+from phalanx.train.checkpoint.directory import list_checkpoints, verify_checkpoint
 from tests.disks import fill, own_disk
 from tests.faults.trainkit import make_trainer
 from tests.harness import run_workers

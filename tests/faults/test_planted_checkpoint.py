@@ -75,7 +75,7 @@ def _plant_bytes_entry(checkpoint: Path, entry: str, marker: Path) -> Path:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
 
-    from phalanx import safe_dcp
+    from phalanx.runtime import safe_dcp
 
     directory = checkpoint / entry
     state = safe_dcp.read_whole(directory)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from phalanx.ports import free_port
+from phalanx.ground.ports import free_port
 from tests.launchkit import (
     FAULT_SCRIPTS,
     LAUNCH,

@@ -21,7 +21,7 @@ from torch.utils.data import TensorDataset
 
 from phalanx import zero3
 from phalanx.train import Trainer, TrainingArguments
-from phalanx.train.args import ZeroOffload
+from phalanx.train.config.args import ZeroOffload
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor  # the parameters' type under stage 3

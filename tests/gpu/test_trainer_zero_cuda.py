@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torch.utils.data import TensorDataset
 
 from phalanx.train import Trainer, TrainingArguments
-from phalanx.train.args import ZeroStage
+from phalanx.train.config.args import ZeroStage
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

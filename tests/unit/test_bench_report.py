@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
-from phalanx.launch.bench import measurement_warnings, render, threads_per_rank
-from phalanx.launch.bench_advice import recommend
-from phalanx.launch.bench_report import WorldResult, analyze_trace, attach_probe, set_efficiency
+from phalanx.cli.bench import measurement_warnings, render, threads_per_rank
+from phalanx.cli.bench_advice import recommend
+from phalanx.cli.bench_report import WorldResult, analyze_trace, attach_probe, set_efficiency
 
 MB = 1 << 20
 

@@ -10,7 +10,12 @@ from typing import Any
 
 import pytest
 
-from phalanx.train.checkpoint import MANIFEST, CheckpointError, verify_checkpoint, write_checkpoint
+from phalanx.train.checkpoint.directory import (
+    MANIFEST,
+    CheckpointError,
+    verify_checkpoint,
+    write_checkpoint,
+)
 
 _ENTRY = {"sha256": "ab", "bytes": 3}
 BAD_MANIFESTS: list[tuple[Any, str]] = [
@@ -55,7 +60,7 @@ def test_the_manifest_check_survives_python_dash_o(tmp_path: Path) -> None:
     (path / MANIFEST).write_text(json.dumps({"files": []}))
     code = (
         "import sys\n"
-        "from phalanx.train.checkpoint import CheckpointError, verify_checkpoint\n"
+        "from phalanx.train.checkpoint.directory import CheckpointError, verify_checkpoint\n"
         "try:\n"
         f"    verify_checkpoint(__import__('pathlib').Path({str(path)!r}))\n"
         "except CheckpointError:\n"

@@ -16,8 +16,8 @@ from phalanx.ddp.module import DistributedDataParallel
 from phalanx.ddp.options import DDPOptions
 from phalanx.errors import ConfigurationError
 from phalanx.train import TrainingArguments
-from phalanx.train.argsio import field_docs
-from phalanx.train.fields import Config, FieldType, field_type, field_types
+from phalanx.train.config.argsio import field_docs
+from phalanx.train.config.fields import Config, FieldType, field_type, field_types
 
 
 @dataclass(kw_only=True, slots=True)

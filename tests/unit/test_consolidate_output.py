@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from phalanx.errors import CheckpointError
-from phalanx.train.consolidate import write_atomically
+from phalanx.train.checkpoint.consolidate import write_atomically
 from tests.disks import fill
 
 BIG = {"model": {"w": torch.ones(2 * 1024 * 1024)}}  # 8 MiB
@@ -66,7 +66,7 @@ def test_a_good_write_replaces_the_file_whole(tmp_path: Path) -> None:
 
 
 def test_a_run_directory_is_answered_with_its_checkpoints(tmp_path: Path) -> None:
-    from phalanx.train.consolidate import consolidate
+    from phalanx.train.checkpoint.consolidate import consolidate
 
     for step in (4, 2):
         (tmp_path / f"checkpoint-{step}").mkdir()

@@ -12,8 +12,9 @@ from unittest import mock
 
 import pytest
 
-from phalanx import netif, runtime
-from phalanx.jobenv import LaunchInfo
+from phalanx import runtime
+from phalanx.ground import netif
+from phalanx.ground.jobenv import LaunchInfo
 from phalanx.launch.config import LaunchConfig
 from phalanx.launch.workerenv import gloo_ifname_env
 

@@ -8,7 +8,7 @@ from types import MappingProxyType
 
 import torch
 
-from phalanx.nested import iter_tensors, map_tensors
+from phalanx.runtime.nested import iter_tensors, map_tensors
 
 Pair = namedtuple("Pair", ["x", "y"])
 

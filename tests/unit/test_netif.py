@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from phalanx import netif
+from phalanx.ground import netif
 
 # Addresses we create, only inside namespaces we create: a private /30 link.
 NS_LOCAL, NS_PEER = "10.213.7.1", "10.213.7.2"
@@ -145,20 +145,20 @@ def _in_namespace(ns: str, code: str) -> str:
 @pytest.mark.timeout(90)
 def test_route_inside_a_namespace_names_its_veth() -> None:
     code = (
-        "from phalanx.netif import route_interface as r; "
+        "from phalanx.ground.netif import route_interface as r; "
         f"print(r({NS_PEER!r}), r({NS_LOCAL!r}), r('127.0.0.1'))"
     )
     with veth_link() as link:
         assert _in_namespace(link.local_ns, code).split() == [link.local_if] * 2 + ["None"]
         # From the other side the same link is the other end of the pair.
-        code_back = f"from phalanx.netif import route_interface as r; print(r({NS_LOCAL!r}))"
+        code_back = f"from phalanx.ground.netif import route_interface as r; print(r({NS_LOCAL!r}))"
         assert _in_namespace(link.peer_ns, code_back) == link.peer_if
 
 
 @pytest.mark.timeout(90)
 def test_address_off_every_link_has_no_route_in_a_namespace() -> None:
     # The namespace has no default route: nothing outside the /30 is reachable.
-    code = "from phalanx.netif import route_interface as r; print(r('10.99.0.1'))"
+    code = "from phalanx.ground.netif import route_interface as r; print(r('10.99.0.1'))"
     with veth_link() as link:
         assert _in_namespace(link.local_ns, code) == "None"
 
@@ -167,7 +167,7 @@ def test_address_off_every_link_has_no_route_in_a_namespace() -> None:
 def test_secondary_address_is_found_through_the_route_table() -> None:
     # SIOCGIFADDR sees only an interface's first IPv4 address; a second one, on its
     # own /30, must still map to the veth (through /proc/net/route).
-    code = "from phalanx.netif import route_interface as r; print(r('10.213.8.2'))"
+    code = "from phalanx.ground.netif import route_interface as r; print(r('10.213.8.2'))"
     with veth_link() as link:
         _ip("-n", link.local_ns, "addr", "add", "10.213.8.1/30", "dev", link.local_if)
         assert _in_namespace(link.local_ns, code) == link.local_if

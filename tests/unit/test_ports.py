@@ -1,4 +1,4 @@
-"""phalanx.ports: what the launcher and a hand-set rank 0 ask before hosting a store: is
+"""phalanx.ground.ports: what the launcher and a hand-set rank 0 ask before hosting a store: is
 the master address one of this host's, and, if not, does it lead back here anyway."""
 
 from __future__ import annotations
@@ -9,7 +9,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from phalanx.ports import NotThisHost, PortInUse, bind_own_address, free_port, leads_back_here
+from phalanx.ground.ports import (
+    NotThisHost,
+    PortInUse,
+    bind_own_address,
+    free_port,
+    leads_back_here,
+)
 
 # TEST-NET-3 (RFC 5737): documentation only, never an address of this host.
 NOT_OURS = "203.0.113.7"

@@ -10,8 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-from phalanx import progress_record as progress
-from phalanx.progress_record import read_record, record_path
+from phalanx.ground import progress_record as progress
+from phalanx.ground.progress_record import read_record, record_path
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -61,7 +61,7 @@ def test_the_dump_signal_writes_every_threads_stack(tmp_path: Path) -> None:
     code = (
         "import os, sys, time\n"
         f"os.environ['PHALANX_PROGRESS_DIR'] = {str(tmp_path)!r}\n"
-        "from phalanx import progress_record as progress\n"
+        "from phalanx.ground import progress_record as progress\n"
         "progress.start(0, 2, 60)\n"
         "def sleeping_here():\n"
         "    print('ready', flush=True); time.sleep(30)\n"

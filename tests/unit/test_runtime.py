@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from phalanx.errors import ConfigurationError, PhalanxError
-from phalanx.jobenv import (
+from phalanx.ground.jobenv import (
     LaunchInfo,
     detect_launch,
     expand_nodelist,

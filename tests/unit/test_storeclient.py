@@ -9,7 +9,7 @@ from datetime import timedelta
 
 import pytest
 
-from phalanx.storeclient import NotAStoreError, StoreClient
+from phalanx.ground.storeclient import NotAStoreError, StoreClient
 
 
 @pytest.fixture

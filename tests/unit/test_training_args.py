@@ -20,8 +20,8 @@ from torch import Tensor, nn
 from phalanx.ddp.options import DDPOptions
 from phalanx.errors import ConfigurationError
 from phalanx.train import Trainer, TrainingArguments
-from phalanx.train.argsio import field_docs
 from phalanx.train.batches import takes_keyword_batch
+from phalanx.train.config.argsio import field_docs
 from phalanx.train.schedules import lr_factor
 
 HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None

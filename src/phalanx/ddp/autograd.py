@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.autograd import Variable
 
-from phalanx.nested import iter_tensors
+from phalanx.runtime.nested import iter_tensors
 
 
 class EndOfBackward:

@@ -30,8 +30,8 @@ from phalanx.ddp.torch_surface import TorchSurface, eager, refuse_torch_ddp_arou
 from phalanx.diagnostics import timeline as timelines
 from phalanx.diagnostics.timeline import Timeline
 from phalanx.errors import ConfigurationError, ReducerError
-from phalanx.nested import iter_tensors, map_tensors
 from phalanx.runtime.exit import register_exit_hook
+from phalanx.runtime.nested import iter_tensors, map_tensors
 
 __all__ = ["DEFAULT_BUCKET_CAP_MB", "DistributedDataParallel", "reducer_of"]
 

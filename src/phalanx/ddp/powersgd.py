@@ -39,7 +39,7 @@ from phalanx.ddp.comm_stats import (
     count_gradients,
     process_group_of,
 )
-from phalanx.ddp.powersgd_memory import Batch, BucketMemory, Piece, make_plan
+from phalanx.ddp.powersgd_memory import Batch, BucketMemory, ParamMemory, make_plan
 from phalanx.errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -97,7 +97,7 @@ class PowerSGDState(HookState):
         self.compression_stats_logging_frequency = max(1, compression_stats_logging_frequency)
         self.next_stats_report = 0
         self.buckets: dict[int, BucketMemory] = {}
-        self.pieces: dict[str, Piece] = {}
+        self.pieces: dict[str, ParamMemory] = {}
         """Per parameter (by name): views into `buckets`, or loaded tensors not yet placed."""
 
     def maybe_increase_iter(self, bucket: GradBucket) -> None:
@@ -169,7 +169,7 @@ class PowerSGDState(HookState):
         self.stats.load_state_dict(state["stats"])
         self.buckets.clear()
         pieces = state["pieces"]
-        self.pieces = {key: Piece(p.get("error"), p.get("q")) for key, p in pieces.items()}
+        self.pieces = {key: ParamMemory(p.get("error"), p.get("q")) for key, p in pieces.items()}
 
 
 def powersgd_hook(state: PowerSGDState, bucket: GradBucket) -> Future[torch.Tensor]:

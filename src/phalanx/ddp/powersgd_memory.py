@@ -2,7 +2,7 @@
 
 A bucket's error feedback and warm-start Qs live in flat tensors laid out for
 its current parameters (`BucketMemory`), and each parameter's share of them is
-also published as a `Piece` under the parameter's name. When a bucket's
+also published as a `ParamMemory` under the parameter's name. When a bucket's
 parameters change (DDP's rebuild, or a resumed run), its new memory is filled
 from the pieces, so state follows parameters, not bucket positions.
 """
@@ -78,7 +78,7 @@ def make_plan(
 
 
 @dataclass
-class Piece:
+class ParamMemory:
     """One parameter's share of the state: views into its bucket's memory, or loaded tensors."""
 
     error: torch.Tensor | None
@@ -93,7 +93,7 @@ class BucketMemory:
         bucket: GradBucket,
         keys: list[str],
         plan: Plan,
-        pieces: dict[str, Piece],
+        pieces: dict[str, ParamMemory],
         error_feedback: bool,
     ) -> None:
         buffer, grads = bucket.buffer(), bucket.gradients()
@@ -116,7 +116,7 @@ class BucketMemory:
         known = all(key in pieces for key in keys)
         self.needs_random_q = not (self._adopt(pieces) and known)
         for j, key in enumerate(keys):
-            pieces[key] = Piece(self._error_of(j), self._q_of(j))
+            pieces[key] = ParamMemory(self._error_of(j), self._q_of(j))
 
     def holds(self, params: list[torch.Tensor]) -> bool:
         """True if laid out for exactly these parameters (identity: DDP's rebuild makes new
@@ -133,11 +133,11 @@ class BucketMemory:
     def _error_of(self, j: int) -> torch.Tensor | None:
         return None if self.error is None else self.error[self._offsets[j] : self._offsets[j + 1]]
 
-    def _adopt(self, pieces: dict[str, Piece]) -> bool:
+    def _adopt(self, pieces: dict[str, ParamMemory]) -> bool:
         """Fill from earlier pieces of these parameters; True if every Q was there."""
         every_q = True
         for j, key in enumerate(self.keys):
-            piece = pieces.get(key, Piece(None, None))
+            piece = pieces.get(key, ParamMemory(None, None))
             error, q = self._error_of(j), self._q_of(j)
             # A piece of another size is not this parameter's (positional keys, torch's DDP).
             if (

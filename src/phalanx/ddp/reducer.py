@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from phalanx import progress_record as progress
 from phalanx.ddp import reducer_errors
 from phalanx.ddp.autograd import EndOfBackward, profiled
 from phalanx.ddp.buckets import Bucket
@@ -39,6 +38,7 @@ from phalanx.ddp.signals import StepSignals
 from phalanx.ddp.static_graph import GradientCounts
 from phalanx.ddp.stats import ReducerStats
 from phalanx.ddp.unused import BucketSkips, UnusedParameters
+from phalanx.ground import progress_record
 
 if TYPE_CHECKING:
     from phalanx.diagnostics.timeline import Timeline
@@ -299,7 +299,7 @@ class Reducer:
             else:
                 bucket = buckets[k]
                 bucket.launch(self.reduction)
-                progress.collective("ddp all_reduce bucket", k, self.stats.sync_rounds + 1)
+                progress_record.collective("ddp all_reduce bucket", k, self.stats.sync_rounds + 1)
                 self.stats.buckets_launched += 1
                 if self.timeline is not None:
                     future = self.reduction.future(bucket.work)

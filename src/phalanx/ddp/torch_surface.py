@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
 from phalanx.errors import ConfigurationError, NotSupportedError
-from phalanx.nested import map_tensors
+from phalanx.runtime.nested import map_tensors
 
 
 def _refuse(method: str, reason: str) -> NoReturn:

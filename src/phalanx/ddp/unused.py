@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from phalanx.nested import iter_tensors
+from phalanx.runtime.nested import iter_tensors
 
 if TYPE_CHECKING:
     from phalanx.ddp.buckets import Bucket

@@ -1,5 +1,5 @@
 """What a run can tell about itself: replica checks and timelines.
 
 Below ddp, optim, zero3 and offload (they record into a timeline); the ranks'
-progress record, which the torch-free launcher reads, is `phalanx.progress_record`.
+progress record, which the torch-free launcher reads, is `phalanx.ground.progress_record`.
 """

@@ -6,18 +6,17 @@ rendezvous among themselves through torch.distributed's TCP store, using the
 MASTER_ADDR/MASTER_PORT the launcher puts in their environment.
 
 Modules (tests/unit/test_layers.py holds this list to the folder):
-- the command line: `cli` (parses, dispatches the subcommands), `flags` and
-  `rdzvflags` (torchrun's flags and their spellings), `config` (validated);
+- the input: `config` (the validated `LaunchConfig`; the command line that
+  builds it is phalanx.cli's), `devices` (GPUs, cores);
 - one node's run: `agent` (meet, spawn, watch, stop, restart), `meeting`
   (this node's side of the rendezvous), `rendezvous` (finding the store,
-  node ranks), `storehost` (hosting the store), `devices` (GPUs, cores);
+  node ranks), `storehost` (hosting the store);
 - the workers: `workers` (one attempt's processes), `workerenv` (their
   environment), `lifeline` (stops them if the launcher dies unseen),
-  `procgroup` (signals to process groups);
+  `procgroup` (signals to process groups), `live` (--live-recovery: a lost
+  worker reported and replaced, a stalled one fenced, the others left running);
 - what a user sees: `output` (rank-prefixed lines), `routing` (where each
-  stream goes), `terminal` (rank 0's bar), `summary` (who failed, how);
-- the other commands: `bench`, `bench_report`, `bench_advice`, `bench_plot`
-  (`phalanx bench`), `consolidate_cmd` (`phalanx consolidate`).
+  stream goes), `terminal` (rank 0's bar), `summary` (who failed, how).
 """
 
 from __future__ import annotations

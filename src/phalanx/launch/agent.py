@@ -3,7 +3,7 @@ all when one fails, restart the group.
 
 The agent talks to the workers only through their environment, their output,
 their exit status, signals to their process groups, and the small progress
-records they keep (`phalanx.progress_record`). The job's store, when this
+records they keep (`phalanx.ground.progress_record`). The job's store, when this
 node hosts it, is served by `storehost`; a guard process (`lifeline`) stops the
 workers if the agent itself is killed.
 """
@@ -23,6 +23,14 @@ from types import FrameType
 from typing import IO, Any
 
 from phalanx.errors import TRACEBACK_FILE_ENV, ConfigurationError
+from phalanx.ground.live_keys import (
+    LIVE_ENV,
+    MEMBER_ENV,
+    MIN_MEMBERS_ENV,
+    QUORUM_TIMEOUT_ENV,
+    STALL_ENV,
+)
+from phalanx.ground.progress_record import PROGRESS_DIR_VAR, read_stop
 from phalanx.launch.config import LaunchConfig
 from phalanx.launch.lifeline import LAUNCH_ID_ENV, Lifeline
 from phalanx.launch.live import LiveSupervisor
@@ -40,8 +48,6 @@ from phalanx.launch.workers import (
     WorkerGroup,
     spawn_worker,
 )
-from phalanx.live_keys import LIVE_ENV, MEMBER_ENV, MIN_MEMBERS_ENV, QUORUM_TIMEOUT_ENV, STALL_ENV
-from phalanx.progress_record import PROGRESS_DIR_VAR, read_stop
 
 # A hang-up (a dropped ssh session) or SIGQUIT stops the workers as SIGTERM does: SIGTERM
 # lets them save and exit, where SIGHUP's or SIGQUIT's default would kill or core-dump them.

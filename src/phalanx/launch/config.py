@@ -11,7 +11,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from phalanx.errors import ConfigurationError
-from phalanx.jobenv import global_rank
+from phalanx.ground.jobenv import global_rank
 from phalanx.launch.devices import cpu_count, gpu_count
 from phalanx.launch.routing import OutputRouting
 

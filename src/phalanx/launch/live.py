@@ -16,10 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from phalanx.ground.live_keys import JOIN_SEQ_KEY, RESTART_MARK, heartbeat_name, lost_key
+from phalanx.ground.storeclient import StoreClient
 from phalanx.launch.procgroup import describe_returncode, signal_group
 from phalanx.launch.workers import Failure, StopRequest, Worker, WorkerGroup
-from phalanx.live_keys import JOIN_SEQ_KEY, RESTART_MARK, heartbeat_name, lost_key
-from phalanx.storeclient import StoreClient
 
 __all__ = ["LiveSupervisor", "Respawn"]
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from phalanx.errors import PortTakenError
+from phalanx.ground.storeclient import StoreClient
 from phalanx.launch.config import LaunchConfig
 from phalanx.launch.lifeline import Lifeline
 from phalanx.launch.rendezvous import (
@@ -23,7 +24,6 @@ from phalanx.launch.rendezvous import (
     wait_for_store,
 )
 from phalanx.launch.storehost import StoreHost, bind_store_socket
-from phalanx.storeclient import StoreClient
 
 __all__ = ["Meeting"]
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from phalanx.errors import ConfigurationError, MasterUnreachableError
-from phalanx.storeclient import ATTEMPT_KEY, NotAStoreError, StoreClient
+from phalanx.ground.storeclient import ATTEMPT_KEY, NotAStoreError, StoreClient
 
 _FIRST_BACKOFF_S = 0.2
 _MAX_BACKOFF_S = 5.0

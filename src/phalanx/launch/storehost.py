@@ -30,9 +30,9 @@ import threading
 from collections.abc import Callable
 
 from phalanx.errors import ConfigurationError, PortTakenError
+from phalanx.ground.ports import AddressUnresolved, NotThisHost, PortInUse, bind_own_address
 from phalanx.launch.lifeline import Lifeline
 from phalanx.launch.procgroup import signal_group
-from phalanx.ports import AddressUnresolved, NotThisHost, PortInUse, bind_own_address
 
 __all__ = ["StoreHost", "bind_store_socket"]
 

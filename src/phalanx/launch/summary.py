@@ -3,7 +3,7 @@
 A rank that stalls makes its peers wait in their next collective until the
 timeout; the first process to exit is then a healthy rank, and its traceback
 ("Timed out waiting ... for recv") blames nobody. Each worker records its
-position (`phalanx.progress_record`): when the rank that failed had
+position (`phalanx.ground.progress_record`): when the rank that failed had
 entered more collectives than a rank that is still running, that running rank
 did not arrive, and the summary names it, says where every rank stood, and
 shows the stuck rank's Python stacks, which it dumps on the launcher's signal
@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from phalanx.ground.progress_record import Position, read_record, record_path, stacks_path
 from phalanx.launch.procgroup import describe_returncode
-from phalanx.progress_record import Position, read_record, record_path, stacks_path
 
 __all__ = ["Stall", "failure_summary", "find_stall"]
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from phalanx.errors import ConfigurationError
+from phalanx.ground.netif import choose_gloo_ifname, local_addr_ifname
 from phalanx.launch.config import LaunchConfig
 from phalanx.launch.devices import cpu_count
-from phalanx.netif import choose_gloo_ifname, local_addr_ifname
 
 
 def omp_threads(nproc_per_node: int) -> int:

@@ -75,7 +75,7 @@ def load_sharded(view: PieceOptimizer, directory: Path) -> list[dict[str, Any]]:
     """
     from torch.distributed.tensor import DTensor
 
-    from phalanx import safe_dcp
+    from phalanx.runtime import safe_dcp
 
     mesh = _mesh(view)
     try:

@@ -22,12 +22,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from phalanx import netif
-from phalanx import progress_record as progress
 from phalanx.errors import ConfigurationError, RendezvousError
-from phalanx.jobenv import LaunchInfo, detect_launch, launched_by_launcher
-from phalanx.live_keys import LIVE_ENV, MEMBER_ENV
-from phalanx.parent_launch import describe_single_accelerate_process
+from phalanx.ground import netif, progress_record
+from phalanx.ground.jobenv import LaunchInfo, detect_launch, launched_by_launcher
+from phalanx.ground.live_keys import LIVE_ENV, MEMBER_ENV
+from phalanx.ground.parent_launch import describe_single_accelerate_process
 from phalanx.runtime.backend import backend_names, claim_device, resolve_backend, select_device
 from phalanx.runtime.errorhook import install_error_hook
 from phalanx.runtime.exit import register_exit_hook, shutdown
@@ -149,7 +148,7 @@ def init(backend: str | None = None, timeout: float | timedelta = DEFAULT_TIMEOU
     claim_device(device)
     _pin_gloo_interface(chosen, info)
     _join_group(chosen, info, device, wait)
-    progress.start(info.rank, info.world_size, wait.total_seconds())
+    progress_record.start(info.rank, info.world_size, wait.total_seconds())
     register_exit_hook()
     world = describe_default_group(info)
     logger.info(

@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 from phalanx.errors import PeerLost
-from phalanx.live_keys import HEARTBEAT_S, KEY, MEMBER_ENV, heartbeat_name
-from phalanx.progress_record import PROGRESS_DIR_VAR
+from phalanx.ground.live_keys import HEARTBEAT_S, KEY, MEMBER_ENV, heartbeat_name
+from phalanx.ground.progress_record import PROGRESS_DIR_VAR
 
 __all__ = ["LIVE_BACKEND", "LiveGroup", "current_live_group"]
 

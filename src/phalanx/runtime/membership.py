@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from phalanx.errors import NoQuorum
-from phalanx.live_keys import (
+from phalanx.ground.live_keys import (
     JOIN_SEQ_KEY,
     KEY,
     MIN_MEMBERS_ENV,

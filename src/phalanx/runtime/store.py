@@ -25,10 +25,10 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from phalanx.errors import ConfigurationError, RendezvousError
-from phalanx.jobenv import LaunchInfo
-from phalanx.netif import is_loopback
-from phalanx.ports import NotThisHost, PortInUse, bind_own_address, leads_back_here
-from phalanx.storeclient import ATTEMPT_KEY, StoreClient
+from phalanx.ground.jobenv import LaunchInfo
+from phalanx.ground.netif import is_loopback
+from phalanx.ground.ports import NotThisHost, PortInUse, bind_own_address, leads_back_here
+from phalanx.ground.storeclient import ATTEMPT_KEY, StoreClient
 
 __all__ = ["make_store", "serve_agent_store"]
 
@@ -60,7 +60,7 @@ def _check_resolves(info: LaunchInfo) -> None:
 
 def _check_own_address(info: LaunchInfo) -> None:
     """Rank 0 hosts the store at MASTER_ADDR, so it must be an address of this host (the
-    launcher's own check, phalanx.ports), or one forwarded to it: said at once, where
+    launcher's own check, phalanx.ground.ports), or one forwarded to it: said at once, where
     torch's store would listen on every interface, dial the foreign address as its own
     first client, and fail only when that times out (61 s, blamed on the client)."""
     assert info.master_addr is not None and info.master_port is not None

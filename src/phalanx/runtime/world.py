@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from phalanx import errors
 from phalanx.errors import PhalanxError
-from phalanx.jobenv import LaunchInfo
+from phalanx.ground.jobenv import LaunchInfo
 from phalanx.runtime.backend import current_device
 
 __all__ = ["World", "describe_default_group"]

@@ -10,7 +10,6 @@ Runs on one process under plain `python`, and data-parallel under
 from __future__ import annotations
 
 from phalanx.errors import CheckpointError, NonFiniteError, OutputError
-from phalanx.train.args import TrainingArguments
 from phalanx.train.callbacks import (
     CallbackError,
     CallbackState,
@@ -18,9 +17,10 @@ from phalanx.train.callbacks import (
     TrainerCallback,
     TrainerControl,
 )
-from phalanx.train.checkpointer import CheckpointFallbackWarning
+from phalanx.train.checkpoint.checkpointer import CheckpointFallbackWarning
+from phalanx.train.checkpoint.stateful import ShardedStateful, Stateful
+from phalanx.train.config.args import TrainingArguments
 from phalanx.train.evaluation import EvalPrediction
-from phalanx.train.stateful import ShardedStateful, Stateful
 from phalanx.train.stopping import TrainingStopped
 from phalanx.train.trainer import Trainer, TrainOutput
 from phalanx.train.trainer_state import ResumeWarning

@@ -16,8 +16,8 @@ import torch
 from torch import Tensor, nn
 
 from phalanx.errors import ConfigurationError
-from phalanx.nested import map_tensors
 from phalanx.runtime import World
+from phalanx.runtime.nested import map_tensors
 
 LossFn = Callable[[Any, Any], Tensor]
 _LABEL_KEYS = ("labels", "label", "label_ids")

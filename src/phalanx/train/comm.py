@@ -24,8 +24,8 @@ from phalanx.ddp.powersgd import PowerSGDState
 from phalanx.optim.diloco import DiLoCo
 from phalanx.optim.local_sgd import LocalSGD, PeriodicSync
 from phalanx.runtime import World
-from phalanx.train.args import TrainingArguments
-from phalanx.train.stateful import Placement, Stateful
+from phalanx.train.checkpoint.stateful import Placement, Stateful
+from phalanx.train.config.args import TrainingArguments
 
 
 class PerRank:

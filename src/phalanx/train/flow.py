@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from phalanx.errors import ConfigurationError
-from phalanx.train.args import TrainingArguments
 from phalanx.train.callbacks import TrainerControl
+from phalanx.train.config.args import TrainingArguments
 from phalanx.train.trainer_state import TrainState
 
 

@@ -24,12 +24,12 @@ import torch
 
 from phalanx.ddp.module import DistributedDataParallel
 from phalanx.errors import ConfigurationError, PeerLost
-from phalanx.live_keys import RESTART_MARK
-from phalanx.progress_record import PROGRESS_DIR_VAR
+from phalanx.ground.live_keys import RESTART_MARK
+from phalanx.ground.progress_record import PROGRESS_DIR_VAR
 from phalanx.runtime.live import LiveGroup, current_live_group
 from phalanx.runtime.membership import settings_from_env
 from phalanx.runtime.recovery import LiveRecovery, Recovered
-from phalanx.train.stateful import Stateful
+from phalanx.train.checkpoint.stateful import Stateful
 
 if TYPE_CHECKING:
     from phalanx.train.trainer_setup import TrainerSetup
@@ -52,11 +52,12 @@ def live_training_for(trainer: TrainerSetup) -> LiveTraining | None:
             'fault_tolerance="live" needs the live group of `phalanx launch --live-recovery` '
             "— launch with it, or leave fault_tolerance at its default"
         )
-    if args.zero_stage > 0:
+    note = trainer.strategy.lost_rank_note
+    if note is not None:  # ZeRO
         trainer._report.say(
-            f'fault_tolerance="live" with zero_stage={args.zero_stage}: a lost rank\'s shard '
-            "exists nowhere else, so a loss restarts every rank from the last checkpoint "
-            "instead (--max-restarts); use zero_stage=0 to keep the survivors running"
+            f'fault_tolerance="live" falls back to a restart: {note}, so a loss restarts every '
+            "rank from the last checkpoint (--max-restarts); zero_stage=0 keeps the survivors "
+            "running (docs/reliability.md)"
         )
         fall_back_to_restart()
         return None

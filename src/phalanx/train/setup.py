@@ -26,7 +26,7 @@ from phalanx.offload import (
     streamer_of,
 )
 from phalanx.runtime import World, init, shutdown
-from phalanx.train.args import TrainingArguments
+from phalanx.train.config.args import TrainingArguments
 
 
 def join_world(args: TrainingArguments) -> tuple[World, bool]:

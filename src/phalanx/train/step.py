@@ -22,7 +22,6 @@ from phalanx.ddp.module import DistributedDataParallel
 from phalanx.diagnostics import timeline as timelines
 from phalanx.optim.zero import ZeroRedundancyOptimizer
 from phalanx.runtime import World
-from phalanx.train.args import TrainingArguments
 from phalanx.train.batches import (
     LossFn,
     batch_size,
@@ -32,6 +31,7 @@ from phalanx.train.batches import (
     takes_keyword_batch,
     to_device,
 )
+from phalanx.train.config.args import TrainingArguments
 from phalanx.train.nonfinite import NonFiniteGuard
 
 if TYPE_CHECKING:

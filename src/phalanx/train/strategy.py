@@ -24,9 +24,9 @@ from phalanx.offload import DiskOffloadPolicy, offload_optimizer
 from phalanx.optim.zero import ZeroRedundancyOptimizer
 from phalanx.runtime import World
 from phalanx.runtime.hostmem import return_freed_memory
-from phalanx.train.args import TrainingArguments
+from phalanx.train.checkpoint.stateful import Entry
+from phalanx.train.config.args import TrainingArguments
 from phalanx.train.setup import offload_policy, optimizer_recipe, prepare_device_model
-from phalanx.train.stateful import Entry
 from phalanx.train.trainer_state import ShardedModel
 from phalanx.zero3.meta_init import has_meta_tensors, materialize
 
@@ -37,6 +37,9 @@ class Strategy:
 
     sharded_model = False
     """Whether the model's parameters are shards (then saving it streams them)."""
+    lost_rank_note: str | None = None
+    """Why a lost rank's state exists nowhere else (ZeRO's shards), so live recovery must
+    fall back to a restart from the checkpoint; None: every rank holds everything."""
 
     def __init__(self, args: TrainingArguments, world: World) -> None:
         self.args = args
@@ -107,6 +110,8 @@ class ShardedOptimizer(Strategy):
     reduce-scatter, and the single shard is the whole gradient.
     """
 
+    lost_rank_note = "a lost rank's optimizer shard exists nowhere else"
+
     def build_optimizer(self, model: nn.Module) -> Optimizer:
         cls, groups, settings = optimizer_recipe(model, self.args)
         disk = offload_policy(self.args)
@@ -133,6 +138,7 @@ class FullyShard(Strategy):
     too, so checkpoints have one layout whatever the size), and the loop calls it as it is;
     the optimizer steps its DTensor shards."""
 
+    lost_rank_note = "a lost rank's parameter and optimizer shards exist nowhere else"
     sharded_model = True
 
     def frees_host_memory(self) -> bool:

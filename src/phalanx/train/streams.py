@@ -25,8 +25,8 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from phalanx.errors import ConfigurationError
 from phalanx.runtime import World
-from phalanx.train.args import TrainingArguments
-from phalanx.train.stateful import Placement
+from phalanx.train.checkpoint.stateful import Placement
+from phalanx.train.config.args import TrainingArguments
 from phalanx.train.trainer_state import TrainState
 
 

@@ -22,20 +22,20 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
-from phalanx import progress_record as progress
 from phalanx.diagnostics import timeline as timelines
 from phalanx.diagnostics.replicas import check_replicas
 from phalanx.errors import ConfigurationError, PeerLost
-from phalanx.train import hf_save
+from phalanx.ground import progress_record
 from phalanx.train.batches import step_groups
-from phalanx.train.checkpoint import PREFIX
+from phalanx.train.checkpoint import hf_save
+from phalanx.train.checkpoint.directory import PREFIX
+from phalanx.train.checkpoint.outputdir import prepare_output_dir, restart_note
+from phalanx.train.checkpoint.rng import seed_everything
 from phalanx.train.evaluation import EvalSetup, evaluate_model
 from phalanx.train.flow import due_after_step, metric_key, record_evaluation, record_save
+from phalanx.train.logging.report import human_size
+from phalanx.train.logging.runlog import RunLog, emit
 from phalanx.train.nonfinite import check_parameters
-from phalanx.train.outputdir import prepare_output_dir, restart_note
-from phalanx.train.report import human_size
-from phalanx.train.rng import seed_everything
-from phalanx.train.runlog import RunLog, emit
 from phalanx.train.stopping import Stop, TrainingStopped
 from phalanx.train.trainer_setup import TrainerSetup
 from phalanx.train.trainer_state import (
@@ -248,7 +248,7 @@ class Trainer(TrainerSetup):
         result = self._stepper.run(batches, expected, self.loss_fn, self.state)
         self.state.batches_done += expected
         self.state.global_step += 1
-        progress.step(self.state.global_step + 1)
+        progress_record.step(self.state.global_step + 1)
         assert self._runlog is not None
         self._runlog.add(result)
         self._report.advance()
@@ -291,7 +291,7 @@ class Trainer(TrainerSetup):
         stopped = TrainingStopped(stop.signum, step, path.name, stop.received_by)
         note = f"{stopped} — resume with resume_from_checkpoint=True"
         self._report.say(note)
-        progress.note_stop(note)
+        progress_record.note_stop(note)
         return stopped
 
     # ---------------------------------------------------------------- logging

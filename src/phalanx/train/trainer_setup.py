@@ -28,18 +28,19 @@ from phalanx.ddp.module import DistributedDataParallel
 from phalanx.diagnostics import timeline as timelines
 from phalanx.errors import ConfigurationError
 from phalanx.optim.local_sgd import PeriodicSync
-from phalanx.train import hf_save
-from phalanx.train.args import TrainingArguments
 from phalanx.train.batches import LossFn
 from phalanx.train.callbacks import Callbacks
-from phalanx.train.checkpointer import Checkpointer
+from phalanx.train.checkpoint import hf_save
+from phalanx.train.checkpoint.checkpointer import Checkpointer
+from phalanx.train.checkpoint.stateful import Entry
 from phalanx.train.collate import DefaultCollator, forward_columns
 from phalanx.train.comm import PerRank, attach_comm_hook, make_periodic_sync
+from phalanx.train.config.args import TrainingArguments
 from phalanx.train.evaluation import ComputeMetrics
 from phalanx.train.live import live_training_for
+from phalanx.train.logging.report import RunReport
+from phalanx.train.logging.runlog import CommMeter, RunLog
 from phalanx.train.nonfinite import NonFiniteGuard
-from phalanx.train.report import RunReport
-from phalanx.train.runlog import CommMeter, RunLog
 from phalanx.train.schedules import make_scheduler, warmup_steps_for
 from phalanx.train.setup import (
     check_same_arguments,
@@ -48,7 +49,6 @@ from phalanx.train.setup import (
     release,
     train_loader,
 )
-from phalanx.train.stateful import Entry
 from phalanx.train.step import StepRunner, autocast_for
 from phalanx.train.stopping import Stop, StopRequests
 from phalanx.train.strategy import strategy_for
@@ -128,7 +128,7 @@ class TrainerSetup:
         """What the loop keeps between train() calls, before any is made."""
         self.state = TrainState()
         self._runlog: RunLog | None = None
-        """The log window and totals of the train() call under way (phalanx.train.runlog)."""
+        """The log window and totals of the train() call under way (train/logging/runlog.py)."""
         self._loss_before = 0.0
         self._stopped_by: Stop | None = None
         """The signal the ranks agreed to stop for (train() then saves and exits)."""

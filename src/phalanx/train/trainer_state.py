@@ -27,9 +27,9 @@ from phalanx import zero3
 from phalanx.data.sampler import DistributedSampler
 from phalanx.errors import ConfigurationError
 from phalanx.runtime import World
-from phalanx.train.args import TrainingArguments
-from phalanx.train.rng import capture_rng_state, restore_rng_state
-from phalanx.train.stateful import Placement
+from phalanx.train.checkpoint.rng import capture_rng_state, restore_rng_state
+from phalanx.train.checkpoint.stateful import Placement
+from phalanx.train.config.args import TrainingArguments
 
 # Arguments that change what a step computes; a resume that changes one says so.
 COMPUTE_FIELDS: Final = (

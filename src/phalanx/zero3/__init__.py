@@ -12,6 +12,7 @@ from __future__ import annotations
 from torch import nn
 
 from phalanx.ddp.stats import CommCounter
+from phalanx.zero3.auto_wrap import Policy, by_class_names, repeated_blocks, shard_model
 from phalanx.zero3.meta_init import Materialized, has_meta_tensors, materialize
 from phalanx.zero3.module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from phalanx.zero3.params import ShardUseError, is_sharded
@@ -21,7 +22,6 @@ from phalanx.zero3.policies import (
     MixedPrecisionPolicy,
     OffloadPolicy,
 )
-from phalanx.zero3.policy import Policy, by_class_names, repeated_blocks, shard_model
 from phalanx.zero3.root import unit_of
 from phalanx.zero3.state import (
     clip_grad_norm_,

@@ -17,22 +17,22 @@ import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
-from phalanx.nested import iter_tensors, map_tensors
+from phalanx.runtime.nested import iter_tensors, map_tensors
 from phalanx.zero3.root import Root, unit_of
-from phalanx.zero3.unit import Phase, Unit
+from phalanx.zero3.unit import Unit, UnitPhase
 
 
 def pre_forward(module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
     unit = unit_of(module)
     assert unit is not None
-    if unit.phase is Phase.BACKWARD:  # activation checkpointing recomputes this forward
+    if unit.phase is UnitPhase.BACKWARD:  # activation checkpointing recomputes this forward
         unit.unshard()
         return _cast_inputs(unit, args, kwargs)
     root = unit.root if unit.root is not None else Root(unit)
     if unit is root.unit:
         root.begin_forward(args, kwargs)
     root.record(unit)
-    unit.phase = Phase.FORWARD
+    unit.phase = UnitPhase.FORWARD
     unit.unshard()
     targets = unit.forward_prefetch
     for target in targets if targets is not None else [root.next_after(unit, +1)]:
@@ -44,13 +44,13 @@ def pre_forward(module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
 def post_forward(module: nn.Module, args: Any, output: Any) -> Any:
     unit = unit_of(module)
     assert unit is not None
-    if unit.phase is Phase.BACKWARD:
+    if unit.phase is UnitPhase.BACKWARD:
         return _cast_output(unit, output)
     tracked = [t for t in iter_tensors(output) if t.requires_grad]
     if torch.is_grad_enabled() and tracked:
         register_multi_grad_hook(tracked, lambda _: pre_backward(unit), mode="any")
     unit.after_forward()
-    unit.phase = Phase.IDLE
+    unit.phase = UnitPhase.IDLE
     if unit.root is not None and unit is unit.root.unit:
         unit.root.end_forward()
     return _cast_output(unit, output)
@@ -60,7 +60,7 @@ def pre_backward(unit: Unit) -> None:
     root = unit.root
     assert root is not None
     root.queue_end_of_backward()
-    unit.phase = Phase.BACKWARD
+    unit.phase = UnitPhase.BACKWARD
     unit.unshard()
     targets = unit.backward_prefetch
     for target in targets if targets is not None else [root.next_after(unit, -1)]:

@@ -23,9 +23,9 @@ from phalanx.ddp.stats import CommCounter
 from phalanx.ddp.sync import broadcast_coalesced
 from phalanx.diagnostics import timeline as timelines
 from phalanx.errors import ConfigurationError
-from phalanx.nested import iter_tensors
+from phalanx.runtime.nested import iter_tensors
 from phalanx.zero3.group import ParamGroup, PendingAllReduce
-from phalanx.zero3.unit import Phase, Unit
+from phalanx.zero3.unit import Unit, UnitPhase
 
 if TYPE_CHECKING:
     from phalanx.diagnostics.timeline import Timeline
@@ -159,5 +159,5 @@ class Root:
             pending.work.wait()
         self._all_reduces, self._in_flight = [], None
         for u in self.units:
-            u.phase = Phase.IDLE
+            u.phase = UnitPhase.IDLE
             u.reshard()

@@ -8,7 +8,7 @@ directly instead. The optimizer's full form here is the plain optimizer's
 (state keyed by parameter index, in param_groups order), so a plain model's
 optimizer loads it.
 
-Every read of a DCP directory goes through phalanx.safe_dcp. A stage-3
+Every read of a DCP directory goes through phalanx.runtime.safe_dcp. A stage-3
 directory written before parameters were DTensors (flat 1-D pieces, a
 "shapes" entry) is refused with the bridge named: `phalanx consolidate`.
 """
@@ -92,7 +92,7 @@ def load_model_sharded(model: nn.Module, directory: Path) -> None:
     """Collective: read this rank's shards, whatever world size wrote them."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    from phalanx import safe_dcp
+    from phalanx.runtime import safe_dcp
 
     _refuse_flat_pieces(directory)
     state = {"model": get_model_state_dict(model)}
@@ -113,7 +113,7 @@ def load_optimizer_sharded(model: nn.Module, optim: Optimizer, directory: Path) 
         set_optimizer_state_dict,
     )
 
-    from phalanx import safe_dcp
+    from phalanx.runtime import safe_dcp
 
     _refuse_flat_pieces(directory)
     streamer = streamer_of(optim)
@@ -126,7 +126,7 @@ def load_optimizer_sharded(model: nn.Module, optim: Optimizer, directory: Path) 
 
 def _refuse_flat_pieces(directory: Path) -> None:
     """A stage-3 entry from before DTensor parameters: 1-D pieces and their shapes."""
-    from phalanx import safe_dcp
+    from phalanx.runtime import safe_dcp
 
     keys = safe_dcp.read_metadata(directory).state_dict_metadata
     if any(key.startswith("shapes.") for key in keys):

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from phalanx.zero3.root import Root
 
 
-class Phase(Enum):
+class UnitPhase(Enum):
     """Where a unit stands in the iteration."""
 
     IDLE = "idle"
@@ -64,7 +64,7 @@ class Unit:
         self.root: Root | None = None
         self.name = ""
         """The module's name in the root's model (set by the root)."""
-        self.phase = Phase.IDLE
+        self.phase = UnitPhase.IDLE
         self.requires_gradient_sync = True
         self.requires_all_reduce = True
         self.reshard_after_backward = True
@@ -212,7 +212,7 @@ class Unit:
     def end_iteration(self) -> None:
         self.arrived = 0
         self.reduced = False
-        self.phase = Phase.IDLE
+        self.phase = UnitPhase.IDLE
         if self.reshard_after_backward:
             self.reshard()
 

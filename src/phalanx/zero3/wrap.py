@@ -34,7 +34,7 @@ from phalanx.zero3.module import FSDPModule, swap_class
 from phalanx.zero3.params import Owners, ShardedParam, is_sharded
 from phalanx.zero3.policies import mixed_precision, offload
 from phalanx.zero3.root import STATE, unit_of
-from phalanx.zero3.unit import Phase, Unit
+from phalanx.zero3.unit import Unit, UnitPhase
 
 # Which unit took each original parameter: a parameter still registered whole somewhere
 # else (tied weights) must not be taken a second time by another unit. Weak: it keeps no
@@ -115,7 +115,7 @@ def _shard_parameters(managed: list[Managed], info: MeshInfo, home: Home) -> lis
 
 
 def _to_sharded(unit: Unit) -> None:
-    if unit.phase is not Phase.FORWARD:
+    if unit.phase is not UnitPhase.FORWARD:
         unit.reshard()
 
 

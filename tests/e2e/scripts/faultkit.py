@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-import phalanx.train.checkpointer as checkpointer
+import phalanx.train.checkpoint.checkpointer as checkpointer
 from phalanx.offload import Streamer, streamer_of
 from phalanx.train import Trainer
 

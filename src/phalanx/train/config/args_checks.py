@@ -8,11 +8,11 @@ import importlib.util
 import math
 from typing import TYPE_CHECKING
 
-from phalanx.train.comm_checks import check_comm_combinations, check_sync
-from phalanx.train.fields import require
+from phalanx.train.config.comm_checks import check_comm_combinations, check_sync
+from phalanx.train.config.fields import require
 
 if TYPE_CHECKING:
-    from phalanx.train.args import TrainingArguments
+    from phalanx.train.config.args import TrainingArguments
 
 
 def resolve_hf_defaults(args: TrainingArguments) -> None:

@@ -7,7 +7,7 @@ reads the merged timeline: throughput, scaling efficiency, where each step's
 time went, exposed and hidden communication, bytes per step. A probe job
 then times the same all-reduces alone, so the bandwidth the step achieved
 stands next to what the collective can do here. Advice follows, each line
-with its reason (phalanx.launch.bench_advice). The report is printed and
+with its reason (phalanx.cli.bench_advice). The report is printed and
 written as JSON and PNG. Imports no torch: the jobs do.
 """
 
@@ -22,10 +22,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from phalanx.errors import ConfigurationError
-from phalanx.launch.bench_advice import recommend
-from phalanx.launch.bench_plot import plot_breakdown
-from phalanx.launch.bench_report import (
+from phalanx.cli.bench_advice import recommend
+from phalanx.cli.bench_plot import plot_breakdown
+from phalanx.cli.bench_report import (
     PARTS,
     Recommendation,
     WorldResult,
@@ -33,6 +32,7 @@ from phalanx.launch.bench_report import (
     attach_probe,
     set_efficiency,
 )
+from phalanx.errors import ConfigurationError
 
 _TIMELINE = "PHALANX_TIMELINE"
 _STOP = "PHALANX_BENCH_STEPS"

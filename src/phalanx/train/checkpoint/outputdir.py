@@ -16,8 +16,8 @@ from pathlib import Path
 
 from phalanx.errors import ConfigurationError, OutputError, PhalanxError
 from phalanx.runtime import World
-from phalanx.train.args import TrainingArguments
-from phalanx.train.checkpoint import describe_os_error, list_checkpoints, remove_torn
+from phalanx.train.checkpoint.directory import describe_os_error, list_checkpoints, remove_torn
+from phalanx.train.config.args import TrainingArguments
 
 # What `phalanx launch` and torchrun export to every worker of a (re)started job.
 RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"

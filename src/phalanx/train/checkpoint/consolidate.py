@@ -5,7 +5,7 @@ whole tensors in the plain model's keys and the plain optimizer's format, so
 it loads with `torch.load(weights_only=True)` without phalanx, into the plain
 model and the plain optimizer class. One process, no process group: the
 sharded entries (ZeRO's optimizer, stage 3's model) are read through
-phalanx.safe_dcp (DCP, with nothing in the files run). Stage 3's entries hold
+phalanx.runtime.safe_dcp (DCP, with nothing in the files run). Stage 3's entries hold
 DTensors of the whole shapes and its optimizer state keyed by parameter name
 (torch's `get_optimizer_state_dict`), turned into indices in param_groups
 order; ZeRO-1/2's (and older stage 3's) hold flat pieces, given back their
@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from phalanx.errors import CheckpointError
-from phalanx.train import hf_export
-from phalanx.train.checkpoint import (
+from phalanx.train.checkpoint import hf_export
+from phalanx.train.checkpoint.directory import (
     MANIFEST,
     describe_os_error,
     fsync_dir,
@@ -77,7 +77,7 @@ def model_source(checkpoint: Path, placement: str | None) -> hf_export.Source:
     if placement == "replicated":
         return hf_export.TorchFileSource(checkpoint / replicated_file("model"))
     if placement == "sharded":
-        from phalanx import safe_dcp
+        from phalanx.runtime import safe_dcp
 
         keys = safe_dcp.read_metadata(checkpoint / "model").state_dict_metadata
         if any(key.startswith("shapes.") for key in keys):  # an older stage 3's flat pieces
@@ -175,7 +175,7 @@ def _whole(path: Path, name: str, placement: str | None, manifest: dict[str, Any
 
 def _read_dcp(directory: Path) -> dict[str, Any]:
     """A DCP directory as one nested dict of whole tensors, read without running its pickles."""
-    from phalanx import safe_dcp
+    from phalanx.runtime import safe_dcp
 
     return safe_dcp.read_whole(directory)
 

@@ -37,7 +37,7 @@ from typing import Any, Protocol
 import torch
 
 from phalanx.errors import CheckpointError, ConfigurationError
-from phalanx.train.checkpoint import describe_os_error, fsync_dir
+from phalanx.train.checkpoint.directory import describe_os_error, fsync_dir
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 """huggingface_hub's default for `split_torch_state_dict_into_shards` (transformers 4's)."""
@@ -100,7 +100,7 @@ class TorchFileSource:
 
 class DcpSource:
     """Stage 3's `model/` DCP directory (entries "model.<key>"): each read allocates the
-    tensors asked for and has DCP fill only those, through phalanx.safe_dcp."""
+    tensors asked for and has DCP fill only those, through phalanx.runtime.safe_dcp."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
@@ -109,7 +109,7 @@ class DcpSource:
     def specs(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        from phalanx import safe_dcp
+        from phalanx.runtime import safe_dcp
 
         if self._specs is not None:
             return self._specs
@@ -122,7 +122,7 @@ class DcpSource:
         return self._specs
 
     def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
-        from phalanx import safe_dcp
+        from phalanx.runtime import safe_dcp
 
         specs = self.specs()
         model = {key: torch.empty(specs[key][0], dtype=specs[key][1]) for key in keys}

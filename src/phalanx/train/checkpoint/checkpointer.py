@@ -1,6 +1,6 @@
 """Save and load a `dict[str, Stateful]` on every rank at once, failing on every rank together.
 
-Saving takes turns in one temporary directory (checkpoint.py makes it atomic):
+Saving takes turns in one temporary directory (directory.py makes it atomic):
 
 1. every rank hands rank 0 its per-rank states (one gather), and rank 0
    makes the empty `checkpoint-<step>.tmp/`;
@@ -38,7 +38,7 @@ from typing import Any
 
 from phalanx.errors import CheckpointError, PhalanxError
 from phalanx.runtime import World
-from phalanx.train.checkpoint import (
+from phalanx.train.checkpoint.directory import (
     PREFIX,
     begin,
     checkpoint_bytes,
@@ -55,7 +55,7 @@ from phalanx.train.checkpoint import (
     verify_checkpoint,
     write_file,
 )
-from phalanx.train.stateful import (
+from phalanx.train.checkpoint.stateful import (
     Entry,
     Placement,
     ShardedStateful,

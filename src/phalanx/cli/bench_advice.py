@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import math
 
-from phalanx.launch.bench_report import Recommendation, WorldResult
+from phalanx.cli.bench_report import Recommendation, WorldResult
 
 QUIET = 0.05  # exposed share of the step below which communication is not the problem
 CONTENTION = 1.25  # compute per sample this much above the base world: ranks slow each other

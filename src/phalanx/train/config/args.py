@@ -22,9 +22,9 @@ from typing import Any, Literal, TypeVar
 
 from phalanx.ddp.module import DEFAULT_BUCKET_CAP_MB
 from phalanx.ddp.options import DDPOptions
-from phalanx.train.args_checks import check_combinations, check_values, resolve_hf_defaults
-from phalanx.train.fields import Config, check_fields
-from phalanx.train.metrics import Reporter
+from phalanx.train.config.args_checks import check_combinations, check_values, resolve_hf_defaults
+from phalanx.train.config.fields import Config, check_fields
+from phalanx.train.logging.metrics import Reporter
 from phalanx.train.nonfinite import NonFiniteAction
 from phalanx.train.schedules import ScheduleName
 
@@ -309,7 +309,7 @@ class TrainingArguments(Config):
         `argv` defaults to sys.argv[1:]; `defaults` are the script's own
         defaults, which the flags override. An unknown flag is an error.
         """
-        from phalanx.train.argsio import parse_cli
+        from phalanx.train.config.argsio import parse_cli
 
         args, _ = parse_cli(cls, argv, defaults, allow_unknown=False)
         return args
@@ -319,20 +319,20 @@ class TrainingArguments(Config):
         cls: type[_Args], argv: list[str] | None = None, defaults: Mapping[str, Any] | None = None
     ) -> tuple[_Args, list[str]]:
         """Like from_cli, but return the flags it does not know, for the script's own parser."""
-        from phalanx.train.argsio import parse_cli
+        from phalanx.train.config.argsio import parse_cli
 
         return parse_cli(cls, argv, defaults, allow_unknown=True)
 
     @classmethod
     def from_json(cls: type[_Args], path: str | Path) -> _Args:
         """Load a JSON object whose keys are field names."""
-        from phalanx.train.argsio import load_json
+        from phalanx.train.config.argsio import load_json
 
         return cls(**load_json(cls, path))
 
     @classmethod
     def from_yaml(cls: type[_Args], path: str | Path) -> _Args:
         """Load a YAML mapping whose keys are field names (needs PyYAML)."""
-        from phalanx.train.argsio import load_yaml
+        from phalanx.train.config.argsio import load_yaml
 
         return cls(**load_yaml(cls, path))

@@ -30,7 +30,7 @@ from typing import IO, Any
 import torch
 
 from phalanx.errors import CheckpointError
-from phalanx.train.stateful import PLACEMENTS, Placement, per_rank_file, replicated_file
+from phalanx.train.checkpoint.stateful import PLACEMENTS, Placement, per_rank_file, replicated_file
 
 PREFIX = "checkpoint-"
 TMP_SUFFIX = ".tmp"

@@ -6,10 +6,10 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from phalanx.train.fields import require
+from phalanx.train.config.fields import require
 
 if TYPE_CHECKING:
-    from phalanx.train.args import TrainingArguments
+    from phalanx.train.config.args import TrainingArguments
 
 
 def check_sync(args: TrainingArguments) -> None:

@@ -12,9 +12,9 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any, NoReturn
 
+from phalanx.cli.rdzvflags import DEFAULT_C10D_PORT
 from phalanx.errors import UsageError
 from phalanx.launch.config import DEFAULT_GRACE_S, DEFAULT_MULTINODE_PORT, DEFAULT_RDZV_TIMEOUT_S
-from phalanx.launch.rdzvflags import DEFAULT_C10D_PORT
 
 __all__ = ["build_parser"]
 

@@ -23,8 +23,8 @@ from phalanx.diagnostics.timeline import Timeline
 from phalanx.optim.local_sgd import PeriodicSync
 from phalanx.optim.zero import ZeroRedundancyOptimizer
 from phalanx.runtime import World
-from phalanx.train.progress_bar import StepWindow
-from phalanx.train.report import RunReport
+from phalanx.train.logging.progress_bar import StepWindow
+from phalanx.train.logging.report import RunReport
 from phalanx.train.step import StepResult
 
 

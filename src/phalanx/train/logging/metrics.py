@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any, Literal, NoReturn, Protocol, get_args
 
 from phalanx.errors import ConfigurationError, OutputError
-from phalanx.train.checkpoint import describe_os_error
-from phalanx.train.trackers import MlflowSink, WandbSink, rewrite_logs
+from phalanx.train.checkpoint.directory import describe_os_error
+from phalanx.train.logging.trackers import MlflowSink, WandbSink, rewrite_logs
 
 Reporter = Literal["console", "jsonl", "csv", "tensorboard", "wandb", "mlflow"]
 """The one list of sinks: TrainingArguments.report_to takes its item type from it, and

@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import signal
 import sys
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
+from phalanx.cli.launch_flags import build_parser
+from phalanx.cli.rdzvflags import store_site
 from phalanx.errors import ConfigurationError, PhalanxError, UsageError
+from phalanx.ground.netif import is_local_address
 from phalanx.launch.agent import Agent
-from phalanx.launch.bench import bench_main
 from phalanx.launch.config import (
     LaunchConfig,
     LiveOptions,
@@ -24,10 +25,7 @@ from phalanx.launch.config import (
     parse_nproc,
     parse_signals,
 )
-from phalanx.launch.consolidate_cmd import consolidate_main
-from phalanx.launch.flags import build_parser
 from phalanx.launch.output import OutputSink
-from phalanx.launch.rdzvflags import store_site
 from phalanx.launch.routing import (
     ERR,
     OUT,
@@ -36,18 +34,8 @@ from phalanx.launch.routing import (
     parse_ranks,
     parse_std,
 )
-from phalanx.netif import is_local_address
 
 USAGE_EXIT = 2
-TOP_USAGE = """usage: phalanx <command> [args]
-
-commands:
-  launch       start one worker process per device: phalanx launch --nproc-per-node 4 train.py
-  consolidate  any checkpoint as one plain file: phalanx consolidate runs/a/checkpoint-200 out.pt
-               or in Hugging Face's format: ... --format hf runs/a/checkpoint-200 out_dir/
-  bench        measure a script at several world sizes: phalanx bench --nproc 1,2 train.py
-
-run 'phalanx launch --help' for its flags"""
 
 
 def config_from_args(ns: argparse.Namespace) -> LaunchConfig:
@@ -166,29 +154,6 @@ def launch_main(argv: Sequence[str]) -> int:
 
 def _usage_error(message: str) -> int:
     print(f"phalanx launch: error: {message}", file=sys.stderr, flush=True)
-    return USAGE_EXIT
-
-
-def main(argv: list[str] | None = None) -> int:
-    """The `phalanx` command: dispatches to its subcommands."""
-    args = sys.argv[1:] if argv is None else argv
-    if not args or args[0] in ("-h", "--help"):
-        print(TOP_USAGE, file=sys.stdout if args else sys.stderr)
-        return 0 if args else USAGE_EXIT
-    if args[0] == "launch":
-        try:
-            return launch_main(args[1:])
-        except KeyboardInterrupt:  # Ctrl-C before any worker started: nothing to stop
-            return 128 + signal.SIGINT
-    if args[0] == "consolidate":
-        return consolidate_main(args[1:])
-    if args[0] == "bench":
-        return bench_main(args[1:])
-    print(
-        f"phalanx: error: unknown command {args[0]!r} — the commands are 'launch', "
-        "'consolidate' and 'bench', e.g. phalanx launch --nproc-per-node 2 train.py",
-        file=sys.stderr,
-    )
     return USAGE_EXIT
 
 

@@ -1,7 +1,7 @@
-"""`phalanx consolidate CHECKPOINT_DIR OUT.pt`: the command-line face of train/consolidate.py.
+"""`phalanx consolidate CHECKPOINT_DIR OUT.pt`: the face of train/checkpoint/consolidate.py.
 
 `--format hf OUT_DIR` writes the model in Hugging Face's format instead
-(train/hf_export.py). torch is imported only when the command runs: the
+(train/checkpoint/hf_export.py). torch is imported only when the command runs: the
 `phalanx` command itself (and `phalanx launch`) must start without it.
 """
 
@@ -55,7 +55,7 @@ def consolidate_main(argv: list[str]) -> int:
 
 
 def _pt(checkpoint: Path, out: Path) -> int:
-    from phalanx.train.consolidate import consolidate
+    from phalanx.train.checkpoint.consolidate import consolidate
 
     whole = consolidate(checkpoint, out)
     states = len(whole["optimizer"].get("state", {}))
@@ -67,7 +67,7 @@ def _pt(checkpoint: Path, out: Path) -> int:
 
 
 def _hf(checkpoint: Path, out: Path, max_shard_size: str) -> int:
-    from phalanx.train.consolidate import consolidate_hf
+    from phalanx.train.checkpoint.consolidate import consolidate_hf
 
     size: int | str = int(max_shard_size) if max_shard_size.isdigit() else max_shard_size
     written = consolidate_hf(checkpoint, out, size)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from phalanx.launch.bench_report import PARTS, WorldResult
+from phalanx.cli.bench_report import PARTS, WorldResult
 
 _COLORS = {
     "forward": "#4c72b0",

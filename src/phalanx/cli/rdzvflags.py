@@ -15,8 +15,8 @@ import argparse
 from dataclasses import dataclass
 
 from phalanx.errors import ConfigurationError
+from phalanx.ground.netif import is_local_address
 from phalanx.launch.config import DEFAULT_JOIN_TIMEOUT_S, DEFAULT_MULTINODE_PORT, Rendezvous
-from phalanx.netif import is_local_address
 
 __all__ = ["DEFAULT_C10D_PORT", "StoreSite", "parse_rdzv_conf", "store_site"]
 

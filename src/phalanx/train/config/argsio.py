@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from phalanx.errors import ConfigurationError
-from phalanx.train.fields import field_types
+from phalanx.train.config.fields import field_types
 
 if TYPE_CHECKING:
-    from phalanx.train.args import TrainingArguments
+    from phalanx.train.config.args import TrainingArguments
 
 _Args = TypeVar("_Args", bound="TrainingArguments")
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 from phalanx.errors import ConfigurationError, OutputError
 from phalanx.runtime import World
-from phalanx.train.args import TrainingArguments
-from phalanx.train.metrics import MetricsSink, close_sinks, log_metrics, open_sinks
-from phalanx.train.progress_bar import Progress
+from phalanx.train.config.args import TrainingArguments
+from phalanx.train.logging.metrics import MetricsSink, close_sinks, log_metrics, open_sinks
+from phalanx.train.logging.progress_bar import Progress
 
 logger = logging.getLogger("phalanx.train")
 

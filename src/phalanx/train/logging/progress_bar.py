@@ -15,7 +15,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from phalanx.runtime import World
-from phalanx.train.args import TrainingArguments
+from phalanx.train.config.args import TrainingArguments
 
 
 class Progress:

@@ -29,10 +29,10 @@ from torch import nn
 
 from phalanx.errors import CheckpointError, PhalanxError
 from phalanx.runtime import World
-from phalanx.train import hf_export
+from phalanx.train.checkpoint import hf_export
 
 if TYPE_CHECKING:
-    from phalanx.train.args import TrainingArguments
+    from phalanx.train.config.args import TrainingArguments
 
 
 def is_transformers_model(model: nn.Module) -> bool:
@@ -107,7 +107,7 @@ def derived_weights(
         return None
 
     def write(staging: Path, placements: Mapping[str, str]) -> None:
-        from phalanx.train.consolidate import model_source
+        from phalanx.train.checkpoint.consolidate import model_source
 
         source = model_source(staging, placements.get("model"))
         hf_export.write_hf(source, staging, hf_export.DEFAULT_MAX_SHARD_SIZE, tied)

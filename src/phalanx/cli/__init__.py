@@ -1,0 +1,15 @@
+"""The `phalanx` command: `launch`, `consolidate` and `bench`.
+
+Imports no torch: `launch` starts the launcher (phalanx.launch),
+`consolidate` imports the checkpoint readers (phalanx.train.checkpoint) only
+when it runs, and `bench` runs its jobs under `phalanx launch`.
+
+Modules (tests/unit/test_layers.py holds this list to the folder):
+- `main`: the console script and `python -m phalanx`, which picks the subcommand;
+- `phalanx launch`: `launch_cmd` (flags -> `LaunchConfig` -> the agent),
+  `launch_flags` (the parser, torchrun's flags and their spellings),
+  `rdzvflags` (torchrun's rendezvous flags: where the store is, node ranks);
+- `phalanx consolidate`: `consolidate_cmd`;
+- `phalanx bench`: `bench` (runs the worlds), `bench_report` (reads their
+  timelines), `bench_advice` (what to change, with reasons), `bench_plot`.
+"""

@@ -1,0 +1,46 @@
+"""The `phalanx` command (the console script and `python -m phalanx`): picks the subcommand.
+
+Each subcommand's module imports no torch; `consolidate` imports it when it runs.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+from phalanx.cli.bench import bench_main
+from phalanx.cli.consolidate_cmd import consolidate_main
+from phalanx.cli.launch_cmd import USAGE_EXIT, launch_main
+
+TOP_USAGE = """usage: phalanx <command> [args]
+
+commands:
+  launch       start one worker process per device: phalanx launch --nproc-per-node 4 train.py
+  consolidate  any checkpoint as one plain file: phalanx consolidate runs/a/checkpoint-200 out.pt
+               or in Hugging Face's format: ... --format hf runs/a/checkpoint-200 out_dir/
+  bench        measure a script at several world sizes: phalanx bench --nproc 1,2 train.py
+
+run 'phalanx launch --help' for its flags"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The `phalanx` command: dispatches to its subcommands."""
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help"):
+        print(TOP_USAGE, file=sys.stdout if args else sys.stderr)
+        return 0 if args else USAGE_EXIT
+    if args[0] == "launch":
+        try:
+            return launch_main(args[1:])
+        except KeyboardInterrupt:  # Ctrl-C before any worker started: nothing to stop
+            return 128 + signal.SIGINT
+    if args[0] == "consolidate":
+        return consolidate_main(args[1:])
+    if args[0] == "bench":
+        return bench_main(args[1:])
+    print(
+        f"phalanx: error: unknown command {args[0]!r} — the commands are 'launch', "
+        "'consolidate' and 'bench', e.g. phalanx launch --nproc-per-node 2 train.py",
+        file=sys.stderr,
+    )
+    return USAGE_EXIT

@@ -1,0 +1,14 @@
+"""The torch-free ground floor: what the launcher and the workers both need.
+
+Nothing here imports torch or a phalanx package above it (only phalanx.errors,
+the other half of the ground row), so `phalanx launch`, which must start in
+milliseconds and never hold a GPU, can import it; docs/architecture.md's layer
+table, held by tests/unit/test_layers.py.
+
+Modules: `jobenv` (the launcher's, torchrun's, srun's and mpirun's
+environment), `netif` (which interface gloo and the store use), `ports`
+(binding and free ports), `storeclient` (a TCPStore client in plain
+sockets), `progress_record` (each rank's record of where it stands, read
+after a stall), `parent_launch` (what the parent process, e.g. accelerate, asked for),
+`live_keys` (the store keys and environment live recovery shares).
+"""
