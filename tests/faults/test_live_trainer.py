@@ -82,10 +82,18 @@ def _digests(out: str) -> list[str]:
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
-def test_the_run_goes_on_and_grows_back(tmp_path: Path, how: str) -> None:
+@pytest.mark.parametrize(
+    ("sync", "how"),
+    [
+        ("ddp", "SIGKILL"),
+        ("ddp", "SIGSTOP"),
+        ("diloco", "SIGKILL"),
+        pytest.param("local_sgd", "SIGSTOP", marks=pytest.mark.slow),
+    ],
+)
+def test_the_run_goes_on_and_grows_back(tmp_path: Path, sync: str, how: str) -> None:
     out = _train(tmp_path / "run", tmp_path / "ledger", 150, KILL_MEMBER="r1", KILL_STEP="10",
-                 KILL_SIGNAL=how)  # fmt: skip
+                 KILL_SIGNAL=how, SYNC_METHOD=sync, PAUSE_S="0.05")  # fmt: skip
     worlds = _check_epochs(tmp_path / "ledger", 150)
     assert worlds[:10] == [3] * 10 and worlds[10] == 2 and worlds[-1] == 3, worlds
     assert "live recovery: 2 ranks (r0, r2) at step 10" in out

@@ -29,6 +29,27 @@ HEARTBEAT_S = 0.5
 """How often a worker's heartbeat file is touched."""
 
 
+GENERATION_KEY = f"{KEY}generation"
+"""The generation the members last agreed on (absent: 0, the first workers)."""
+
+
+def abort_key(generation: int) -> str:
+    """Set when `generation` is over: a member saw a collective fail, a launcher lost one of
+    its workers, or a replacement waits to join."""
+    return f"{KEY}g{generation}/abort"
+
+
+def members_key(generation: int) -> str:
+    """The JSON list of `generation`'s members, in rank order (generation 0 has none: its
+    members are the first workers, `r<rank>`)."""
+    return f"{KEY}g{generation}/members"
+
+
+def grow_key(generation: int) -> str:
+    """Set by a replacement waiting to join while `generation` trains."""
+    return f"{KEY}g{generation}/grow"
+
+
 def lost_key(member: str) -> str:
     """Written by a member's launcher when it died or was fenced."""
     return f"{KEY}lost/{member}"

@@ -10,13 +10,22 @@ ones to finish succeeded.
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from phalanx.ground.live_keys import JOIN_SEQ_KEY, RESTART_MARK, heartbeat_name, lost_key
+from phalanx.ground.live_keys import (
+    GENERATION_KEY,
+    JOIN_SEQ_KEY,
+    RESTART_MARK,
+    abort_key,
+    heartbeat_name,
+    lost_key,
+    members_key,
+)
 from phalanx.ground.storeclient import StoreClient
 from phalanx.launch.procgroup import describe_returncode, signal_group
 from phalanx.launch.workers import Failure, StopRequest, Worker, WorkerGroup
@@ -105,6 +114,9 @@ class LiveSupervisor:
         why = "fenced" if slot.fenced_after_s is not None else describe_returncode(code)
         with StoreClient(*self.store_addr, _STORE_TIMEOUT_S) as store:
             store.set(lost_key(slot.member), why.encode())
+            # End the members' generation now: under local SGD no collective may come for a
+            # while to tell them, and they must not take steps the lost rank will not share.
+            _end_generation_of(store, slot.member, why)
             if self.replacements <= 0:
                 self.say(f"rank {slot.worker.rank} ({slot.member}) lost ({why}); no replacement "
                          "left (--max-restarts), the others go on")  # fmt: skip
@@ -118,3 +130,16 @@ class LiveSupervisor:
         self.group.workers.append(worker)
         self._slots.append(_Slot(worker, member))
         return code
+
+
+def _end_generation_of(store: StoreClient, member: str, why: str) -> None:
+    """Abort the current generation if `member` is in it (the survivors may have formed
+    the next one without it already: then nothing is left to end)."""
+    generation = int(store.get(GENERATION_KEY)) if store.check([GENERATION_KEY]) else 0
+    if generation == 0:
+        members_now = member.startswith("r")
+    else:
+        members_now = member in json.loads(store.get(members_key(generation)))
+    aborted = abort_key(generation)
+    if members_now and not store.check([aborted]):
+        store.set(aborted, f"launcher: {member} lost ({why})".encode())

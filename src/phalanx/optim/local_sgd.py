@@ -124,9 +124,9 @@ class PeriodicSync(ABC):
         self.params = [p for _, p in named]
         # Floating buffers (BatchNorm's running stats) drift like parameters: averaged too.
         self.buffers = [b for b in module.buffers() if b.is_floating_point()]
-        # As DDP's wrap: same parameters everywhere, then rank 0's values, so replicas start equal.
-        verify_same_state(named, list(module.named_buffers()), group)
-        broadcast_coalesced([*self.params, *module.buffers()], group)
+        if group.size() > 1:  # as DDP's wrap: the same parameters everywhere, rank 0's values
+            verify_same_state(named, list(module.named_buffers()), group)
+            broadcast_coalesced([*self.params, *module.buffers()], group)
         self.stats = CommStats()
         """Bytes sent (at syncs) against the gradient bytes DDP would have sent (every step)."""
         self.inner_steps = 0
@@ -136,6 +136,10 @@ class PeriodicSync(ABC):
         self._step_bytes = sum(tensor_bytes(p) for p in self.params)
         self._flats: FlatBuffers = {}
         self._hook = optimizer.register_step_post_hook(self._after_step)
+        self.deferred = False
+        """When True a due synchronisation waits for `sync_if_due()` instead of running in
+        the optimizer's step (the Trainer's live recovery: a step then counts as done before
+        its sync, so a sync lost with a peer never leaves a step half applied)."""
 
     @property
     def in_sync(self) -> bool:
@@ -146,6 +150,11 @@ class PeriodicSync(ABC):
         self.inner_steps += 1
         self.stats.steps += 1
         self.stats.gradient_bytes += self._step_bytes
+        if not self.deferred:
+            self.sync_if_due()
+
+    def sync_if_due(self) -> None:
+        """Synchronise if `sync_every` steps have passed since the last time."""
         if self.inner_steps - self.synced_at >= self.sync_every:
             self.sync()
 

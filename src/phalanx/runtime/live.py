@@ -29,7 +29,14 @@ import torch
 import torch.distributed as dist
 
 from phalanx.errors import PeerLost
-from phalanx.ground.live_keys import HEARTBEAT_S, KEY, MEMBER_ENV, heartbeat_name
+from phalanx.ground.live_keys import (
+    HEARTBEAT_S,
+    KEY,
+    MEMBER_ENV,
+    abort_key,
+    grow_key,
+    heartbeat_name,
+)
 from phalanx.ground.progress_record import PROGRESS_DIR_VAR
 
 __all__ = ["LIVE_BACKEND", "LiveGroup", "current_live_group"]
@@ -48,14 +55,6 @@ _CURRENT: list[LiveGroup] = []
 def current_live_group() -> LiveGroup | None:
     """The live group this process joined, if it runs under live recovery."""
     return _CURRENT[0] if _CURRENT else None
-
-
-def abort_key(generation: int) -> str:
-    return f"{KEY}g{generation}/abort"
-
-
-def grow_key(generation: int) -> str:
-    return f"{KEY}g{generation}/grow"
 
 
 class _LiveWork(dist._Work):

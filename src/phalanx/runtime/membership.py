@@ -23,27 +23,26 @@ import torch.distributed as dist
 
 from phalanx.errors import NoQuorum
 from phalanx.ground.live_keys import (
+    GENERATION_KEY,
     JOIN_SEQ_KEY,
     KEY,
     MIN_MEMBERS_ENV,
     QUORUM_TIMEOUT_ENV,
     STALL_ENV,
+    abort_key,
+    grow_key,
     lost_key,
+    members_key,
 )
-from phalanx.runtime.live import LiveGroup, abort_key, grow_key
+from phalanx.runtime.live import LiveGroup
 
 __all__ = ["Membership", "Settings", "settings_from_env"]
 
-GENERATION_KEY = f"{KEY}generation"
 _POLL_S = 0.05
 
 
 def _join_key(member: str) -> str:
     return f"{KEY}join/{member}"
-
-
-def _members_key(generation: int) -> str:
-    return f"{KEY}g{generation}/members"
 
 
 def _checkin_key(generation: int, member: str) -> str:
@@ -85,7 +84,7 @@ class Membership:
 
     def _agree(self, gen: int, old: list[str]) -> list[str]:
         start = time.monotonic()
-        key = _members_key(gen)
+        key = members_key(gen)
         while not self.store.check([key]):
             waited = time.monotonic() - start
             arrived = [m for m in old if self.store.check([_checkin_key(gen, m)])]
@@ -131,7 +130,7 @@ class Membership:
         while True:
             current = self._generation()
             for gen in (current, current + 1):  # the members may have moved on already
-                key = _members_key(gen)
+                key = members_key(gen)
                 if gen > 0 and self.store.check([key]):
                     members: list[str] = json.loads(self.store.get(key))
                     if member in members:

@@ -75,6 +75,8 @@ class LiveTraining:
 
     def __init__(self, trainer: TrainerSetup, group: LiveGroup) -> None:
         self.trainer = trainer
+        if trainer.periodic_sync is not None:  # synced by the loop once a step is counted
+            trainer.periodic_sync.deferred = True
         self.group = group
         self.recovery = LiveRecovery(group, settings_from_env())
         self._data: dict[str, int] | None = None

@@ -260,6 +260,8 @@ class Trainer(TrainerSetup):
         the strategies and the callbacks (agreed between ranks: flow.py) say."""
         step, args = self.state.global_step, self.args
         local = self.periodic_sync
+        if local is not None and local.deferred:
+            local.sync_if_due()  # live recovery: after the step counts (train/live.py)
         if local is not None and step == self.max_steps:
             local.sync()  # the run ends with one model (a no-op right after a sync)
         in_sync = local is None or local.in_sync  # the same on every rank

@@ -78,6 +78,7 @@ def main() -> None:
         learning_rate=0.05, logging_steps=10, save_steps=int(os.environ.get("SAVE_STEPS", "0"))
         or max_steps, save_strategy="steps", fault_tolerance="live", disable_tqdm=True,
         overwrite_output_dir=not resume, ddp_backend="gloo", seed=3,
+        sync_method=os.environ.get("SYNC_METHOD", "ddp"), sync_every=4,
     )  # fmt: skip
     trainer = Trainer(model, args, train_dataset=data, callbacks=[Ledger(model, ledger)])
     model.trainer = trainer
