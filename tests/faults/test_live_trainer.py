@@ -113,3 +113,18 @@ def test_a_checkpoint_after_a_recovery_resumes_exactly(tmp_path: Path) -> None:
     second = _train(resumed, tmp_path / "ledger_b", 150, world_at_save, "resume")
     assert "resumed from checkpoint-120" in second
     assert set(_digests(second)) == set(_digests(first)), (first, second)
+
+
+@pytest.mark.timeout(300)
+def test_a_replayed_membership_ends_bit_identical(tmp_path: Path) -> None:
+    """The same loss (injected alike) and the replacement let in at the recorded step: the
+    same run, bit for bit (the generators are reseeded from the seed, generation and rank)."""
+    first = _train(tmp_path / "a", tmp_path / "ledger_a", 120, KILL_MEMBER="r1", KILL_STEP="6")
+    log = tmp_path / "a" / "live_membership.jsonl"
+    changes = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [c["members"] for c in changes] == [["r0", "r2"], ["r0", "r2", "j1"]], changes
+    replay = _train(tmp_path / "b", tmp_path / "ledger_b", 120, KILL_MEMBER="r1", KILL_STEP="6",
+                    PHALANX_LIVE_REPLAY=str(log))  # fmt: skip
+    replayed = [json.loads(line) for line in (tmp_path / "b" / log.name).read_text().splitlines()]
+    assert [c["step"] for c in replayed] == [c["step"] for c in changes]
+    assert len(set(_digests(first))) == 1 and set(_digests(replay)) == set(_digests(first))

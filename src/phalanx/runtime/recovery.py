@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import io
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -54,16 +54,33 @@ class Recovered:
 class LiveRecovery:
     """The loop's side of live recovery over the run's `LiveGroup`."""
 
-    def __init__(self, group: LiveGroup, settings: Settings) -> None:
+    def __init__(
+        self, group: LiveGroup, settings: Settings, admit_at: Collection[int] | None = None
+    ) -> None:
+        """`admit_at`: the steps at which replacements are let in (a replay of a run's
+        membership: REPLAY_ENV); None lets one in at the first boundary it waits at."""
         self.group = group
+        self.settings = settings
         self.membership = Membership(group, settings)
+        self.admit_at = None if admit_at is None else set(admit_at)
         self._connect = timedelta(seconds=settings.settle_s)
 
-    def boundary(self) -> None:
-        """Between steps: PeerLost if the generation ended, or (on rank 0) to let a waiting
-        replacement in, so that every member leaves at this boundary or in the next step."""
-        self.group.raise_if_aborted()
-        if self.group.rank() == 0 and self.group.grow_requested():
+    def boundary(self, step: int) -> None:
+        """Between steps (`step` applied): PeerLost if the generation ended, or (on rank 0)
+        to let a waiting replacement in, so every member leaves at this boundary or in the
+        next step's first collective."""
+        group = self.group
+        group.raise_if_aborted()
+        if group.rank() != 0:
+            return
+        if self.admit_at is None:
+            if group.grow_requested():
+                self.membership.ask_to_grow()
+        elif step in self.admit_at:
+            self.admit_at.discard(step)
+            deadline = time.monotonic() + self.settings.quorum_timeout_s
+            while not group.grow_requested() and time.monotonic() < deadline:
+                time.sleep(0.05)  # the replay's replacement is still starting
             self.membership.ask_to_grow()
 
     def recover(self, applied_step: int, reason: str, save: SaveFn, load: LoadFn) -> Recovered:

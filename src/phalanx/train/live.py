@@ -14,6 +14,7 @@ samples (same learning rate, more gradient noise), and an epoch takes more steps
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import random
 from pathlib import Path
@@ -35,6 +36,11 @@ if TYPE_CHECKING:
     from phalanx.train.trainer_setup import TrainerSetup
 
 __all__ = ["LiveTraining", "live_training_for"]
+
+MEMBERSHIP_LOG = "live_membership.jsonl"
+"""In output_dir: one line per change of members (generation, step, members, donor, why)."""
+REPLAY_ENV = "PHALANX_LIVE_REPLAY"
+"""A membership log to replay: replacements are let in at the steps it records."""
 
 _TRANSFERRED = ("trainer", "model", "optimizer", "scheduler", "comm", "scaler")
 """The checkpoint entries a donor sends (not "rng": each member reseeds, below; not the
@@ -78,7 +84,9 @@ class LiveTraining:
         if trainer.periodic_sync is not None:  # synced by the loop once a step is counted
             trainer.periodic_sync.deferred = True
         self.group = group
-        self.recovery = LiveRecovery(group, settings_from_env())
+        self.recovery = LiveRecovery(group, settings_from_env(), replayed_admissions())
+        self.log_path = Path(trainer.args.output_dir) / MEMBERSHIP_LOG
+        """Rank 0's record of every change of members (what REPLAY_ENV replays)."""
         self._data: dict[str, int] | None = None
         """The donor's data position, when this member took the donor's state."""
 
@@ -88,7 +96,7 @@ class LiveTraining:
         return self.group.generation < 0
 
     def boundary(self) -> None:
-        self.recovery.boundary()
+        self.recovery.boundary(self.trainer.state.global_step)
 
     def recover(self, lost: PeerLost) -> None:
         """Drop the step in flight, agree on the members, take the donor's state, rebuild."""
@@ -146,11 +154,37 @@ class LiveTraining:
         sampler.reshard(world.world_size, world.rank, data["used_by_all"])
         trainer.state.batches_done = 0  # the epoch's length from here: Trainer._epoch_steps
         _reseed(trainer.args.seed, done.generation, done.rank)
+        self._record(done)
         who = ", ".join(done.members)
         trainer._report.say(
             f"live recovery: {done.world_size} ranks ({who}) at step {done.step}, "
             f"state from {done.donor}, {done.seconds:.2f} s — {done.reason}"
         )
+
+    def _record(self, done: Recovered) -> None:
+        if not self.trainer.world.is_main:
+            return
+        entry = dataclasses.asdict(done)
+        entry["seconds"] = round(done.seconds, 3)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("a") as log:
+            log.write(json.dumps(entry) + "\n")
+
+
+def replayed_admissions() -> list[int] | None:
+    """The steps a recorded run let replacements in at, when REPLAY_ENV names its log: the
+    same losses (injected alike) and these admissions give the same run, bit for bit."""
+    path = os.environ.get(REPLAY_ENV)
+    if not path:
+        return None
+    try:
+        entries = [json.loads(line) for line in Path(path).read_text().splitlines() if line]
+    except (OSError, ValueError) as exc:
+        raise ConfigurationError(
+            f"{REPLAY_ENV}={path!r} cannot be read as a membership log ({exc}) — point it at "
+            f"the {MEMBERSHIP_LOG} of the run to replay"
+        ) from exc
+    return [int(e["step"]) for e in entries if "replacement is waiting" in e["reason"]]
 
 
 def fall_back_to_restart() -> None:

@@ -57,7 +57,7 @@ def main() -> None:
     ledger = Path(os.environ["LEDGER_DIR"]) / f"{group.member}.jsonl"
     while at["step"] < STEPS:
         try:
-            live.boundary()
+            live.boundary(at["step"])
             world, rank = group.size(), group.rank()
             start = at["offset"] + rank * BATCH
             rows = order[start : start + BATCH]
