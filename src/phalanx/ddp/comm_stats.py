@@ -17,20 +17,29 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from phalanx.ddp.stats import Collective, Traffic, TrafficCounter
+
 
 @dataclass
-class CommStats:
-    """Counters of one rank's communication for gradients (or parameters, for local SGD)."""
+class CommStats(TrafficCounter):
+    """Counters of one rank's communication for gradients (or parameters, for local SGD):
+    `traffic` is what it handed to collectives, the rest is what that replaced."""
 
     gradient_bytes: int = 0
     """Bytes of the gradients this rank had to share, in their own dtype: what a plain
     all-reduce of them would send."""
-    sent_bytes: int = 0
-    """Payload bytes this rank handed to collectives (each tensor's size, once per call)."""
-    collectives: int = 0
-    """Collectives issued."""
     steps: int = 0
     """Optimizer steps (synchronised backward passes) these counts cover."""
+
+    @property
+    def sent_bytes(self) -> int:
+        """Payload bytes this rank handed to collectives (each tensor's size, once per call)."""
+        return self.traffic.bytes_sent
+
+    @property
+    def collectives(self) -> int:
+        """Collectives issued."""
+        return self.traffic.collectives
 
     def compression_ratio(self) -> float:
         """Bytes sent ÷ bytes of the gradients: 1.0 for fp32 all-reduce, 0.5 for bf16.
@@ -52,8 +61,9 @@ class CommStats:
         }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        for key, value in state.items():
-            setattr(self, key, int(value))
+        self.gradient_bytes, self.steps = int(state["gradient_bytes"]), int(state["steps"])
+        sent, calls = int(state["sent_bytes"]), int(state["collectives"])
+        self.traffic = Traffic(collectives=calls, gradient_bytes=sent)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
@@ -105,8 +115,7 @@ def all_reduce_counted(
 ) -> torch.futures.Future[list[torch.Tensor]]:
     """Start a sum all-reduce of `tensor` and count its bytes; return its future."""
     if stats is not None:
-        stats.sent_bytes += tensor_bytes(tensor)
-        stats.collectives += 1
+        stats.add(Traffic.of_tensor(Collective.ALL_REDUCE, tensor, group.size(), gradients=True))
     return dist.all_reduce(tensor, group=group, async_op=True).get_future()
 
 

@@ -36,7 +36,7 @@ from phalanx.ddp.phase import Phase
 from phalanx.ddp.reductions import AllReduce, BucketReduction
 from phalanx.ddp.signals import StepSignals
 from phalanx.ddp.static_graph import GradientCounts
-from phalanx.ddp.stats import ReducerStats
+from phalanx.ddp.stats import ReducerStats, Traffic
 from phalanx.ddp.unused import BucketSkips, UnusedParameters
 from phalanx.ground import progress_record
 
@@ -375,12 +375,13 @@ class Reducer:
             if handle is not None:
                 bucket.wait(self.reduction)
                 self.stats.add(self.reduction.traffic(bucket, handle, self.world_size))
+                self.stats.hook_bytes = self.reduction.traffic_source
             if write_back and bucket.index not in self.skips.skipped:
                 self.reduction.write_back(bucket, set())
 
     def _waited(self, start_ns: int, end_ns: int, shadow: bool) -> None:
         """Book the end-of-backward wait: counters, timeline, the bucket-size tuner."""
-        self.stats.comm_wait_s += (end_ns - start_ns) / 1e9
+        self.stats.add(Traffic.waited((end_ns - start_ns) / 1e9))
         if self.timeline is not None:
             self.timeline.backward_waited(start_ns, end_ns)
         if shadow:

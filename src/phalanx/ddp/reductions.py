@@ -21,7 +21,7 @@ import torch.distributed as dist
 from phalanx.ddp.buckets import Bucket
 from phalanx.ddp.comm_hooks import CommHook, GradBucket
 from phalanx.ddp.comm_stats import stats_of
-from phalanx.ddp.stats import Collective, Traffic, ring_wire_bytes
+from phalanx.ddp.stats import NO_TRAFFIC, Collective, Traffic
 
 HandleT = TypeVar("HandleT")
 """What a reduction's launch returns and its finish takes: torch's Work for the all-reduce,
@@ -58,6 +58,11 @@ class BucketReduction(ABC, Generic[HandleT]):
         """Hand the reduced gradients to where the optimizer reads them (default: `.grad`),
         except for the parameters in `skip` (reducer indices: unused on every rank)."""
         bucket.write_back(skip)
+
+    @property
+    def traffic_source(self) -> str:
+        """Where a comm hook's booked bytes come from (ReducerStats.hook_bytes); "" otherwise."""
+        return ""
 
     def traffic(self, bucket: Bucket, handle: HandleT, world_size: int) -> Traffic:
         """What this launch handed to collectives, asked once `finish` returned (counters).
@@ -151,7 +156,8 @@ class CommHookReduction(BucketReduction[HookFuture]):
         self._previous: HookFuture | None = None
         self._hook_stats = stats_of(state)
         """The hook's own counters when its state is a HookState (what it really sent)."""
-        self._counted = (0, 0)  # (sent_bytes, collectives) of _hook_stats already booked
+        self._booked = NO_TRAFFIC
+        """What of _hook_stats the reducer has booked already."""
 
     def set_divisor(self, divisor: int) -> None:
         """A comm hook divides as it chooses (torch's rule): nothing to change here."""
@@ -193,18 +199,20 @@ class CommHookReduction(BucketReduction[HookFuture]):
         if result is not bucket.grads:
             bucket.grads.copy_(result)
 
+    @property
+    def traffic_source(self) -> str:
+        """ "hook" when the hook counts what it sends (a HookState), else "bucket"."""
+        return "bucket" if self._hook_stats is None else "hook"
+
     def traffic(self, bucket: Bucket, handle: HookFuture, world_size: int) -> Traffic:
         """What the hook counted in its `HookState.stats` since the last bucket was booked
         (its chained collectives are done once the bucket is); a hook without one (torch's
         own, a process group as state) is booked as an all-reduce of the bucket."""
         stats = self._hook_stats
         if stats is None:
-            plain = super().traffic(bucket, handle, world_size)
-            return Traffic(plain.collectives, plain.gradient_bytes, 0, plain.wire_bytes, "bucket")
-        sent, calls = stats.sent_bytes - self._counted[0], stats.collectives - self._counted[1]
-        self._counted = (stats.sent_bytes, stats.collectives)
-        wire = ring_wire_bytes(Collective.ALL_REDUCE, sent, world_size)
-        return Traffic(calls, sent, 0, wire, "hook")
+            return super().traffic(bucket, handle, world_size)
+        booked, self._booked = self._booked, stats.traffic
+        return stats.traffic - booked
 
     def future(self, handle: HookFuture) -> HookFuture:
         future: HookFuture = handle

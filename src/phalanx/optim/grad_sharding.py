@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from phalanx.ddp.buckets import Bucket
 from phalanx.ddp.reductions import BucketReduction
-from phalanx.ddp.stats import Collective, Traffic
+from phalanx.ddp.stats import Traffic
 from phalanx.optim.collectives import (
     ReduceScatterState,
     scale_to_mean,
@@ -68,8 +68,7 @@ class ReduceScatter(BucketReduction[ReduceScatterState]):
 
     def traffic(self, bucket: Bucket, handle: ReduceScatterState, world_size: int) -> Traffic:
         """One reduce-scatter of the laid-out bucket (padding included: it is sent)."""
-        nbytes = handle.input.numel() * handle.input.element_size()
-        return Traffic.of(Collective.REDUCE_SCATTER, world_size, gradient_bytes=nbytes)
+        return handle.traffic()
 
     def write_back(self, bucket: Bucket, skip: set[int]) -> None:
         """Each piece of the output becomes (or adds to) its parameter's shard gradient."""

@@ -31,7 +31,7 @@ from torch.optim import Optimizer
 
 from phalanx.ddp.reductions import AllReduce
 from phalanx.ddp.registry import reducer_of
-from phalanx.ddp.stats import CommCounter
+from phalanx.ddp.stats import TrafficCounter
 from phalanx.errors import ConfigurationError, PhalanxError
 from phalanx.offload import DiskOffloadPolicy, offload_optimizer
 from phalanx.optim import zero_checkpoint, zero_state
@@ -108,9 +108,9 @@ class ZeroRedundancyOptimizer(Optimizer):
         self._shards: list[torch.Tensor] = []
         self._consolidated: dict[str, Any] | None = None
         self._checked_wrapped = False
-        self.stats = CommCounter()
-        """The parameter all-gathers after each step (stage 2's reduce-scatters are the
-        reducer's: DistributedDataParallel.reducer.stats)."""
+        self.stats = TrafficCounter()
+        """The parameter all-gathers after each step (`stats.traffic`; stage 2's
+        reduce-scatters are the reducer's: DistributedDataParallel.reducer.stats)."""
         super().__init__(params, defaults)
         for group in self.param_groups:
             self._add_shards(group["params"])

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from phalanx.ddp.stats import Collective, CommCounter
+from phalanx.ddp.stats import Collective, Traffic, TrafficCounter
 from phalanx.optim.collectives import is_gloo, start_all_gather, start_broadcast_pieces
 from phalanx.optim.sharding import ShardedFlat
 
@@ -40,7 +40,7 @@ class ParameterGather:
     """The gathers of one ZeroRedundancyOptimizer's parameters, planned once."""
 
     def __init__(
-        self, params: Sequence[torch.nn.Parameter], group: dist.ProcessGroup, stats: CommCounter
+        self, params: Sequence[torch.nn.Parameter], group: dist.ProcessGroup, stats: TrafficCounter
     ) -> None:
         self.params = list(params)
         self.group = group
@@ -98,13 +98,15 @@ class ParameterGather:
         out = self._buffer(plan.layout, k)  # plan k-2's gather is done by now
         block = plan.layout.own_block_input([shards[i] for i in plan.members], out)
         state = start_all_gather(out, block, self.group)
-        self.stats.count(Collective.ALL_GATHER, out, self.world_size)
+        self.stats.add(
+            Traffic.of_tensor(Collective.ALL_GATHER, out, self.world_size, gradients=False)
+        )
         return state.work, plan, out
 
     def _finish(self, work: Any, plan: GatherPlan, out: torch.Tensor | None) -> None:
         start = time.perf_counter()
         work.wait()
-        self.stats.wait_s += time.perf_counter() - start
+        self.stats.add(Traffic.waited(time.perf_counter() - start))
         if out is not None:
             with torch.no_grad():
                 plan.layout.copy_out(out, [self.params[i] for i in plan.members])

@@ -5,9 +5,10 @@ Each strategy owns what differs between the stages: how the model is prepared
 and wrapped, which optimizer is built over it (and which a user may pass), and
 what the checkpoint's "model" and "optimizer" entries are. What does not
 differ (precision checks, gradient checkpointing, compile, the parameter
-groups, offload policies) lives in setup.py and is shared. Clipping and the
-traffic meter dispatch on the objects themselves (a ZeroRedundancyOptimizer,
-a fully_shard unit), so they need no strategy.
+groups, offload policies) lives in setup.py and is shared. The traffic the
+Trainer logs is the strategy's too (`traffic`): it knows which of its objects
+sent what. Clipping dispatches on the objects themselves (a
+ZeroRedundancyOptimizer, a fully_shard unit), so it needs no strategy.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ from torch.optim import Optimizer
 
 from phalanx import zero3
 from phalanx.ddp.module import DistributedDataParallel
+from phalanx.ddp.stats import NO_TRAFFIC, Traffic
 from phalanx.errors import ConfigurationError
 from phalanx.offload import DiskOffloadPolicy, offload_optimizer
+from phalanx.optim.local_sgd import PeriodicSync
 from phalanx.optim.zero import ZeroRedundancyOptimizer
 from phalanx.runtime import World
 from phalanx.runtime.hostmem import return_freed_memory
@@ -99,6 +102,18 @@ class Strategy:
         ZeroRedundancyOptimizer is a sharded entry of its own)."""
         return {"model": model, "optimizer": optimizer}
 
+    def traffic(
+        self, wrapped: nn.Module, optimizer: Optimizer, periodic_sync: PeriodicSync | None
+    ) -> Traffic:
+        """This rank's collectives so far (docs/trainer.md, Logging): DDP's reducer (its
+        buckets, its comm hook's collectives, its signals), or local SGD / DiLoCo's averages."""
+        total = NO_TRAFFIC
+        if isinstance(wrapped, DistributedDataParallel):
+            total += wrapped.reducer.stats.traffic
+        if periodic_sync is not None:
+            total += periodic_sync.stats.traffic
+        return total
+
 
 class ShardedOptimizer(Strategy):
     """Stages 1 and 2: a ZeroRedundancyOptimizer over the same groups, built after the model
@@ -131,6 +146,16 @@ class ShardedOptimizer(Strategy):
             f"cannot take your {type(optimizer).__name__} — drop optimizer= (and set "
             "learning_rate and weight_decay), or keep your optimizer with zero_stage=0"
         )
+
+    def traffic(
+        self, wrapped: nn.Module, optimizer: Optimizer, periodic_sync: PeriodicSync | None
+    ) -> Traffic:
+        """The reducer's (stage 2: its reduce-scatters) and the optimizer's parameter
+        all-gathers after each step."""
+        total = super().traffic(wrapped, optimizer, periodic_sync)
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            total += optimizer.stats.traffic
+        return total
 
 
 class FullyShard(Strategy):
@@ -174,6 +199,12 @@ class FullyShard(Strategy):
     def checkpoint_entries(self, model: nn.Module, optimizer: Optimizer) -> dict[str, Entry]:
         """Both through DCP: the model holds shards, and so does its optimizer's state."""
         return {"model": ShardedModel(model), "optimizer": ShardedModel(model, optimizer)}
+
+    def traffic(
+        self, wrapped: nn.Module, optimizer: Optimizer, periodic_sync: PeriodicSync | None
+    ) -> Traffic:
+        """Every unit's gathers and reduce-scatters, and the root's buffer broadcasts."""
+        return zero3.communication(wrapped)
 
 
 _BY_STAGE: dict[int, type[Strategy]] = {
