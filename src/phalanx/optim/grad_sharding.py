@@ -13,6 +13,8 @@ only full-size gradient memory.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 
@@ -28,14 +30,19 @@ from phalanx.optim.collectives import (
 from phalanx.optim.sharding import Piece, ShardedFlat
 
 
+class ShardOf(NamedTuple):
+    """Where a parameter's reduced gradient goes: this rank's shard of it, and which piece."""
+
+    shard: torch.Tensor
+    piece: Piece
+
+
 class ReduceScatter(BucketReduction[ReduceScatterState]):
     """Average each bucket into the owners' shard gradients with one reduce-scatter."""
 
     keeps_gradients = False
 
-    def __init__(
-        self, group: dist.ProcessGroup, shards: dict[int, tuple[torch.Tensor, Piece]]
-    ) -> None:
+    def __init__(self, group: dist.ProcessGroup, shards: dict[int, ShardOf]) -> None:
         """`shards`: id(parameter) -> (this rank's shard of it, which piece that is)."""
         self.group = group
         self.world_size = dist.get_world_size(group)
@@ -77,7 +84,7 @@ class ReduceScatter(BucketReduction[ReduceScatterState]):
         for i, p, piece in zip(bucket.param_indices, bucket.params, pieces):
             if i in skip:
                 continue  # no rank used it: its shard keeps no gradient, as in DDP
-            shard, _ = self.shards[id(p)]
+            shard = self.shards[id(p)].shard
             if shard.grad is None:
                 shard.grad = piece
             else:  # a second synced backward before the step accumulates, as .grad would

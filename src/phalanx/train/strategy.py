@@ -77,7 +77,7 @@ class Strategy:
             **asdict(self.args.ddp_options()),
         )
 
-    def build_optimizer(self, model: nn.Module) -> Optimizer:
+    def build_optimizer(self, model: nn.Module, wrapped: nn.Module) -> Optimizer:
         """`args.optim` over the two parameter groups (setup.optimizer_recipe), its state in
         files under disk offload."""
         cls, groups, settings = optimizer_recipe(model, self.args)
@@ -127,7 +127,8 @@ class ShardedOptimizer(Strategy):
 
     lost_rank_note = "a lost rank's optimizer shard exists nowhere else"
 
-    def build_optimizer(self, model: nn.Module) -> Optimizer:
+    def build_optimizer(self, model: nn.Module, wrapped: nn.Module) -> Optimizer:
+        """Handed the DDP wrapper explicitly: stage 2 reduce-scatters through its reducer."""
         cls, groups, settings = optimizer_recipe(model, self.args)
         disk = offload_policy(self.args)
         return ZeroRedundancyOptimizer(
@@ -136,6 +137,7 @@ class ShardedOptimizer(Strategy):
             process_group=self.world.process_group,
             shard_gradients=self.args.zero_stage == 2 and self.world.is_distributed,
             offload_policy=disk if isinstance(disk, DiskOffloadPolicy) else None,
+            ddp_model=wrapped if isinstance(wrapped, DistributedDataParallel) else None,
             **settings,
         )
 

@@ -160,7 +160,9 @@ class TrainerSetup:
         if optimizer is not None:
             self.strategy.check_user_optimizer(optimizer)
         self.optimizer = (
-            optimizer if optimizer is not None else self.strategy.build_optimizer(self.model)
+            optimizer
+            if optimizer is not None
+            else self.strategy.build_optimizer(self.model, self.wrapped_model)
         )
         """AdamW, or under zero_stage 1/2 a phalanx.ZeroRedundancyOptimizer over AdamW."""
         record_offload_to(self.optimizer, self.timeline)
