@@ -80,6 +80,9 @@ class HookState:
     def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
         self.process_group = process_group
         self.stats = CommStats()
+        self.divisor: int | None = None
+        """The ranks a bucket's sum is averaged over; None: the group's size. Set by the
+        reducer (Join with divide_by_initial_world_size=False: the ranks still training)."""
 
     def state_dict(self) -> dict[str, Any]:
         """The counters, so they carry on across a resume (PowerSGD adds its memory)."""
@@ -97,6 +100,13 @@ def process_group_of(state: Any) -> dist.ProcessGroup:
     world = dist.group.WORLD
     assert isinstance(world, dist.ProcessGroup), "torch.distributed is not initialised"
     return world
+
+
+def divisor_of(state: Any, group: dist.ProcessGroup) -> int:
+    """What a hook divides a bucket's sum by: its HookState's divisor (Join's), else the
+    group's size (torch's hooks, whose state is a process group, keep torch's rule)."""
+    divisor = state.divisor if isinstance(state, HookState) else None
+    return group.size() if divisor is None else divisor
 
 
 def stats_of(state: Any) -> CommStats | None:
@@ -120,8 +130,9 @@ def all_reduce_counted(
 
 
 def all_reduce_mean(
-    tensor: torch.Tensor, group: dist.ProcessGroup, stats: CommStats | None
+    tensor: torch.Tensor, group: dist.ProcessGroup, stats: CommStats | None, divisor: int
 ) -> torch.futures.Future[torch.Tensor]:
-    """Average `tensor` in place across `group` (divide, then sum: torch's default hook)."""
-    tensor.div_(group.size())
+    """Average `tensor` in place across `group` over `divisor` ranks (divide, then sum:
+    torch's default hook)."""
+    tensor.div_(divisor)
     return all_reduce_counted(tensor, group, stats).then(lambda done: done.value()[0])

@@ -143,8 +143,9 @@ class Reducer:
         return self._bucket_of[i].views[self._slot_of[i]]
 
     def set_reduction(self, reduction: BucketReduction[Any]) -> None:
-        """Choose what a full bucket does (phalanx.ddp.reductions)."""
+        """Choose what a full bucket does (phalanx.ddp.reductions); it keeps the divisor."""
         rebuild = reduction.keeps_gradients != self.buckets[0].keeps_gradients
+        reduction.set_divisor(self.reduction.divisor)
         self.reduction = reduction
         if rebuild:
             self._build()
@@ -156,7 +157,7 @@ class Reducer:
     def average_over(self, ranks: int) -> None:
         """Divide the summed gradients by `ranks` from now on (Join with
         divide_by_initial_world_size=False: the ranks still training), whichever reduction
-        runs (comm hooks divide as they choose, as in torch)."""
+        runs (BucketReduction.set_divisor; a hook gets it in its HookState)."""
         self.reduction.set_divisor(ranks)
 
     def bucket_order(self) -> list[list[str]]:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from phalanx.ddp.buckets import Bucket
 from phalanx.ddp.comm_hooks import CommHook, GradBucket
-from phalanx.ddp.comm_stats import stats_of
+from phalanx.ddp.comm_stats import HookState, process_group_of, stats_of
 from phalanx.ddp.stats import NO_TRAFFIC, Collective, Traffic
 
 HandleT = TypeVar("HandleT")
@@ -38,13 +38,18 @@ class BucketReduction(ABC, Generic[HandleT]):
     """True: buckets hold a flat copy of their gradients, which `launch` sends. False:
     buckets only count readiness, and `launch` reads each parameter's `.grad` itself."""
 
+    def __init__(self, divisor: int) -> None:
+        self.divisor = divisor
+        """The ranks a bucket's sum is averaged over: the group's size, or under Join with
+        divide_by_initial_world_size=False the ranks still training (`set_divisor`)."""
+
     def slot_scale(self) -> torch.Tensor | None:
         """Multiply gradients by this while copying them into a bucket; None copies as is."""
         return None
 
-    @abstractmethod
     def set_divisor(self, divisor: int) -> None:
-        """Average over `divisor` ranks from now on (Join: the ranks still training)."""
+        """Average over `divisor` ranks from now on: every reduction reads `self.divisor`."""
+        self.divisor = divisor
 
     @abstractmethod
     def launch(self, bucket: Bucket) -> HandleT:
@@ -82,11 +87,11 @@ class AllReduce(BucketReduction[dist.Work]):
     carries_flags = True
 
     def __init__(self, group: dist.ProcessGroup) -> None:
+        super().__init__(dist.get_world_size(group))
         self.group = group
         # A 0-dim tensor, not a float: torch.mul with a Python scalar costs twice as
         # much per call, and the hook path calls it once per parameter per step.
-        self._world_size = dist.get_world_size(group)
-        self._inverse_world = torch.tensor(1.0 / self._world_size)
+        self._inverse_divisor = torch.tensor(1.0 / self.divisor)
         # The process group's own call, as dist.all_reduce makes it after its checks
         # (a bucket is a plain dense tensor of a rank in the group): its Python runs
         # once per bucket per step, cold after the backward's kernels.
@@ -94,20 +99,19 @@ class AllReduce(BucketReduction[dist.Work]):
         self._options.asyncOp = True
 
     def slot_scale(self) -> torch.Tensor:
-        return self._inverse_world
+        return self._inverse_divisor
 
     def set_divisor(self, divisor: int) -> None:
-        """Average over `divisor` ranks from now on (Join: the ranks still training)."""
-        if divisor != self._world_size:
-            self._world_size = divisor
-            self._inverse_world.fill_(1.0 / divisor)  # in place: the buckets hold this tensor
+        if divisor != self.divisor:
+            super().set_divisor(divisor)
+            self._inverse_divisor.fill_(1.0 / divisor)  # in place: the buckets hold this tensor
 
     def launch(self, bucket: Bucket) -> dist.Work:
         if not bucket.scaled:
             # Raw sums in the slots (gradient_as_bucket_view accumulates in place;
             # batched_grad_copy copies unscaled): average them now, dividing as
             # torch's reducer does on these paths, so the result is its bit for bit.
-            bucket.grads.div_(self._world_size)
+            bucket.grads.div_(self.divisor)
         if bucket.buffer.is_complex():  # sent as real pairs, dist.all_reduce's way
             return dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
         return self.group.allreduce([bucket.buffer], self._options)
@@ -151,6 +155,7 @@ class CommHookReduction(BucketReduction[HookFuture]):
     """
 
     def __init__(self, hook: CommHook, state: Any) -> None:
+        super().__init__(process_group_of(state).size())
         self.hook = hook
         self.state = state
         self._previous: HookFuture | None = None
@@ -160,7 +165,11 @@ class CommHookReduction(BucketReduction[HookFuture]):
         """What of _hook_stats the reducer has booked already."""
 
     def set_divisor(self, divisor: int) -> None:
-        """A comm hook divides as it chooses (torch's rule): nothing to change here."""
+        """Handed on to the hook's HookState, which phalanx's hooks divide by; torch's hooks
+        (a process group as state) divide by the group's size, as under torch's Join."""
+        super().set_divisor(divisor)
+        if isinstance(self.state, HookState):
+            self.state.divisor = divisor
 
     def launch(self, bucket: Bucket) -> HookFuture:
         grad_bucket = GradBucket(

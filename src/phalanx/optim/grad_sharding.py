@@ -44,11 +44,11 @@ class ReduceScatter(BucketReduction[ReduceScatterState]):
 
     def __init__(self, group: dist.ProcessGroup, shards: dict[int, ShardOf]) -> None:
         """`shards`: id(parameter) -> (this rank's shard of it, which piece that is)."""
+        super().__init__(dist.get_world_size(group))
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.shards = shards
-        self._divisor = self.world_size
         self._outputs: dict[int, torch.Tensor] = {}
 
     def _layout(self, bucket: Bucket) -> ShardedFlat:
@@ -57,14 +57,11 @@ class ReduceScatter(BucketReduction[ReduceScatterState]):
         layout: ShardedFlat = bucket.reduction_state
         return layout
 
-    def set_divisor(self, divisor: int) -> None:
-        self._divisor = divisor
-
     def launch(self, bucket: Bucket) -> ReduceScatterState:
         layout = self._layout(bucket)
         with torch.no_grad():
             send = layout.reduce_scatter_input([p.grad for p in bucket.params])
-            scale_to_mean(send, self._divisor)
+            scale_to_mean(send, self.divisor)
         for p in bucket.params:
             p.grad = None  # the full gradient is not needed again: free it now
         received = torch.empty(layout.block, dtype=send.dtype, device=send.device)
