@@ -302,9 +302,8 @@ class Reducer:
                 bucket.launch(self.reduction)
                 progress_record.collective("ddp all_reduce bucket", k, self.stats.sync_rounds + 1)
                 self.stats.buckets_launched += 1
-                if self.timeline is not None:
-                    future = self.reduction.future(bucket.work)
-                    self.timeline.bucket_launched(k, bucket.grad_bytes, future)
+                if self.timeline is not None and bucket.work is not None:
+                    self.timeline.bucket_launched(k, bucket.grad_bytes, bucket.work.future())
             k += 1
         self._next_launch = k
 
@@ -372,10 +371,10 @@ class Reducer:
         """Every launched bucket's collective done, what each sent counted, and with
         `write_back` each one's gradients handed over as soon as it is done."""
         for bucket in self.buckets:
-            handle = bucket.work
-            if handle is not None:
-                bucket.wait(self.reduction)
-                self.stats.add(self.reduction.traffic(bucket, handle, self.world_size))
+            in_flight = bucket.work
+            if in_flight is not None:
+                bucket.wait()
+                self.stats.add(in_flight.traffic(bucket, self.world_size))
                 self.stats.hook_bytes = self.reduction.traffic_source
             if write_back and bucket.index not in self.skips.skipped:
                 self.reduction.write_back(bucket, set())

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -26,6 +27,27 @@ from phalanx.ddp.stats import NO_TRAFFIC, Collective, Traffic
 HandleT = TypeVar("HandleT")
 """What a reduction's launch returns and its finish takes: torch's Work for the all-reduce,
 a Future for a comm hook, a ReduceScatterState for ZeRO-2's reduce-scatter."""
+
+
+@dataclass(frozen=True, slots=True)
+class InFlight(Generic[HandleT]):
+    """A bucket's collective in flight, beside the reduction that started it, so its
+    handle only ever goes back to that reduction (FSDP2 names its states the same way)."""
+
+    reduction: BucketReduction[HandleT]
+    handle: HandleT
+
+    def finish(self, bucket: Bucket) -> None:
+        """Wait; afterwards `bucket.grads` (or the reduction's own output) holds the result."""
+        self.reduction.finish(bucket, self.handle)
+
+    def traffic(self, bucket: Bucket, world_size: int) -> Traffic:
+        """What the launch handed to collectives (asked once `finish` returned)."""
+        return self.reduction.traffic(bucket, self.handle, world_size)
+
+    def future(self) -> torch.futures.Future[Any] | None:
+        """A future completed with the collective, for the timeline (None: unknown)."""
+        return self.reduction.future(self.handle)
 
 
 class BucketReduction(ABC, Generic[HandleT]):
@@ -50,6 +72,10 @@ class BucketReduction(ABC, Generic[HandleT]):
     def set_divisor(self, divisor: int) -> None:
         """Average over `divisor` ranks from now on: every reduction reads `self.divisor`."""
         self.divisor = divisor
+
+    def start(self, bucket: Bucket) -> InFlight[HandleT]:
+        """Launch a full bucket's collective; what the bucket holds until it is finished."""
+        return InFlight(self, self.launch(bucket))
 
     @abstractmethod
     def launch(self, bucket: Bucket) -> HandleT:

@@ -59,17 +59,21 @@ class Works:
         return torch.futures.collect_all([w.get_future() for w in self.works])
 
 
+Pending = dist.Work | Works
+"""A collective in flight: the backend's Work, or several of them as one (gloo's forms)."""
+
+
 class AllGatherState(NamedTuple):
     """An all-gather in flight: `output` holds every rank's block once `work` is done."""
 
-    work: Any
+    work: Pending
     output: torch.Tensor
 
 
 class ReduceScatterState(NamedTuple):
     """A reduce-scatter in flight: this rank's summed block is in `output` once waited for."""
 
-    work: Any
+    work: Pending
     output: torch.Tensor
     input: torch.Tensor
     """Kept alive until the collective is done (the backend reads it asynchronously)."""

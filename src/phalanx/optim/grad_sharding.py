@@ -52,9 +52,11 @@ class ReduceScatter(BucketReduction[ReduceScatterState]):
         self._outputs: dict[int, torch.Tensor] = {}
 
     def _layout(self, bucket: Bucket) -> ShardedFlat:
-        if bucket.reduction_state is None:
-            bucket.reduction_state = ShardedFlat.of(bucket.params, self.world_size, self.rank)
-        layout: ShardedFlat = bucket.reduction_state
+        layout = bucket.reduction_state
+        if not isinstance(layout, ShardedFlat):
+            layout = bucket.reduction_state = ShardedFlat.of(
+                bucket.params, self.world_size, self.rank
+            )
         return layout
 
     def launch(self, bucket: Bucket) -> ReduceScatterState:
