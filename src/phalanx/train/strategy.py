@@ -116,8 +116,8 @@ class Strategy:
 
 
 class ShardedOptimizer(Strategy):
-    """Stages 1 and 2: a ZeroRedundancyOptimizer over the same groups, built after the model
-    is wrapped (stage 2 reduce-scatters through the wrapper's reducer).
+    """Stage 1: a ZeroRedundancyOptimizer over the same groups, built after the model is
+    wrapped (and handed the wrapper: stage 2 reduce-scatters through its reducer).
 
     A world of one runs it too, with one shard: its checkpoints then have the
     sharded layout, so a one-process run and a many-rank run resume each
@@ -127,6 +127,9 @@ class ShardedOptimizer(Strategy):
 
     lost_rank_note = "a lost rank's optimizer shard exists nowhere else"
 
+    shards_gradients = False
+    """Stage 2: the reducer reduce-scatters each bucket into the optimizer's shards."""
+
     def build_optimizer(self, model: nn.Module, wrapped: nn.Module) -> Optimizer:
         """Handed the DDP wrapper explicitly: stage 2 reduce-scatters through its reducer."""
         cls, groups, settings = optimizer_recipe(model, self.args)
@@ -135,7 +138,7 @@ class ShardedOptimizer(Strategy):
             groups,
             cls,
             process_group=self.world.process_group,
-            shard_gradients=self.args.zero_stage == 2 and self.world.is_distributed,
+            shard_gradients=self.shards_gradients and self.world.is_distributed,
             offload_policy=disk if isinstance(disk, DiskOffloadPolicy) else None,
             ddp_model=wrapped if isinstance(wrapped, DistributedDataParallel) else None,
             **settings,
@@ -158,6 +161,13 @@ class ShardedOptimizer(Strategy):
         if isinstance(optimizer, ZeroRedundancyOptimizer):
             total += optimizer.stats.traffic
         return total
+
+
+class ShardedGradients(ShardedOptimizer):
+    """Stage 2: stage 1, and each bucket is reduce-scattered, so a rank keeps 1/N of the
+    gradients too."""
+
+    shards_gradients = True
 
 
 class FullyShard(Strategy):
@@ -212,7 +222,7 @@ class FullyShard(Strategy):
 _BY_STAGE: dict[int, type[Strategy]] = {
     0: Strategy,
     1: ShardedOptimizer,
-    2: ShardedOptimizer,
+    2: ShardedGradients,
     3: FullyShard,
 }
 
@@ -222,4 +232,4 @@ def strategy_for(args: TrainingArguments, world: World) -> Strategy:
     return _BY_STAGE[args.zero_stage](args, world)
 
 
-__all__ = ["FullyShard", "ShardedOptimizer", "Strategy", "strategy_for"]
+__all__ = ["FullyShard", "ShardedGradients", "ShardedOptimizer", "Strategy", "strategy_for"]
