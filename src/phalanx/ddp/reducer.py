@@ -74,14 +74,10 @@ class Reducer:
         self.timeline: Timeline | None = None
         """Where backward, bucket flights and the final wait are recorded (None: nowhere)."""
         self.gradient_as_bucket_view = gradient_as_bucket_view
-        self.batched_copy = batched_copy
         self.stats = ReducerStats()
+        views, deferred = gradient_as_bucket_view, batched_copy
         self.bucket_set = BucketSet(
-            self.params,
-            self.world_size,
-            AllReduce(group),
-            grads_in_views=gradient_as_bucket_view,
-            deferred=batched_copy,
+            self.params, self.world_size, AllReduce(group), grads_in_views=views, deferred=deferred
         )
         """The buckets, which bucket and slot each gradient goes to, and their reduction."""
         self.sharded_by: Callable[[], object | None] = lambda: None
