@@ -198,6 +198,10 @@ class CommHookReduction(BucketReduction[HookFuture]):
             self.state.divisor = divisor
 
     def launch(self, bucket: Bucket) -> HookFuture:
+        if bucket.index == 0 and self._hook_stats is not None:
+            # Every earlier bucket is booked by now: what the counters gained since came
+            # from elsewhere (a resume restored them) and is no traffic of this run's.
+            self._booked = self._hook_stats.traffic
         grad_bucket = GradBucket(
             bucket.index, bucket.grads, bucket.params, bucket.views, bucket.is_last
         )
