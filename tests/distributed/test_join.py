@@ -184,6 +184,47 @@ def _zero_under_join(rank: int, stage: int, divide: bool) -> dict[str, float]:
     return {"diff": diff}
 
 
+def _hook_under_join(rank: int, hook_name: str, divide: bool) -> dict[str, float]:
+    """A comm hook under Join: phalanx's hooks (a HookState) average over the ranks Join
+    says, as the default all-reduce does; torch's hooks (a process group as state) divide
+    by the group's size whatever Join says, as they do under torch's Join."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    import phalanx
+
+    torch.manual_seed(0)
+    net = BNNet()
+    model = phalanx.DistributedDataParallel(net)
+    if hook_name == "torch":
+        torch_hook: Any = default_hooks.allreduce_hook  # torch's GradBucket type, same calls
+        model.register_comm_hook(None, torch_hook)
+    else:
+        model.register_comm_hook(phalanx.comm_hooks.HookState(), phalanx.comm_hooks.allreduce_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with phalanx.Join([model], divide_by_initial_world_size=divide):
+        for step in range(BATCHES[rank]):
+            x, y = regression_batch(rank, step, 0)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    join_kwargs = {"divide_by_initial_world_size": divide}
+    # The reference: torch's DDP with the same hook under its Join, or for phalanx's hook
+    # torch's default reduction, which divides as Join says.
+    ref_ddp = _torch_ddp_with_hook if hook_name == "torch" else TorchDDP
+    ref = _train(ref_ddp, TorchJoin, BNNet, rank, {}, join_kwargs)
+    ref_state, our_state = ref.state_dict(), net.state_dict()
+    diff = max((ref_state[k] - our_state[k]).abs().max().item() for k in ref_state)
+    return {"diff": diff}
+
+
+def _torch_ddp_with_hook(net: nn.Module, **kwargs: Any) -> TorchDDP:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    model = TorchDDP(net, **kwargs)
+    model.register_comm_hook(None, default_hooks.allreduce_hook)
+    return model
+
+
 def _zero_left_alone(rank: int, stage: int) -> str:
     """torch's join with ZeRO: a rank out of batches cannot shadow the optimizer's gather."""
     import phalanx
@@ -221,6 +262,9 @@ def _join_scenarios(rank: int, world_size: int) -> dict[str, Any]:
             "zero1_not_initial": lambda: _zero_under_join(rank, 1, divide=False),
             "zero2": lambda: _zero_under_join(rank, 2, divide=True),
             "zero2_not_initial": lambda: _zero_under_join(rank, 2, divide=False),
+            "hook": lambda: _hook_under_join(rank, "phalanx", divide=True),
+            "hook_not_initial": lambda: _hook_under_join(rank, "phalanx", divide=False),
+            "torch_hook_not_initial": lambda: _hook_under_join(rank, "torch", divide=False),
             "zero1_left_alone": lambda: _zero_left_alone(rank, 1),
             "zero2_left_alone": lambda: _zero_left_alone(rank, 2),
         },
@@ -269,6 +313,17 @@ def test_throw_on_early_termination_raises_on_every_rank_naming_the_rank(
 @pytest.mark.parametrize("scenario", ["zero1", "zero1_not_initial", "zero2", "zero2_not_initial"])
 def test_zero_under_join_ends_as_torch_ddp_and_join(join_run: list[Any], scenario: str) -> None:
     """ZeRO-2's reduce-scatter averages over the ranks still training too (it kept 1/N)."""
+    for o in join_run:
+        got = o.value[scenario]
+        assert "error" not in got, got.get("error")
+        assert got["diff"] <= 1e-6, f"rank {o.rank}: {scenario} differs from torch: {got}"
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("scenario", ["hook", "hook_not_initial", "torch_hook_not_initial"])
+def test_comm_hook_under_join_divides_as_join_says(join_run: list[Any], scenario: str) -> None:
+    """divide_by_initial_world_size=False reaches phalanx's hooks: the ranks still training
+    share the gradient, as without a hook; torch's own hooks keep torch's rule."""
     for o in join_run:
         got = o.value[scenario]
         assert "error" not in got, got.get("error")

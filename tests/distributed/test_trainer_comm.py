@@ -128,3 +128,19 @@ def test_the_log_counts_what_each_method_sent(runs: tuple[Path, list[dict[str, A
     assert all(row["comm_bytes_per_step"] > 0 for row in _logged(root, "diloco"))
     compressed = _logged(root, "powersgd")[-1]  # steps 5-8: all compressed
     assert 0 < compressed["comm_bytes_per_step"] < _PARAM_BYTES
+
+
+@pytest.mark.timeout(180)
+def test_a_resumed_run_logs_only_its_own_traffic(runs: tuple[Path, list[dict[str, Any]]]) -> None:
+    """The hook's counters come back with the checkpoint; the first window after the resume
+    (step 4 alone) must not count them again: it sends what every compressed step sends.
+    (The next window holds the resumed reducer's bucket rebuild too: 32 bytes more.)"""
+    root, _ = runs
+    resumed = [
+        row
+        for row in map(json.loads, (root / "powersgd" / "resumed" / "metrics.jsonl").open())
+        if "comm_bytes_per_step" in row
+    ]
+    whole = _logged(root, "powersgd")[-1]  # steps 5-8, compressed as step 4 is
+    assert [row["step"] for row in resumed] == [4, 8]
+    assert resumed[0]["comm_bytes_per_step"] == whole["comm_bytes_per_step"], (resumed, whole)

@@ -93,8 +93,10 @@ def _train(model_name: str, opt_name: str, stage: int, rank: int) -> dict[str, A
     if stage == 0:
         opt: Any = opt_class(model.parameters(), **kwargs)
     else:
+        # Both ways to find the reducer: handed over (SGD), found from the parameters (Adam).
+        given = model if opt_name == "sgd" else None
         opt = phalanx.ZeroRedundancyOptimizer(
-            model.parameters(), opt_class, shard_gradients=stage == 2, **kwargs
+            model.parameters(), opt_class, shard_gradients=stage == 2, ddp_model=given, **kwargs
         )
     norms = []
     for step in range(STEPS):

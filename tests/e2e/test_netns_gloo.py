@@ -11,15 +11,12 @@ success proves phalanx fixes it.
 from __future__ import annotations
 
 import json
-import os
 import socket
-import subprocess
-import sys
 
 import pytest
 
 from phalanx.ground import netif
-from tests.unit.test_netif import NS_LOCAL, veth_link
+from tests.unit.test_netif import run_two_hosts
 
 # The namespaces are fresh and private, so a fixed port cannot collide with anything.
 PORT = 29517
@@ -44,40 +41,9 @@ print("reduced", t.item())
 """
 
 
-def _start_rank(ns: str, rank: int, code: str) -> subprocess.Popen[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("GLOO_", "NCCL_"))}
-    env.update(
-        OMP_NUM_THREADS="1",
-        RANK=str(rank),
-        WORLD_SIZE="2",
-        LOCAL_RANK="0",
-        LOCAL_WORLD_SIZE="1",
-        GROUP_RANK=str(rank),
-        MASTER_ADDR=NS_LOCAL,
-        MASTER_PORT=str(PORT),
-    )
-    return subprocess.Popen(
-        ["ip", "netns", "exec", ns, sys.executable, "-c", code],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
 def _run_two_hosts(code: str) -> list[tuple[int, str, str]]:
     """Rank 0 in the master's namespace, rank 1 in the peer's; (rc, stdout, stderr) each."""
-    with veth_link() as link:
-        procs = [_start_rank(link.local_ns, 0, code), _start_rank(link.peer_ns, 1, code)]
-        results = []
-        for proc in procs:
-            try:
-                out, err = proc.communicate(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                out, err = proc.communicate()
-            results.append((proc.returncode, out, err))
-        return results
+    return run_two_hosts(["-c", code], PORT, timeout_s=60)
 
 
 def _require_loopback_hostname() -> None:

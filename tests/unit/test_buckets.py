@@ -41,7 +41,8 @@ class _Sent:
 
     keeps_gradients = True
 
-    def launch(self, bucket: Bucket) -> None:
+    def start(self, bucket: Bucket) -> None:
+        """BucketReduction.start: what Bucket.launch calls."""
         self.sent = bucket.grads.clone()
 
 

@@ -10,6 +10,7 @@ from torch import nn
 
 import phalanx
 from phalanx.ddp.comm_hooks import CommStats, PowerSGDState, hook_by_name
+from phalanx.ddp.stats import Traffic
 from phalanx.errors import ConfigurationError
 
 
@@ -57,7 +58,8 @@ def test_torch_spelling_is_exported() -> None:
 def test_comm_stats_ratio() -> None:
     stats = CommStats()
     assert math.isnan(stats.compression_ratio()) and math.isnan(stats.bytes_per_step())
-    stats.gradient_bytes, stats.sent_bytes, stats.steps = 400, 100, 2
+    stats.gradient_bytes, stats.steps = 400, 2
+    stats.add(Traffic(collectives=1, gradient_bytes=100))
     assert stats.compression_ratio() == 0.25 and stats.bytes_per_step() == 50
 
 

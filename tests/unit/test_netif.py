@@ -10,7 +10,7 @@ import socket
 import struct
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,6 +129,44 @@ def veth_link() -> Iterator[VethLink]:
     finally:
         for ns in made:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
+
+
+def start_rank_in(ns: str, rank: int, port: int, *argv: str) -> subprocess.Popen[str]:
+    """Rank `rank` of two, `python *argv` inside namespace `ns`, the master at NS_LOCAL:port
+    (as one process per node: RANK, WORLD_SIZE, MASTER_ADDR; no GLOO_ or NCCL_ settings)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GLOO_", "NCCL_"))}
+    env.update(
+        OMP_NUM_THREADS="1",
+        RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_RANK="0",
+        LOCAL_WORLD_SIZE="1",
+        GROUP_RANK=str(rank),
+        MASTER_ADDR=NS_LOCAL,
+        MASTER_PORT=str(port),
+    )
+    pipe = subprocess.PIPE
+    command = ["ip", "netns", "exec", ns, sys.executable, *argv]
+    return subprocess.Popen(command, env=env, stdout=pipe, stderr=pipe, text=True)
+
+
+def run_two_hosts(argv: Sequence[str], port: int, timeout_s: float) -> list[tuple[int, str, str]]:
+    """`python *argv` as rank 0 in the master's namespace and rank 1 in the peer's, over a
+    fresh veth link; (returncode, stdout, stderr) of each, killed past `timeout_s`."""
+    with veth_link() as link:
+        procs = [
+            start_rank_in(ns, rank, port, *argv)
+            for rank, ns in enumerate((link.local_ns, link.peer_ns))
+        ]
+        results = []
+        for proc in procs:
+            try:
+                out, err = proc.communicate(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
+            results.append((proc.returncode, out, err))
+        return results
 
 
 def _in_namespace(ns: str, code: str) -> str:

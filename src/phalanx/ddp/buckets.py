@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from phalanx.ddp.reductions import BucketReduction
+    from phalanx.ddp.reductions import BucketReduction, InFlight
 
 MIB = 1024 * 1024
 # The first bucket is small so the first all-reduce starts as early as possible
@@ -154,9 +154,9 @@ class Bucket:
         """Slots still waiting for their gradient in this iteration; launched at zero."""
         self.missing: set[int] = set()
         """Slots whose gradient never came this iteration: zeros, whatever `.grad` holds."""
-        self.work: Any = None
-        """What the reduction's launch returned, until the bucket is finished."""
-        self.reduction_state: Any = None
+        self.work: InFlight[Any] | None = None
+        """The collective the reduction started, until the bucket is finished."""
+        self.reduction_state: object = None
         """The reduction's own precomputed data for this bucket (e.g. a wire layout)."""
 
     @property
@@ -208,7 +208,7 @@ class Bucket:
     def launch(self, reduction: BucketReduction[Any]) -> None:
         if self.fill_at_launch:
             self.fill_slots()
-        self.work = reduction.launch(self)
+        self.work = reduction.start(self)
 
     def fill_slots(self) -> None:
         """Every slot from its `.grad` at once (None: zeros); scaled as `scaled` says."""
@@ -238,10 +238,10 @@ class Bucket:
             for p, view, _ in copied:
                 p.grad = view
 
-    def wait(self, reduction: BucketReduction[Any]) -> None:
+    def wait(self) -> None:
         """Block until this bucket's collective is done and `grads` holds the result."""
         if self.work is not None:
-            reduction.finish(self, self.work)
+            self.work.finish(self)
             self.work = None
 
     def write_back(self, skip: set[int]) -> None:

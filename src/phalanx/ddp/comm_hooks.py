@@ -25,6 +25,7 @@ from phalanx.ddp.comm_stats import (
     all_reduce_counted,
     all_reduce_mean,
     count_gradients,
+    divisor_of,
     process_group_of,
     stats_of,
 )
@@ -89,9 +90,9 @@ class GradBucket:
 
 def allreduce_hook(state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average in full precision: the reducer's own default path, as a hook."""
-    stats = stats_of(state)
+    group, stats = process_group_of(state), stats_of(state)
     count_gradients(stats, bucket.buffer(), bucket.is_last())
-    return all_reduce_mean(bucket.buffer(), process_group_of(state), stats)
+    return all_reduce_mean(bucket.buffer(), group, stats, divisor_of(state, group))
 
 
 def _compress_hook(dtype: torch.dtype) -> CommHook:
@@ -99,7 +100,7 @@ def _compress_hook(dtype: torch.dtype) -> CommHook:
         group, stats = process_group_of(state), stats_of(state)
         buffer = bucket.buffer()
         count_gradients(stats, buffer, bucket.is_last())
-        compressed = buffer.to(dtype).div_(group.size())
+        compressed = buffer.to(dtype).div_(divisor_of(state, group))
 
         def decompress(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
             return buffer.copy_(fut.value()[0])

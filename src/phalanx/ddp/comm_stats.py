@@ -17,20 +17,29 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from phalanx.ddp.stats import Collective, Traffic, TrafficCounter
+
 
 @dataclass
-class CommStats:
-    """Counters of one rank's communication for gradients (or parameters, for local SGD)."""
+class CommStats(TrafficCounter):
+    """Counters of one rank's communication for gradients (or parameters, for local SGD):
+    `traffic` is what it handed to collectives, the rest is what that replaced."""
 
     gradient_bytes: int = 0
     """Bytes of the gradients this rank had to share, in their own dtype: what a plain
     all-reduce of them would send."""
-    sent_bytes: int = 0
-    """Payload bytes this rank handed to collectives (each tensor's size, once per call)."""
-    collectives: int = 0
-    """Collectives issued."""
     steps: int = 0
     """Optimizer steps (synchronised backward passes) these counts cover."""
+
+    @property
+    def sent_bytes(self) -> int:
+        """Payload bytes this rank handed to collectives (each tensor's size, once per call)."""
+        return self.traffic.bytes_sent
+
+    @property
+    def collectives(self) -> int:
+        """Collectives issued."""
+        return self.traffic.collectives
 
     def compression_ratio(self) -> float:
         """Bytes sent ÷ bytes of the gradients: 1.0 for fp32 all-reduce, 0.5 for bf16.
@@ -52,8 +61,9 @@ class CommStats:
         }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        for key, value in state.items():
-            setattr(self, key, int(value))
+        self.gradient_bytes, self.steps = int(state["gradient_bytes"]), int(state["steps"])
+        sent, calls = int(state["sent_bytes"]), int(state["collectives"])
+        self.traffic = Traffic(collectives=calls, gradient_bytes=sent)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
@@ -70,6 +80,9 @@ class HookState:
     def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
         self.process_group = process_group
         self.stats = CommStats()
+        self.divisor: int | None = None
+        """The ranks a bucket's sum is averaged over; None: the group's size. Set by the
+        reducer (Join with divide_by_initial_world_size=False: the ranks still training)."""
 
     def state_dict(self) -> dict[str, Any]:
         """The counters, so they carry on across a resume (PowerSGD adds its memory)."""
@@ -89,6 +102,13 @@ def process_group_of(state: Any) -> dist.ProcessGroup:
     return world
 
 
+def divisor_of(state: Any, group: dist.ProcessGroup) -> int:
+    """What a hook divides a bucket's sum by: its HookState's divisor (Join's), else the
+    group's size (torch's hooks, whose state is a process group, keep torch's rule)."""
+    divisor = state.divisor if isinstance(state, HookState) else None
+    return group.size() if divisor is None else divisor
+
+
 def stats_of(state: Any) -> CommStats | None:
     return state.stats if isinstance(state, HookState) else None
 
@@ -105,14 +125,14 @@ def all_reduce_counted(
 ) -> torch.futures.Future[list[torch.Tensor]]:
     """Start a sum all-reduce of `tensor` and count its bytes; return its future."""
     if stats is not None:
-        stats.sent_bytes += tensor_bytes(tensor)
-        stats.collectives += 1
+        stats.add(Traffic.of_tensor(Collective.ALL_REDUCE, tensor, group.size(), gradients=True))
     return dist.all_reduce(tensor, group=group, async_op=True).get_future()
 
 
 def all_reduce_mean(
-    tensor: torch.Tensor, group: dist.ProcessGroup, stats: CommStats | None
+    tensor: torch.Tensor, group: dist.ProcessGroup, stats: CommStats | None, divisor: int
 ) -> torch.futures.Future[torch.Tensor]:
-    """Average `tensor` in place across `group` (divide, then sum: torch's default hook)."""
-    tensor.div_(group.size())
+    """Average `tensor` in place across `group` over `divisor` ranks (divide, then sum:
+    torch's default hook)."""
+    tensor.div_(divisor)
     return all_reduce_counted(tensor, group, stats).then(lambda done: done.value()[0])

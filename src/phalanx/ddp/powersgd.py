@@ -37,6 +37,7 @@ from phalanx.ddp.comm_stats import (
     all_reduce_counted,
     all_reduce_mean,
     count_gradients,
+    divisor_of,
     process_group_of,
 )
 from phalanx.ddp.powersgd_memory import Batch, BucketMemory, ParamMemory, make_plan
@@ -184,7 +185,7 @@ def powersgd_hook(state: PowerSGDState, bucket: GradBucket) -> Future[torch.Tens
     count_gradients(state.stats, buffer, bucket.is_last())
     if state.iter < state.start_powerSGD_iter:
         state.maybe_increase_iter(bucket)
-        return all_reduce_mean(buffer, group, state.stats)
+        return all_reduce_mean(buffer, group, state.stats, divisor_of(state, group))
     return _Round(state, bucket, group).start()
 
 
@@ -199,7 +200,8 @@ class _Round:
         self.state, self.bucket, self.group = state, bucket, group
         self.memory = state.memory_for(bucket)
         self.buffer = bucket.buffer()
-        self.world_size = group.size()
+        self.divisor = divisor_of(state, group)
+        """The ranks the sums are averaged over (Join's, else the group's size)."""
         self.before: torch.Tensor | None = None
 
     def start(self) -> Future[torch.Tensor]:
@@ -248,7 +250,7 @@ class _Round:
         self.memory.needs_random_q = False
 
     def _reduce_ps(self, done: Future[list[torch.Tensor]]) -> Future[list[torch.Tensor]]:
-        plain = done.value()[0].div_(self.world_size)
+        plain = done.value()[0].div_(self.divisor)
         offset = 0
         for grad in self.plain_grads:
             grad.copy_(plain[offset : offset + grad.numel()].view_as(grad))
@@ -265,7 +267,7 @@ class _Round:
 
     def _decompress(self, done: Future[list[torch.Tensor]]) -> torch.Tensor:
         done.value()
-        self.memory.q.div_(self.world_size)
+        self.memory.q.div_(self.divisor)
         grads = self.bucket.gradients()
         for p, q, matrix, batch in zip(self.ps, self.qs, self.matrices, self.memory.plan.batches):
             torch.bmm(p, q.transpose(1, 2), out=matrix)

@@ -5,7 +5,8 @@ Life of one synced iteration (docs/architecture.md draws it):
               tracking, `UnusedParameters` lists what the graph misses;
   backward -> each parameter's hook marks it ready in its `Bucket`; a full
               bucket is launched through the `BucketReduction`, strictly in
-              bucket order so every rank issues the same collectives;
+              bucket order so every rank issues the same collectives (the
+              `BucketSet`, phalanx.ddp.bucket_set, holds buckets and order);
   end      -> `_finalize` (run by the autograd engine when the outermost
               backward through this forward ends, phalanx.ddp.autograd)
               waits for every bucket, exchanges the `StepSignals` (failure
@@ -30,15 +31,15 @@ import torch.distributed as dist
 
 from phalanx.ddp import reducer_errors
 from phalanx.ddp.autograd import EndOfBackward, profiled
+from phalanx.ddp.bucket_set import BucketSet
 from phalanx.ddp.buckets import Bucket
 from phalanx.ddp.layout import BucketPlan
 from phalanx.ddp.phase import Phase
 from phalanx.ddp.reductions import AllReduce, BucketReduction
 from phalanx.ddp.signals import StepSignals
 from phalanx.ddp.static_graph import GradientCounts
-from phalanx.ddp.stats import ReducerStats
+from phalanx.ddp.stats import ReducerStats, Traffic
 from phalanx.ddp.unused import BucketSkips, UnusedParameters
-from phalanx.ground import progress_record
 
 if TYPE_CHECKING:
     from phalanx.diagnostics.timeline import Timeline
@@ -73,9 +74,12 @@ class Reducer:
         self.timeline: Timeline | None = None
         """Where backward, bucket flights and the final wait are recorded (None: nowhere)."""
         self.gradient_as_bucket_view = gradient_as_bucket_view
-        self.batched_copy = batched_copy
         self.stats = ReducerStats()
-        self.reduction: BucketReduction[Any] = AllReduce(group)
+        views, deferred = gradient_as_bucket_view, batched_copy
+        self.bucket_set = BucketSet(
+            self.params, self.world_size, AllReduce(group), grads_in_views=views, deferred=deferred
+        )
+        """The buckets, which bucket and slot each gradient goes to, and their reduction."""
         self.sharded_by: Callable[[], object | None] = lambda: None
         """A weak reference to the ZeroRedundancyOptimizer whose pieces these parameters are
         (set by it): its step is a collective of its own, which Join must know about."""
@@ -97,7 +101,6 @@ class Reducer:
         # Per parameter, gradients still to come before it is ready (0: ready). 1 each,
         # except under static_graph for a parameter used by several reentrant checkpoints.
         self._fires_left = bytearray(self.counts.expected)
-        self._next_launch = 0
         self.skips = BucketSkips(skip_unused_buckets, self.unused, self.signals)
         """skip_all_reduce_unused_params: a bucket unused on every rank is not sent."""
         self._backwards_seen = 0
@@ -113,50 +116,30 @@ class Reducer:
     # ----------------------------------------------------------------- buckets
     def _build(self) -> None:
         """(Re)allocate the buckets as the plan says, keeping any gradients already there."""
-        assignment = self.plan.layout()
-        last = len(assignment) - 1
-        self.buckets = [
-            Bucket(
-                k,
-                indices,
-                self.params,
-                is_last=k == last,
-                flag_slots=self.world_size if k == last else 0,
-                grads_in_views=self.gradient_as_bucket_view,
-                keeps_gradients=self.reduction.keeps_gradients,
-                deferred=self.batched_copy,
-            )
-            for k, indices in enumerate(assignment)
-        ]
-        self._bucket_of: list[Bucket] = [self.buckets[0]] * len(self.params)
-        self._slot_of = [0] * len(self.params)
-        for bucket in self.buckets:
-            for slot, i in enumerate(bucket.param_indices):
-                self._bucket_of[i], self._slot_of[i] = bucket, slot
+        self.bucket_set.build(self.plan.layout())
+        # The hook path reads these two lists: no attribute lookup through the set per call.
+        self._bucket_of, self._slot_of = self.bucket_set.bucket_of, self.bucket_set.slot_of
         self.skips.skipped = frozenset()
-        self.set_reduction(self.reduction)
-        if self.gradient_as_bucket_view and self.reduction.keeps_gradients:
-            for bucket in self.buckets:
-                bucket.bind_grads_to_views()
 
-    def _slot_view(self, i: int) -> torch.Tensor:
-        return self._bucket_of[i].views[self._slot_of[i]]
+    @property
+    def buckets(self) -> list[Bucket]:
+        """The buckets, in launch order."""
+        return self.bucket_set.buckets
+
+    @property
+    def reduction(self) -> BucketReduction[Any]:
+        """What a full bucket does (phalanx.ddp.reductions)."""
+        return self.bucket_set.reduction
 
     def set_reduction(self, reduction: BucketReduction[Any]) -> None:
-        """Choose what a full bucket does (phalanx.ddp.reductions)."""
-        rebuild = reduction.keeps_gradients != self.buckets[0].keeps_gradients
-        self.reduction = reduction
-        if rebuild:
+        """Choose what a full bucket does; it keeps the divisor (Join's) the last one had."""
+        if self.bucket_set.set_reduction(reduction):
             self._build()
-            return
-        scale = reduction.slot_scale()
-        for bucket in self.buckets:
-            bucket.scale = scale
 
     def average_over(self, ranks: int) -> None:
         """Divide the summed gradients by `ranks` from now on (Join with
         divide_by_initial_world_size=False: the ranks still training), whichever reduction
-        runs (comm hooks divide as they choose, as in torch)."""
+        runs (BucketReduction.set_divisor; a hook gets it in its HookState)."""
         self.reduction.set_divisor(ranks)
 
     def bucket_order(self) -> list[list[str]]:
@@ -203,10 +186,8 @@ class Reducer:
 
     def _start_iteration(self) -> None:
         self.phase = Phase.ARMED
-        self._next_launch = 0
         self._fires_left = bytearray(self.counts.expected)
-        for bucket in self.buckets:
-            bucket.reset()
+        self.bucket_set.start_iteration()
 
     def _on_grad_ready(self, i: int, param: torch.Tensor) -> None:
         """The hot path: one call per parameter per backward."""
@@ -220,7 +201,7 @@ class Reducer:
         if self._recording_arrival:
             self._arrival.append(i)
         bucket = self._bucket_of[i]
-        if bucket.mark_ready(self._slot_of[i], param) and bucket.index == self._next_launch:
+        if bucket.mark_ready(self._slot_of[i], param):  # full: launched if it is next
             self._launch_ready_buckets()
 
     def _count_down_or_refuse(self, i: int) -> None:
@@ -283,7 +264,7 @@ class Reducer:
 
     def _fill_slot(self, i: int, param: torch.Tensor) -> None:
         bucket = self._bucket_of[i]
-        if bucket.mark_ready(self._slot_of[i], param) and bucket.index == self._next_launch:
+        if bucket.mark_ready(self._slot_of[i], param):  # full: launched if it is next
             self._launch_ready_buckets()
 
     def _plan_skipped_buckets(self) -> None:
@@ -291,21 +272,7 @@ class Reducer:
             self.skips.agree(self.buckets, set(self.unused.now))
 
     def _launch_ready_buckets(self) -> None:
-        """Launch every consecutive full bucket from `_next_launch`: same order on all ranks."""
-        buckets, k = self.buckets, self._next_launch
-        while k < len(buckets) and buckets[k].pending == 0:
-            if k in self.skips.skipped:
-                self.stats.buckets_skipped += 1
-            else:
-                bucket = buckets[k]
-                bucket.launch(self.reduction)
-                progress_record.collective("ddp all_reduce bucket", k, self.stats.sync_rounds + 1)
-                self.stats.buckets_launched += 1
-                if self.timeline is not None:
-                    future = self.reduction.future(bucket.work)
-                    self.timeline.bucket_launched(k, bucket.grad_bytes, future)
-            k += 1
-        self._next_launch = k
+        self.bucket_set.launch_ready(self.skips.skipped, self.stats, self.timeline)
 
     # --------------------------------------------------------------- finalize
     def _end_of_backward(self) -> None:
@@ -327,13 +294,6 @@ class Reducer:
                 self._fires_left[i] = 0
                 self._fill_slot(i, param)
 
-    def _flag_carrier(self) -> torch.Tensor | None:
-        """The last bucket's flag slots, when the flags ride in its collective."""
-        last = len(self.buckets) - 1
-        if self.reduction.carries_flags and last not in self.skips.skipped:
-            return self.buckets[last].flags
-        return None
-
     def _finalize(self, shadow: bool = False, send_local: bool = True) -> None:
         """End of backward: wait for every bucket, learn what the other ranks saw, write back.
 
@@ -343,15 +303,14 @@ class Reducer:
         with profiled("phalanx.ddp.finalize"):
             self.phase = Phase.REDUCED
             start = time.perf_counter_ns()
-            if self._next_launch < len(self.buckets):
+            if self.bucket_set.next_launch < len(self.buckets):
                 self._launch_despite_missing_gradients()
             # Without a used map to learn first, a bucket's gradients go to `.grad` as soon
             # as it is reduced, while later buckets are still in flight (torch's order).
             early = send_local and not self.unused.tracked
-            self._wait_for_buckets(write_back=early)
-            outcome = self.signals.exchange(
-                self._flag_carrier(), self._used if self.unused.tracked else None
-            )
+            self.bucket_set.wait_all(self.stats, self.skips.skipped if early else None)
+            flags = self.bucket_set.flag_carrier(self.skips.skipped)
+            outcome = self.signals.exchange(flags, self._used if self.unused.tracked else None)
             end = time.perf_counter_ns()
             self._waited(start, end, shadow)
             if outcome.failed_ranks:
@@ -361,26 +320,13 @@ class Reducer:
             here = range(len(self.params)) if shadow else self.unused.now
             unused_everywhere = self.unused.unused_everywhere(outcome.used_counts, here)
             if send_local and not early:
-                self.unused.restore_saved(self._slot_view, unused_everywhere)
-                for bucket in self.buckets:
-                    if bucket.index not in self.skips.skipped:
-                        self.reduction.write_back(bucket, unused_everywhere)
+                self.unused.restore_saved(self.bucket_set.slot_view, unused_everywhere)
+                self.bucket_set.write_back(self.skips.skipped, unused_everywhere)
             self.unused.end_iteration()
-
-    def _wait_for_buckets(self, write_back: bool) -> None:
-        """Every launched bucket's collective done, what each sent counted, and with
-        `write_back` each one's gradients handed over as soon as it is done."""
-        for bucket in self.buckets:
-            handle = bucket.work
-            if handle is not None:
-                bucket.wait(self.reduction)
-                self.stats.add(self.reduction.traffic(bucket, handle, self.world_size))
-            if write_back and bucket.index not in self.skips.skipped:
-                self.reduction.write_back(bucket, set())
 
     def _waited(self, start_ns: int, end_ns: int, shadow: bool) -> None:
         """Book the end-of-backward wait: counters, timeline, the bucket-size tuner."""
-        self.stats.comm_wait_s += (end_ns - start_ns) / 1e9
+        self.stats.add(Traffic.waited((end_ns - start_ns) / 1e9))
         if self.timeline is not None:
             self.timeline.backward_waited(start_ns, end_ns)
         if shadow:
@@ -400,7 +346,7 @@ class Reducer:
         for i, left in enumerate(self._fires_left):
             if left:
                 self._bucket_of[i].mark_missing(self._slot_of[i])
-        self.signals.raise_flag(self._flag_carrier())
+        self.signals.raise_flag(self.bucket_set.flag_carrier(self.skips.skipped))
         self._launch_ready_buckets()
 
     # ------------------------------------------------------------------ Join

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -20,12 +21,33 @@ import torch.distributed as dist
 
 from phalanx.ddp.buckets import Bucket
 from phalanx.ddp.comm_hooks import CommHook, GradBucket
-from phalanx.ddp.comm_stats import stats_of
-from phalanx.ddp.stats import Collective, Traffic, ring_wire_bytes
+from phalanx.ddp.comm_stats import HookState, process_group_of, stats_of
+from phalanx.ddp.stats import NO_TRAFFIC, Collective, Traffic
 
 HandleT = TypeVar("HandleT")
 """What a reduction's launch returns and its finish takes: torch's Work for the all-reduce,
 a Future for a comm hook, a ReduceScatterState for ZeRO-2's reduce-scatter."""
+
+
+@dataclass(frozen=True, slots=True)
+class InFlight(Generic[HandleT]):
+    """A bucket's collective in flight, beside the reduction that started it, so its
+    handle only ever goes back to that reduction (FSDP2 names its states the same way)."""
+
+    reduction: BucketReduction[HandleT]
+    handle: HandleT
+
+    def finish(self, bucket: Bucket) -> None:
+        """Wait; afterwards `bucket.grads` (or the reduction's own output) holds the result."""
+        self.reduction.finish(bucket, self.handle)
+
+    def traffic(self, bucket: Bucket, world_size: int) -> Traffic:
+        """What the launch handed to collectives (asked once `finish` returned)."""
+        return self.reduction.traffic(bucket, self.handle, world_size)
+
+    def future(self) -> torch.futures.Future[Any] | None:
+        """A future completed with the collective, for the timeline (None: unknown)."""
+        return self.reduction.future(self.handle)
 
 
 class BucketReduction(ABC, Generic[HandleT]):
@@ -38,13 +60,22 @@ class BucketReduction(ABC, Generic[HandleT]):
     """True: buckets hold a flat copy of their gradients, which `launch` sends. False:
     buckets only count readiness, and `launch` reads each parameter's `.grad` itself."""
 
+    def __init__(self, divisor: int) -> None:
+        self.divisor = divisor
+        """The ranks a bucket's sum is averaged over: the group's size, or under Join with
+        divide_by_initial_world_size=False the ranks still training (`set_divisor`)."""
+
     def slot_scale(self) -> torch.Tensor | None:
         """Multiply gradients by this while copying them into a bucket; None copies as is."""
         return None
 
-    @abstractmethod
     def set_divisor(self, divisor: int) -> None:
-        """Average over `divisor` ranks from now on (Join: the ranks still training)."""
+        """Average over `divisor` ranks from now on: every reduction reads `self.divisor`."""
+        self.divisor = divisor
+
+    def start(self, bucket: Bucket) -> InFlight[HandleT]:
+        """Launch a full bucket's collective; what the bucket holds until it is finished."""
+        return InFlight(self, self.launch(bucket))
 
     @abstractmethod
     def launch(self, bucket: Bucket) -> HandleT:
@@ -58,6 +89,11 @@ class BucketReduction(ABC, Generic[HandleT]):
         """Hand the reduced gradients to where the optimizer reads them (default: `.grad`),
         except for the parameters in `skip` (reducer indices: unused on every rank)."""
         bucket.write_back(skip)
+
+    @property
+    def traffic_source(self) -> str:
+        """Where a comm hook's booked bytes come from (ReducerStats.hook_bytes); "" otherwise."""
+        return ""
 
     def traffic(self, bucket: Bucket, handle: HandleT, world_size: int) -> Traffic:
         """What this launch handed to collectives, asked once `finish` returned (counters).
@@ -77,11 +113,11 @@ class AllReduce(BucketReduction[dist.Work]):
     carries_flags = True
 
     def __init__(self, group: dist.ProcessGroup) -> None:
+        super().__init__(dist.get_world_size(group))
         self.group = group
         # A 0-dim tensor, not a float: torch.mul with a Python scalar costs twice as
         # much per call, and the hook path calls it once per parameter per step.
-        self._world_size = dist.get_world_size(group)
-        self._inverse_world = torch.tensor(1.0 / self._world_size)
+        self._inverse_divisor = torch.tensor(1.0 / self.divisor)
         # The process group's own call, as dist.all_reduce makes it after its checks
         # (a bucket is a plain dense tensor of a rank in the group): its Python runs
         # once per bucket per step, cold after the backward's kernels.
@@ -89,20 +125,19 @@ class AllReduce(BucketReduction[dist.Work]):
         self._options.asyncOp = True
 
     def slot_scale(self) -> torch.Tensor:
-        return self._inverse_world
+        return self._inverse_divisor
 
     def set_divisor(self, divisor: int) -> None:
-        """Average over `divisor` ranks from now on (Join: the ranks still training)."""
-        if divisor != self._world_size:
-            self._world_size = divisor
-            self._inverse_world.fill_(1.0 / divisor)  # in place: the buckets hold this tensor
+        if divisor != self.divisor:
+            super().set_divisor(divisor)
+            self._inverse_divisor.fill_(1.0 / divisor)  # in place: the buckets hold this tensor
 
     def launch(self, bucket: Bucket) -> dist.Work:
         if not bucket.scaled:
             # Raw sums in the slots (gradient_as_bucket_view accumulates in place;
             # batched_grad_copy copies unscaled): average them now, dividing as
             # torch's reducer does on these paths, so the result is its bit for bit.
-            bucket.grads.div_(self._world_size)
+            bucket.grads.div_(self.divisor)
         if bucket.buffer.is_complex():  # sent as real pairs, dist.all_reduce's way
             return dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
         return self.group.allreduce([bucket.buffer], self._options)
@@ -146,17 +181,27 @@ class CommHookReduction(BucketReduction[HookFuture]):
     """
 
     def __init__(self, hook: CommHook, state: Any) -> None:
+        super().__init__(process_group_of(state).size())
         self.hook = hook
         self.state = state
         self._previous: HookFuture | None = None
         self._hook_stats = stats_of(state)
         """The hook's own counters when its state is a HookState (what it really sent)."""
-        self._counted = (0, 0)  # (sent_bytes, collectives) of _hook_stats already booked
+        self._booked = NO_TRAFFIC
+        """What of _hook_stats the reducer has booked already."""
 
     def set_divisor(self, divisor: int) -> None:
-        """A comm hook divides as it chooses (torch's rule): nothing to change here."""
+        """Handed on to the hook's HookState, which phalanx's hooks divide by; torch's hooks
+        (a process group as state) divide by the group's size, as under torch's Join."""
+        super().set_divisor(divisor)
+        if isinstance(self.state, HookState):
+            self.state.divisor = divisor
 
     def launch(self, bucket: Bucket) -> HookFuture:
+        if bucket.index == 0 and self._hook_stats is not None:
+            # Every earlier bucket is booked by now: what the counters gained since came
+            # from elsewhere (a resume restored them) and is no traffic of this run's.
+            self._booked = self._hook_stats.traffic
         grad_bucket = GradBucket(
             bucket.index, bucket.grads, bucket.params, bucket.views, bucket.is_last
         )
@@ -193,18 +238,20 @@ class CommHookReduction(BucketReduction[HookFuture]):
         if result is not bucket.grads:
             bucket.grads.copy_(result)
 
+    @property
+    def traffic_source(self) -> str:
+        """ "hook" when the hook counts what it sends (a HookState), else "bucket"."""
+        return "bucket" if self._hook_stats is None else "hook"
+
     def traffic(self, bucket: Bucket, handle: HookFuture, world_size: int) -> Traffic:
         """What the hook counted in its `HookState.stats` since the last bucket was booked
         (its chained collectives are done once the bucket is); a hook without one (torch's
         own, a process group as state) is booked as an all-reduce of the bucket."""
         stats = self._hook_stats
         if stats is None:
-            plain = super().traffic(bucket, handle, world_size)
-            return Traffic(plain.collectives, plain.gradient_bytes, 0, plain.wire_bytes, "bucket")
-        sent, calls = stats.sent_bytes - self._counted[0], stats.collectives - self._counted[1]
-        self._counted = (stats.sent_bytes, stats.collectives)
-        wire = ring_wire_bytes(Collective.ALL_REDUCE, sent, world_size)
-        return Traffic(calls, sent, 0, wire, "hook")
+            return super().traffic(bucket, handle, world_size)
+        booked, self._booked = self._booked, stats.traffic
+        return stats.traffic - booked
 
     def future(self, handle: HookFuture) -> HookFuture:
         future: HookFuture = handle

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 import torch
 
 from phalanx.ddp.reducer import Reducer
+from phalanx.ddp.reducer_view import ReducerView
 
 logger = logging.getLogger("phalanx")
 
@@ -60,3 +61,18 @@ def detach_earlier_reducers(params: Iterable[torch.Tensor]) -> None:
     for reducer in earlier.values():
         logger.info("re-wrapping: detaching the earlier DistributedDataParallel from the model")
         reducer.remove_hooks()
+
+
+def views_of(params: Iterable[torch.Tensor]) -> list[ReducerView]:
+    """The reducers hooking any of `params`, each once, as the narrow view ZeRO may use.
+
+    The one lookup for torch's way of building ZeRO, `ZeroRedundancyOptimizer(
+    ddp_model.parameters(), ...)`, which names no wrapper: the parameters are all
+    it has. Given `ddp_model=`, ZeRO asks nothing here.
+    """
+    views: dict[int, ReducerView] = {}
+    for p in params:
+        reducer = reducer_of(p)
+        if reducer is not None:
+            views.setdefault(id(reducer), ReducerView(reducer))
+    return list(views.values())

@@ -1,13 +1,19 @@
-"""What the reducer really did: counters a user, a test or the Trainer's log can read.
+"""What the collectives carried: one `Traffic` record that every path adds to.
 
-Besides the iteration counts, every byte the wrapper hands to a collective is
-counted here, split in two: the gradients (what the bucket reductions send)
-and everything else (the missing-gradient flags, the used map, the bucket
-agreement, buffer broadcasts, the Join message). Next to the bytes handed
-over, `wire_bytes` estimates what the network carries per rank for them,
-assuming ring algorithms: an all-reduce of b bytes sends 2(N-1)/N x b from
-each rank, a reduce-scatter or all-gather (N-1)/N x b, a pipelined broadcast
-about (N-1)/N x b on average.
+Every collective phalanx issues is booked as a `Traffic`: DDP's bucket
+all-reduces and its step signals, ZeRO-1/2's parameter all-gathers, ZeRO-2's
+bucket reduce-scatters, stage 3's gathers and reduce-scatters, a comm hook's
+collectives (PowerSGD's P and Q), local SGD / DiLoCo's averages. A `Traffic`
+is a value that adds up (`a + b`, `later - earlier` for a window), so the
+counters of each owner are a running sum of it and the Trainer logs one
+record whatever the strategy.
+
+What it holds, per rank: the payload (`gradient_bytes` + `other_bytes`: each
+tensor's bytes, once per collective it was handed to), the collectives
+issued, the seconds the training thread waited for them, and `wire_bytes`,
+what ring algorithms send per rank for that payload: an all-reduce of b bytes
+2(N-1)/N x b, a reduce-scatter, all-gather or (pipelined) broadcast
+(N-1)/N x b. docs/trainer.md compares these with what a link really carried.
 """
 
 from __future__ import annotations
@@ -35,14 +41,41 @@ def ring_wire_bytes(kind: Collective, nbytes: int, world_size: int) -> float:
 
 @dataclass(frozen=True, slots=True)
 class Traffic:
-    """What one launch handed to collectives."""
+    """What one rank handed to collectives (and waited for): one launch, or a running sum."""
 
-    collectives: int
-    gradient_bytes: int
-    other_bytes: int
-    wire_bytes: float
-    source: str = ""
-    """For a comm hook's bucket: "hook" if it reported what it sent, else "bucket"."""
+    collectives: int = 0
+    gradient_bytes: int = 0
+    """Payload bytes of gradients (bucket reductions, stage 3's reduce-scatters, a hook's)."""
+    other_bytes: int = 0
+    """Every other payload byte: parameters gathered or averaged, flags, maps, buffers."""
+    wire_bytes: float = 0.0
+    """What ring algorithms send per rank for the payload (an estimate, see the module)."""
+    wait_s: float = 0.0
+    """Seconds the training thread was blocked waiting for these collectives."""
+
+    @property
+    def bytes_sent(self) -> int:
+        """Every payload byte this rank handed to collectives."""
+        return self.gradient_bytes + self.other_bytes
+
+    def __add__(self, other: Traffic) -> Traffic:
+        return Traffic(
+            self.collectives + other.collectives,
+            self.gradient_bytes + other.gradient_bytes,
+            self.other_bytes + other.other_bytes,
+            self.wire_bytes + other.wire_bytes,
+            self.wait_s + other.wait_s,
+        )
+
+    def __sub__(self, other: Traffic) -> Traffic:
+        """What happened between two readings of one running sum (`later - earlier`)."""
+        return Traffic(
+            self.collectives - other.collectives,
+            self.gradient_bytes - other.gradient_bytes,
+            self.other_bytes - other.other_bytes,
+            self.wire_bytes - other.wire_bytes,
+            self.wait_s - other.wait_s,
+        )
 
     @classmethod
     def of(
@@ -58,64 +91,76 @@ class Traffic:
         wire = ring_wire_bytes(kind, gradient_bytes + other_bytes, world_size)
         return cls(collectives, gradient_bytes, other_bytes, wire)
 
+    @classmethod
+    def of_tensor(
+        cls, kind: Collective, tensor: torch.Tensor, world_size: int, *, gradients: bool
+    ) -> Traffic:
+        """One collective of `kind` over `tensor` (the whole: N blocks for a gather or a
+        reduce-scatter), its bytes booked as gradients or as other bytes."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if gradients:
+            return cls.of(kind, world_size, gradient_bytes=nbytes)
+        return cls.of(kind, world_size, other_bytes=nbytes)
 
-NO_TRAFFIC = Traffic(0, 0, 0, 0.0)
+    @classmethod
+    def waited(cls, seconds: float) -> Traffic:
+        """Only a wait: what the training thread spent blocked on collectives already booked."""
+        return cls(wait_s=seconds)
+
+
+NO_TRAFFIC = Traffic()
 
 
 @dataclass
-class ReducerStats:
-    """Counters a user (or a test) can read to see what the reducer really did."""
+class TrafficCounter:
+    """A running sum of `Traffic`: what one owner of collectives (a reducer, a ZeRO
+    optimizer's gathers, a stage-3 unit, a hook's state, a periodic sync) handed to them."""
+
+    traffic: Traffic = NO_TRAFFIC
+
+    def add(self, traffic: Traffic) -> None:
+        self.traffic += traffic
+
+
+@dataclass
+class ReducerStats(TrafficCounter):
+    """Counters a user (or a test) can read to see what the reducer really did.
+
+    `traffic` is every collective the wrapper issued (buckets, signals, buffers,
+    Join), the bytes handed to them and the end of backward's wait for them.
+    """
 
     sync_rounds: int = 0  # backward passes whose gradients were reduced
     shadow_rounds: int = 0  # synced iterations this rank only shadowed, out of batches (Join)
     buckets_launched: int = 0  # bucket collectives launched
     buckets_skipped: int = 0  # not sent, unused on every rank (skip_all_reduce_unused_params)
-    collectives: int = 0  # every collective the wrapper issued (buckets, signals, buffers, Join)
-    gradient_bytes: int = 0  # bytes of gradients handed to bucket collectives
-    other_bytes: int = 0  # flags, used map, bucket agreement, buffer broadcasts, Join messages
-    wire_bytes: float = 0.0  # what ring algorithms send per rank for all of the above
+    rebuilds: int = 0  # bucket rebuilds: the one in arrival order, and bucket_cap_mb="auto"'s
     hook_bytes: str = ""
     """With a comm hook, where `gradient_bytes` came from: "hook" (it reported what it
     sent, GradBucket.record_sent) or "bucket" (it did not: the bucket's bytes, as if
     all-reduced). Empty without a hook."""
-    comm_wait_s: float = 0.0  # time spent waiting on communication at the end of backward
-    rebuilds: int = 0  # bucket rebuilds: the one in arrival order, and bucket_cap_mb="auto"'s
+
+    # The counters docs/ddp.md names, read from the one record.
+    @property
+    def collectives(self) -> int:
+        return self.traffic.collectives
+
+    @property
+    def gradient_bytes(self) -> int:
+        return self.traffic.gradient_bytes
+
+    @property
+    def other_bytes(self) -> int:
+        return self.traffic.other_bytes
 
     @property
     def bytes_sent(self) -> int:
-        """Every byte this rank handed to the wrapper's collectives."""
-        return self.gradient_bytes + self.other_bytes
+        return self.traffic.bytes_sent
 
-    def add(self, traffic: Traffic) -> None:
-        self.collectives += traffic.collectives
-        self.gradient_bytes += traffic.gradient_bytes
-        self.other_bytes += traffic.other_bytes
-        self.wire_bytes += traffic.wire_bytes
-        if traffic.source:
-            self.hook_bytes = traffic.source
+    @property
+    def wire_bytes(self) -> float:
+        return self.traffic.wire_bytes
 
-
-@dataclass
-class CommCounter:
-    """What one owner of collectives handed to them, and how long training waited for them:
-    a ZeroRedundancyOptimizer's parameter all-gathers, a fully_shard unit's gathers and
-    reduce-scatters. The Trainer sums these with the reducer's (`comm_bytes_per_step`)."""
-
-    collectives: int = 0
-    bytes_sent: int = 0
-    wire_bytes: float = 0.0
-    wait_s: float = 0.0
-    """Seconds the training thread was blocked waiting for these collectives."""
-
-    def add(self, traffic: Traffic) -> None:
-        self.collectives += traffic.collectives
-        self.bytes_sent += traffic.gradient_bytes + traffic.other_bytes
-        self.wire_bytes += traffic.wire_bytes
-
-    def count(self, kind: Collective, tensor: torch.Tensor, world_size: int) -> None:
-        """One collective of `kind` over `tensor` (the whole, N blocks), across `world_size`."""
-        nbytes = tensor.numel() * tensor.element_size()
-        if kind is Collective.ALL_GATHER:  # parameters, not gradients
-            self.add(Traffic.of(kind, world_size, other_bytes=nbytes))
-        else:
-            self.add(Traffic.of(kind, world_size, gradient_bytes=nbytes))
+    @property
+    def comm_wait_s(self) -> float:
+        return self.traffic.wait_s

@@ -35,6 +35,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from phalanx.ddp.stats import Collective, Traffic
 from phalanx.optim.sharding import ShardedFlat
 
 # all_gather_single / reduce_scatter_single are torch 2.13's names; the older ones
@@ -58,22 +59,33 @@ class Works:
         return torch.futures.collect_all([w.get_future() for w in self.works])
 
 
+Pending = dist.Work | Works
+"""A collective in flight: the backend's Work, or several of them as one (gloo's forms)."""
+
+
 class AllGatherState(NamedTuple):
     """An all-gather in flight: `output` holds every rank's block once `work` is done."""
 
-    work: Any
+    work: Pending
     output: torch.Tensor
 
 
 class ReduceScatterState(NamedTuple):
     """A reduce-scatter in flight: this rank's summed block is in `output` once waited for."""
 
-    work: Any
+    work: Pending
     output: torch.Tensor
     input: torch.Tensor
     """Kept alive until the collective is done (the backend reads it asynchronously)."""
     copy_from_input: bool
     """gloo's forms: the sum of this rank's block is in `input`, copied out at the wait."""
+
+    def traffic(self) -> Traffic:
+        """What it hands to the backend: the whole input, as a reduce-scatter, or on gloo
+        as the all-reduce it really is (twice a reduce-scatter's bytes on the wire)."""
+        kind = Collective.ALL_REDUCE if self.copy_from_input else Collective.REDUCE_SCATTER
+        world_size = self.input.numel() // max(1, self.output.numel())
+        return Traffic.of_tensor(kind, self.input, world_size, gradients=True)
 
 
 def is_gloo(group: dist.ProcessGroup | None) -> bool:

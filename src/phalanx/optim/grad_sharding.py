@@ -13,12 +13,14 @@ only full-size gradient memory.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 
 from phalanx.ddp.buckets import Bucket
 from phalanx.ddp.reductions import BucketReduction
-from phalanx.ddp.stats import Collective, Traffic
+from phalanx.ddp.stats import Traffic
 from phalanx.optim.collectives import (
     ReduceScatterState,
     scale_to_mean,
@@ -28,36 +30,40 @@ from phalanx.optim.collectives import (
 from phalanx.optim.sharding import Piece, ShardedFlat
 
 
+class ShardOf(NamedTuple):
+    """Where a parameter's reduced gradient goes: this rank's shard of it, and which piece."""
+
+    shard: torch.Tensor
+    piece: Piece
+
+
 class ReduceScatter(BucketReduction[ReduceScatterState]):
     """Average each bucket into the owners' shard gradients with one reduce-scatter."""
 
     keeps_gradients = False
 
-    def __init__(
-        self, group: dist.ProcessGroup, shards: dict[int, tuple[torch.Tensor, Piece]]
-    ) -> None:
+    def __init__(self, group: dist.ProcessGroup, shards: dict[int, ShardOf]) -> None:
         """`shards`: id(parameter) -> (this rank's shard of it, which piece that is)."""
+        super().__init__(dist.get_world_size(group))
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.shards = shards
-        self._divisor = self.world_size
         self._outputs: dict[int, torch.Tensor] = {}
 
     def _layout(self, bucket: Bucket) -> ShardedFlat:
-        if bucket.reduction_state is None:
-            bucket.reduction_state = ShardedFlat.of(bucket.params, self.world_size, self.rank)
-        layout: ShardedFlat = bucket.reduction_state
+        layout = bucket.reduction_state
+        if not isinstance(layout, ShardedFlat):
+            layout = bucket.reduction_state = ShardedFlat.of(
+                bucket.params, self.world_size, self.rank
+            )
         return layout
-
-    def set_divisor(self, divisor: int) -> None:
-        self._divisor = divisor
 
     def launch(self, bucket: Bucket) -> ReduceScatterState:
         layout = self._layout(bucket)
         with torch.no_grad():
             send = layout.reduce_scatter_input([p.grad for p in bucket.params])
-            scale_to_mean(send, self._divisor)
+            scale_to_mean(send, self.divisor)
         for p in bucket.params:
             p.grad = None  # the full gradient is not needed again: free it now
         received = torch.empty(layout.block, dtype=send.dtype, device=send.device)
@@ -68,8 +74,7 @@ class ReduceScatter(BucketReduction[ReduceScatterState]):
 
     def traffic(self, bucket: Bucket, handle: ReduceScatterState, world_size: int) -> Traffic:
         """One reduce-scatter of the laid-out bucket (padding included: it is sent)."""
-        nbytes = handle.input.numel() * handle.input.element_size()
-        return Traffic.of(Collective.REDUCE_SCATTER, world_size, gradient_bytes=nbytes)
+        return handle.traffic()
 
     def write_back(self, bucket: Bucket, skip: set[int]) -> None:
         """Each piece of the output becomes (or adds to) its parameter's shard gradient."""
@@ -78,7 +83,7 @@ class ReduceScatter(BucketReduction[ReduceScatterState]):
         for i, p, piece in zip(bucket.param_indices, bucket.params, pieces):
             if i in skip:
                 continue  # no rank used it: its shard keeps no gradient, as in DDP
-            shard, _ = self.shards[id(p)]
+            shard = self.shards[id(p)].shard
             if shard.grad is None:
                 shard.grad = piece
             else:  # a second synced backward before the step accumulates, as .grad would

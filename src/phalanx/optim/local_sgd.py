@@ -22,6 +22,7 @@ replaces the plain average by an outer optimizer step.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from types import TracebackType
@@ -33,6 +34,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from phalanx.ddp.comm_stats import CommStats, tensor_bytes
+from phalanx.ddp.stats import Collective, Traffic
 from phalanx.ddp.sync import broadcast_coalesced, verify_same_state
 from phalanx.errors import ConfigurationError
 
@@ -62,9 +64,12 @@ def average_coalesced(
             flats[key] = torch.empty(key[2], dtype=dtype, device=device)
         flat = torch.cat([t.detach().reshape(-1) for t in members], out=flats[key])
         flat.div_(world_size)
-        stats.sent_bytes += tensor_bytes(flat)
-        stats.collectives += 1
+        start = time.perf_counter()
         dist.all_reduce(flat, group=group)
+        waited = Traffic.waited(time.perf_counter() - start)
+        stats.add(
+            Traffic.of_tensor(Collective.ALL_REDUCE, flat, world_size, gradients=False) + waited
+        )
         pieces = torch.split(flat, [t.numel() for t in members])
         torch._foreach_copy_(
             [t.detach() for t in members], [p.view_as(t) for p, t in zip(pieces, members)]

@@ -20,7 +20,6 @@ can never drift apart.
 from __future__ import annotations
 
 import warnings
-import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -29,13 +28,14 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from phalanx.ddp.reductions import AllReduce
-from phalanx.ddp.registry import reducer_of
-from phalanx.ddp.stats import CommCounter
+from phalanx.ddp import registry
+from phalanx.ddp.module import DistributedDataParallel
+from phalanx.ddp.reducer_view import ReducerView
+from phalanx.ddp.stats import TrafficCounter
 from phalanx.errors import ConfigurationError, PhalanxError
 from phalanx.offload import DiskOffloadPolicy, offload_optimizer
 from phalanx.optim import zero_checkpoint, zero_state
-from phalanx.optim.grad_sharding import ReduceScatter
+from phalanx.optim.grad_sharding import ReduceScatter, ShardOf
 from phalanx.optim.sharding import Piece, piece_of
 from phalanx.optim.zero_gather import GatherPlan, ParameterGather
 
@@ -77,6 +77,10 @@ class ZeroRedundancyOptimizer(Optimizer):
     shard_gradients: (phalanx's) ZeRO-2: the DDP reducer reduce-scatters each
         bucket, so every rank keeps 1/N of the gradients too.
     offload_policy: (phalanx's) a DiskOffloadPolicy keeps the state in files.
+    ddp_model: (phalanx's) the phalanx.DistributedDataParallel that averages these
+        parameters' gradients: stage 2 reduce-scatters through its reducer, and Join
+        learns that this optimizer's step is a collective. Without it (torch's way)
+        the wrapper is found from the parameters themselves (ddp/registry.py).
     **defaults: `optimizer_class`'s own options (lr, betas, weight_decay, ...).
     Every tensor is cut in N pieces (docs/zero.md), so a rank's share stays 1/N
     even where one layer holds most of the model.
@@ -91,6 +95,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         overlap_with_ddp: bool = False,
         shard_gradients: bool = False,
         offload_policy: DiskOffloadPolicy | None = None,
+        ddp_model: DistributedDataParallel | None = None,
         **defaults: Any,
     ) -> None:
         _check_arguments(optimizer_class, overlap_with_ddp)
@@ -108,9 +113,11 @@ class ZeroRedundancyOptimizer(Optimizer):
         self._shards: list[torch.Tensor] = []
         self._consolidated: dict[str, Any] | None = None
         self._checked_wrapped = False
-        self.stats = CommCounter()
-        """The parameter all-gathers after each step (stage 2's reduce-scatters are the
-        reducer's: DistributedDataParallel.reducer.stats)."""
+        self._given = None if ddp_model is None else ReducerView(ddp_model.reducer)
+        """The reducer handed over explicitly (ddp_model=), else None: looked up by parameter."""
+        self.stats = TrafficCounter()
+        """The parameter all-gathers after each step (`stats.traffic`; stage 2's
+        reduce-scatters are the reducer's: DistributedDataParallel.reducer.stats)."""
         super().__init__(params, defaults)
         for group in self.param_groups:
             self._add_shards(group["params"])
@@ -123,9 +130,8 @@ class ZeroRedundancyOptimizer(Optimizer):
         self._pull_hyperparameters()
         self._plan_gathers()
         self._initialized = True
-        me = weakref.ref(self)
-        for reducer in {id(r): r for p in self._params if (r := reducer_of(p))}.values():
-            reducer.sharded_by = me  # Join must know: this optimizer's step is a collective
+        for view in self._reducers(self._params):
+            view.stepped_by(self)  # Join must know: this optimizer's step is a collective
         if shard_gradients:
             self._install_gradient_sharding()
 
@@ -294,11 +300,20 @@ class ZeroRedundancyOptimizer(Optimizer):
         self._adopt_groups(zero_checkpoint.load_sharded(self.pieces(), directory))
 
     # ------------------------------------------------------------------ checks
+    def _reducers(self, params: list[torch.nn.Parameter]) -> list[ReducerView]:
+        """The reducers averaging `params`' gradients: the one handed over, or those found."""
+        return [self._given] if self._given is not None else registry.views_of(params)
+
     def _check_wrapped(self) -> None:
         """Stage 1 steps whatever `.grad` holds: it must be the average over ranks."""
         if self._checked_wrapped or self.world_size == 1:
             return
-        bare = [i for i, p in enumerate(self._params) if p.requires_grad and reducer_of(p) is None]
+        trainable = [(i, p) for i, p in enumerate(self._params) if p.requires_grad]
+        averaged = [False] * len(trainable)
+        for view in self._reducers([p for _, p in trainable]):
+            hooked = view.hooks(p for _, p in trainable)
+            averaged = [a or h for a, h in zip(averaged, hooked)]
+        bare = [i for (i, _), ok in zip(trainable, averaged) if not ok]
         if bare:
             raise ConfigurationError(
                 f"ZeroRedundancyOptimizer: {len(bare)} parameter(s) (the first is number "
@@ -309,40 +324,23 @@ class ZeroRedundancyOptimizer(Optimizer):
         self._checked_wrapped = True
 
     def _install_gradient_sharding(self) -> None:
-        reducers = {id(r): r for p in self._params if p.requires_grad and (r := reducer_of(p))}
+        reducers = self._reducers([p for p in self._params if p.requires_grad])
         self._check_wrapped()
         if self.world_size == 1 and not reducers:
             return  # one rank, no wrapper: the one piece is the whole .grad, sliced at step
-
         if len(reducers) != 1:
             raise ConfigurationError(
                 f"shard_gradients=True needs the optimizer's parameters wrapped by exactly one "
                 f"phalanx.DistributedDataParallel, found {len(reducers)} — wrap the whole model "
                 "once, then build the optimizer over its parameters"
             )
-        (reducer,) = reducers.values()
-        mine = {id(p) for p in self._params}
-        outside = [name for name, p in zip(reducer.names, reducer.params) if id(p) not in mine]
-        if outside:
-            raise ConfigurationError(
-                f"shard_gradients=True: parameter '{outside[0]}' (and {len(outside) - 1} more) of "
-                "the wrapped model is not in this optimizer, so its reduced gradient would have "
-                "nowhere to go — give the optimizer every trainable parameter"
-            )
-        if not isinstance(reducer.reduction, (AllReduce, ReduceScatter)):
-            raise ConfigurationError(
-                "shard_gradients=True replaces each bucket's all-reduce by a reduce-scatter, "
-                "so it cannot be combined with a comm hook — drop register_comm_hook"
-            )
-        if reducer.gradient_as_bucket_view:
-            raise ConfigurationError(
-                "shard_gradients=True keeps no full-size gradient buckets, which "
-                "gradient_as_bucket_view=True asks for — drop gradient_as_bucket_view"
-            )
+        (view,) = reducers
+        view.require_within(self._params)
         shards = {
-            id(p): (s, piece) for p, s, piece in zip(self._params, self._shards, self._pieces)
+            id(p): ShardOf(s, piece)
+            for p, s, piece in zip(self._params, self._shards, self._pieces)
         }
-        reducer.set_reduction(ReduceScatter(reducer.group, shards))
+        view.reduce_with(ReduceScatter(view.group, shards))
         self._reducer_scatters = True
 
 

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from phalanx.ddp.stats import Collective, CommCounter
-from phalanx.optim.collectives import is_gloo, start_all_gather, start_broadcast_pieces
+from phalanx.ddp.stats import Collective, Traffic, TrafficCounter
+from phalanx.optim.collectives import Pending, is_gloo, start_all_gather, start_broadcast_pieces
 from phalanx.optim.sharding import ShardedFlat
 
 GATHER_BUCKET_BYTES = 25 * 1024 * 1024
@@ -36,11 +36,19 @@ class GatherPlan(NamedTuple):
     """gloo: each rank's piece of each parameter broadcast into place; else a flat buffer."""
 
 
+class GatherInFlight(NamedTuple):
+    """One plan's gather in flight: `out` is its flat buffer (None: broadcast in place)."""
+
+    work: Pending
+    plan: GatherPlan
+    out: torch.Tensor | None
+
+
 class ParameterGather:
     """The gathers of one ZeroRedundancyOptimizer's parameters, planned once."""
 
     def __init__(
-        self, params: Sequence[torch.nn.Parameter], group: dist.ProcessGroup, stats: CommCounter
+        self, params: Sequence[torch.nn.Parameter], group: dist.ProcessGroup, stats: TrafficCounter
     ) -> None:
         self.params = list(params)
         self.group = group
@@ -77,34 +85,35 @@ class ParameterGather:
     ) -> None:
         """Gather every plan; `step(plan)` first steps that plan's pieces, so each gather
         runs while the next pieces are computed. Two gathers at most are in flight."""
-        in_flight: list[tuple[Any, GatherPlan, torch.Tensor | None]] = []
+        in_flight: list[GatherInFlight] = []
         for k, plan in enumerate(self.plans):
             if step is not None:
                 step(plan)
             in_flight.append(self._start(k, plan, shards))
             if len(in_flight) > 1:
-                self._finish(*in_flight.pop(0))
+                self._finish(in_flight.pop(0))
         for entry in in_flight:
-            self._finish(*entry)
+            self._finish(entry)
 
-    def _start(
-        self, k: int, plan: GatherPlan, shards: Sequence[torch.Tensor]
-    ) -> tuple[Any, GatherPlan, torch.Tensor | None]:
+    def _start(self, k: int, plan: GatherPlan, shards: Sequence[torch.Tensor]) -> GatherInFlight:
         if plan.in_place:  # every piece broadcast straight into its parameter: no copies
             flats = [self.params[i].detach().view(-1) for i in plan.members]
             work = start_broadcast_pieces(flats, plan.layout, self.group)
             self.stats.add(plan.layout.gather_traffic(self.world_size))
-            return work, plan, None
+            return GatherInFlight(work, plan, None)
         out = self._buffer(plan.layout, k)  # plan k-2's gather is done by now
         block = plan.layout.own_block_input([shards[i] for i in plan.members], out)
         state = start_all_gather(out, block, self.group)
-        self.stats.count(Collective.ALL_GATHER, out, self.world_size)
-        return state.work, plan, out
+        self.stats.add(
+            Traffic.of_tensor(Collective.ALL_GATHER, out, self.world_size, gradients=False)
+        )
+        return GatherInFlight(state.work, plan, out)
 
-    def _finish(self, work: Any, plan: GatherPlan, out: torch.Tensor | None) -> None:
+    def _finish(self, gather: GatherInFlight) -> None:
+        plan, out = gather.plan, gather.out
         start = time.perf_counter()
-        work.wait()
-        self.stats.wait_s += time.perf_counter() - start
+        gather.work.wait()
+        self.stats.add(Traffic.waited(time.perf_counter() - start))
         if out is not None:
             with torch.no_grad():
                 plan.layout.copy_out(out, [self.params[i] for i in plan.members])

@@ -5,9 +5,10 @@ Each strategy owns what differs between the stages: how the model is prepared
 and wrapped, which optimizer is built over it (and which a user may pass), and
 what the checkpoint's "model" and "optimizer" entries are. What does not
 differ (precision checks, gradient checkpointing, compile, the parameter
-groups, offload policies) lives in setup.py and is shared. Clipping and the
-traffic meter dispatch on the objects themselves (a ZeroRedundancyOptimizer,
-a fully_shard unit), so they need no strategy.
+groups, offload policies) lives in setup.py and is shared. The traffic the
+Trainer logs is the strategy's too (`traffic`): it knows which of its objects
+sent what. Clipping dispatches on the objects themselves (a
+ZeroRedundancyOptimizer, a fully_shard unit), so it needs no strategy.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ from torch.optim import Optimizer
 
 from phalanx import zero3
 from phalanx.ddp.module import DistributedDataParallel
+from phalanx.ddp.stats import NO_TRAFFIC, Traffic
 from phalanx.errors import ConfigurationError
 from phalanx.offload import DiskOffloadPolicy, offload_optimizer
+from phalanx.optim.local_sgd import PeriodicSync
 from phalanx.optim.zero import ZeroRedundancyOptimizer
 from phalanx.runtime import World
 from phalanx.runtime.hostmem import return_freed_memory
@@ -74,7 +77,7 @@ class Strategy:
             **asdict(self.args.ddp_options()),
         )
 
-    def build_optimizer(self, model: nn.Module) -> Optimizer:
+    def build_optimizer(self, model: nn.Module, wrapped: nn.Module) -> Optimizer:
         """`args.optim` over the two parameter groups (setup.optimizer_recipe), its state in
         files under disk offload."""
         cls, groups, settings = optimizer_recipe(model, self.args)
@@ -99,10 +102,22 @@ class Strategy:
         ZeroRedundancyOptimizer is a sharded entry of its own)."""
         return {"model": model, "optimizer": optimizer}
 
+    def traffic(
+        self, wrapped: nn.Module, optimizer: Optimizer, periodic_sync: PeriodicSync | None
+    ) -> Traffic:
+        """This rank's collectives so far (docs/trainer.md, Logging): DDP's reducer (its
+        buckets, its comm hook's collectives, its signals), or local SGD / DiLoCo's averages."""
+        total = NO_TRAFFIC
+        if isinstance(wrapped, DistributedDataParallel):
+            total += wrapped.reducer.stats.traffic
+        if periodic_sync is not None:
+            total += periodic_sync.stats.traffic
+        return total
+
 
 class ShardedOptimizer(Strategy):
-    """Stages 1 and 2: a ZeroRedundancyOptimizer over the same groups, built after the model
-    is wrapped (stage 2 reduce-scatters through the wrapper's reducer).
+    """Stage 1: a ZeroRedundancyOptimizer over the same groups, built after the model is
+    wrapped (and handed the wrapper: stage 2 reduce-scatters through its reducer).
 
     A world of one runs it too, with one shard: its checkpoints then have the
     sharded layout, so a one-process run and a many-rank run resume each
@@ -112,15 +127,20 @@ class ShardedOptimizer(Strategy):
 
     lost_rank_note = "a lost rank's optimizer shard exists nowhere else"
 
-    def build_optimizer(self, model: nn.Module) -> Optimizer:
+    shards_gradients = False
+    """Stage 2: the reducer reduce-scatters each bucket into the optimizer's shards."""
+
+    def build_optimizer(self, model: nn.Module, wrapped: nn.Module) -> Optimizer:
+        """Handed the DDP wrapper explicitly: stage 2 reduce-scatters through its reducer."""
         cls, groups, settings = optimizer_recipe(model, self.args)
         disk = offload_policy(self.args)
         return ZeroRedundancyOptimizer(
             groups,
             cls,
             process_group=self.world.process_group,
-            shard_gradients=self.args.zero_stage == 2 and self.world.is_distributed,
+            shard_gradients=self.shards_gradients and self.world.is_distributed,
             offload_policy=disk if isinstance(disk, DiskOffloadPolicy) else None,
+            ddp_model=wrapped if isinstance(wrapped, DistributedDataParallel) else None,
             **settings,
         )
 
@@ -131,6 +151,23 @@ class ShardedOptimizer(Strategy):
             f"cannot take your {type(optimizer).__name__} — drop optimizer= (and set "
             "learning_rate and weight_decay), or keep your optimizer with zero_stage=0"
         )
+
+    def traffic(
+        self, wrapped: nn.Module, optimizer: Optimizer, periodic_sync: PeriodicSync | None
+    ) -> Traffic:
+        """The reducer's (stage 2: its reduce-scatters) and the optimizer's parameter
+        all-gathers after each step."""
+        total = super().traffic(wrapped, optimizer, periodic_sync)
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            total += optimizer.stats.traffic
+        return total
+
+
+class ShardedGradients(ShardedOptimizer):
+    """Stage 2: stage 1, and each bucket is reduce-scattered, so a rank keeps 1/N of the
+    gradients too."""
+
+    shards_gradients = True
 
 
 class FullyShard(Strategy):
@@ -175,11 +212,17 @@ class FullyShard(Strategy):
         """Both through DCP: the model holds shards, and so does its optimizer's state."""
         return {"model": ShardedModel(model), "optimizer": ShardedModel(model, optimizer)}
 
+    def traffic(
+        self, wrapped: nn.Module, optimizer: Optimizer, periodic_sync: PeriodicSync | None
+    ) -> Traffic:
+        """Every unit's gathers and reduce-scatters, and the root's buffer broadcasts."""
+        return zero3.communication(wrapped)
+
 
 _BY_STAGE: dict[int, type[Strategy]] = {
     0: Strategy,
     1: ShardedOptimizer,
-    2: ShardedOptimizer,
+    2: ShardedGradients,
     3: FullyShard,
 }
 
@@ -189,4 +232,4 @@ def strategy_for(args: TrainingArguments, world: World) -> Strategy:
     return _BY_STAGE[args.zero_stage](args, world)
 
 
-__all__ = ["FullyShard", "ShardedOptimizer", "Strategy", "strategy_for"]
+__all__ = ["FullyShard", "ShardedGradients", "ShardedOptimizer", "Strategy", "strategy_for"]

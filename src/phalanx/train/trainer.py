@@ -178,7 +178,7 @@ class Trainer(TrainerSetup):
 
     def _loop(self) -> None:
         """Train until max_steps, or until the ranks agree to stop at a step boundary."""
-        self._runlog = RunLog(self.world, self._report, self.comm_meter(), self.timeline)
+        self._runlog = RunLog(self.world, self._report, self.traffic_source(), self.timeline)
         self._loss_before = self.state.loss_sum
         while not self._train_epoch():
             self.state.epoch += 1

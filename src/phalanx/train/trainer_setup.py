@@ -9,6 +9,7 @@ which lets go of them. The loop that uses them is `Trainer`'s (trainer.py).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
@@ -39,7 +40,7 @@ from phalanx.train.config.args import TrainingArguments
 from phalanx.train.evaluation import ComputeMetrics
 from phalanx.train.live import live_training_for
 from phalanx.train.logging.report import RunReport
-from phalanx.train.logging.runlog import CommMeter, RunLog
+from phalanx.train.logging.runlog import RunLog, TrafficSource, continue_from
 from phalanx.train.nonfinite import NonFiniteGuard
 from phalanx.train.schedules import make_scheduler, warmup_steps_for
 from phalanx.train.setup import (
@@ -159,7 +160,9 @@ class TrainerSetup:
         if optimizer is not None:
             self.strategy.check_user_optimizer(optimizer)
         self.optimizer = (
-            optimizer if optimizer is not None else self.strategy.build_optimizer(self.model)
+            optimizer
+            if optimizer is not None
+            else self.strategy.build_optimizer(self.model, self.wrapped_model)
         )
         """AdamW, or under zero_stage 1/2 a phalanx.ZeroRedundancyOptimizer over AdamW."""
         record_offload_to(self.optimizer, self.timeline)
@@ -316,11 +319,13 @@ class TrainerSetup:
             self.wrapped_model.timeline = self.timeline
         self._stepper.wrapped_model = self.wrapped_model
         if self._runlog is not None:
-            self._runlog.comm = self.comm_meter().continue_from(self._runlog.comm)
+            self._runlog.traffic = continue_from(self.traffic_source(), self._runlog.traffic())
 
-    def comm_meter(self) -> CommMeter:
-        """What the log's traffic figures read: the wrapper's, the local sync's, ZeRO's."""
-        return CommMeter(self.wrapped_model, self.periodic_sync, self.optimizer)
+    def traffic_source(self) -> TrafficSource:
+        """What the log's traffic figures read: the strategy's sum of whatever sent them
+        (the wrapper, the local sync, ZeRO, stage 3's units)."""
+        wrapped, optimizer, local = self.wrapped_model, self.optimizer, self.periodic_sync
+        return functools.partial(self.strategy.traffic, wrapped, optimizer, local)
 
     def epoch_progress(self, per_epoch: int | None = None) -> float:
         """Epochs done, the current one's fraction included (after a live recovery dealt the

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from phalanx.ddp.stats import CommCounter
+from phalanx.ddp.stats import NO_TRAFFIC, Traffic
 from phalanx.zero3.auto_wrap import Policy, by_class_names, repeated_blocks, shard_model
 from phalanx.zero3.meta_init import Materialized, has_meta_tensors, materialize
 from phalanx.zero3.module import FSDPModule, UnshardHandle, register_fsdp_forward_method
@@ -69,22 +69,15 @@ __all__ = [
 ]
 
 
-def communication(model: nn.Module) -> CommCounter:
+def communication(model: nn.Module) -> Traffic:
     """Summed over the model's units (and its root's buffer broadcasts): the collectives,
     bytes and seconds waited of stage 3 so far, on this rank."""
-    total = CommCounter()
+    total = NO_TRAFFIC
     roots = set()
     for unit in units(model):
         for group in unit.groups:
-            _add(total, group.comm)
+            total += group.comm.traffic
         if unit.root is not None and id(unit.root) not in roots:
             roots.add(id(unit.root))
-            _add(total, unit.root.comm)
+            total += unit.root.comm.traffic
     return total
-
-
-def _add(total: CommCounter, part: CommCounter) -> None:
-    total.collectives += part.collectives
-    total.bytes_sent += part.bytes_sent
-    total.wire_bytes += part.wire_bytes
-    total.wait_s += part.wait_s

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from phalanx.ddp.stats import Collective, CommCounter
+from phalanx.ddp.stats import Collective, Traffic, TrafficCounter
 from phalanx.optim.collectives import (
     AllGatherState,
     ReduceScatterState,
@@ -74,7 +74,7 @@ class ParamGroup:
             self.device,
             rows=[row_numel(p.shape) or 1 for p in params],
         )
-        self.comm = CommCounter()
+        self.comm = TrafficCounter()
         self._on_grad = on_grad
         self._storage: torch.UntypedStorage | None = None
         self._nbytes = 0
@@ -138,7 +138,7 @@ class ParamGroup:
             group = self.info.shard_group
         out = block.new_empty(self.info.shard_size * self.layout.block)
         self._gather = start_all_gather(out, block, group)
-        self.comm.count(Collective.ALL_GATHER, out, dist.get_world_size(group))
+        self.comm.add(Traffic.of_tensor(Collective.ALL_GATHER, out, group.size(), gradients=False))
         self._record_flight("gather", self._gather.work, out)
         return True
 
@@ -193,8 +193,8 @@ class ParamGroup:
             if p.unsharded is not None:
                 p.unsharded.grad = None
         out = send.new_empty(self.layout.block)
-        self.comm.count(Collective.REDUCE_SCATTER, send, self.info.shard_size)
         state = start_reduce_scatter(out, send, self.info.shard_group)
+        self.comm.add(state.traffic())
         self._record_flight("reduce-scatter", state.work, send)
         return state
 
@@ -213,7 +213,9 @@ class ParamGroup:
         if not all_reduce:
             self._partial = out
             return None
-        self.comm.count(Collective.ALL_REDUCE, out, self.info.replicate_size)
+        self.comm.add(
+            Traffic.of_tensor(Collective.ALL_REDUCE, out, self.info.replicate_size, gradients=True)
+        )
         work = dist.all_reduce(out, group=self.info.replicate_group, async_op=True)
         self._record_flight("all-reduce", work, out)
         return PendingAllReduce(work, out)
@@ -226,7 +228,7 @@ class ParamGroup:
         start = time.perf_counter_ns()
         out = wait()
         end = time.perf_counter_ns()
-        self.comm.wait_s += (end - start) / 1e9
+        self.comm.add(Traffic.waited((end - start) / 1e9))
         if self.timeline is not None:
             self.timeline.comm_waited(f"wait for {what} {self.label}", start, end)
         return out

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from phalanx.ddp.autograd import EndOfBackward
-from phalanx.ddp.stats import CommCounter
+from phalanx.ddp.stats import TrafficCounter
 from phalanx.ddp.sync import broadcast_coalesced
 from phalanx.diagnostics import timeline as timelines
 from phalanx.errors import ConfigurationError
@@ -67,7 +67,7 @@ class Root:
         self.order: list[Unit] = []
         self.recording = True
         self._end = EndOfBackward(self.end_of_backward)
-        self.comm = CommCounter()
+        self.comm = TrafficCounter()
         """The buffer broadcasts (the units count their own gathers and reductions)."""
         self.timeline: Timeline | None = unit.timeline or timelines.from_env(
             dist.get_rank(), dist.get_world_size()

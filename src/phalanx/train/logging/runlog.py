@@ -3,94 +3,49 @@ totals, and the bytes each step sent, whichever mechanism sent them.
 
 Kept apart from the loop so the Trainer says *when* to log and this says *what*:
 every number is reduced over ranks (every rank calls in at the same step), and
-the communication counters come from DDP's reducer, ZeRO, stage 3 and local
-SGD / DiLoCo alike, so `comm_bytes_per_step` means the same under every
-strategy and sync_method.
+the communication counters are one `Traffic` record that the run's strategy
+sums from whatever sent it (DDP's reducer and its comm hook, ZeRO's gathers,
+stage 3's units, local SGD / DiLoCo), so `comm_bytes_per_step` means the same
+under every strategy and sync_method.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
-from torch import nn
-from torch.optim import Optimizer
-
-from phalanx import zero3
-from phalanx.ddp.module import DistributedDataParallel
-from phalanx.ddp.stats import CommCounter
+from phalanx.ddp.stats import Traffic
 from phalanx.diagnostics import timeline as timelines
 from phalanx.diagnostics.timeline import Timeline
-from phalanx.optim.local_sgd import PeriodicSync
-from phalanx.optim.zero import ZeroRedundancyOptimizer
 from phalanx.runtime import World
 from phalanx.train.logging.progress_bar import StepWindow
 from phalanx.train.logging.report import RunReport
 from phalanx.train.step import StepResult
 
+TrafficSource = Callable[[], Traffic]
+"""This rank's traffic so far, whatever sent it (Strategy.traffic)."""
 
-class CommMeter:
-    """This rank's communication so far, whatever sent it: DDP's reducer, ZeRO-1/2's
-    parameter all-gathers, stage 3's units, a periodic sync."""
 
-    def __init__(
-        self,
-        wrapped_model: nn.Module,
-        periodic_sync: PeriodicSync | None,
-        optimizer: Optimizer | None = None,
-    ) -> None:
-        self.ddp = wrapped_model if isinstance(wrapped_model, DistributedDataParallel) else None
-        self.sharded = wrapped_model if zero3.unit_of(wrapped_model) is not None else None
-        self.zero = optimizer if isinstance(optimizer, ZeroRedundancyOptimizer) else None
-        self.periodic_sync = periodic_sync
-        self._carried = (0, 0, 0.0)
-        """(bytes, collectives, wait) of the meters this one took over from (continue_from)."""
-
-    def continue_from(self, earlier: CommMeter) -> CommMeter:
-        """Count on from `earlier`'s totals (live recovery wrapped the model again)."""
-        (sent, calls), waited = earlier.sent(), earlier.wait_s()
-        self._carried = (sent, calls, waited)
-        return self
-
-    def _counters(self) -> list[CommCounter]:
-        counters = []
-        if self.sharded is not None:
-            counters.append(zero3.communication(self.sharded))
-        if self.zero is not None:
-            counters.append(self.zero.stats)
-        return counters
-
-    def wait_s(self) -> float:
-        """Seconds the training thread waited for collectives: the reducer's end of backward,
-        stage 3's gathers and reductions, ZeRO's parameter all-gathers."""
-        waited = self.ddp.reducer.stats.comm_wait_s if self.ddp is not None else 0.0
-        return self._carried[2] + waited + sum(c.wait_s for c in self._counters())
-
-    def sent(self) -> tuple[int, int]:
-        """(payload bytes, collectives) handed to collectives so far."""
-        sent, calls, _ = self._carried
-        if self.ddp is not None:
-            sent, calls = self.ddp.reducer.stats.bytes_sent, self.ddp.reducer.stats.collectives
-        for counter in self._counters():
-            sent += counter.bytes_sent
-            calls += counter.collectives
-        if self.periodic_sync is not None:
-            sent += self.periodic_sync.stats.sent_bytes
-            calls += self.periodic_sync.stats.collectives
-        return sent, calls
+def continue_from(source: TrafficSource, earlier: Traffic) -> TrafficSource:
+    """`source`, counted on from `earlier`, the total when live recovery wrapped the model
+    again: the old wrapper's counters are gone with it, the others (a periodic sync's, the
+    optimizer's) still count and are not carried twice."""
+    carried = earlier - source()
+    return lambda: carried + source()
 
 
 class RunLog:
     """The log window and the call's totals of one `train()` call."""
 
     def __init__(
-        self, world: World, report: RunReport, comm: CommMeter, timeline: Timeline | None
+        self, world: World, report: RunReport, traffic: TrafficSource, timeline: Timeline | None
     ) -> None:
-        self.world, self.report, self.comm, self.timeline = world, report, comm, timeline
-        self.run = StepWindow(comm.wait_s())
+        self.world, self.report, self.traffic, self.timeline = world, report, traffic, timeline
+        self._mark = traffic()
+        """The traffic at the last log line."""
+        self.run = StepWindow(self._mark.wait_s)
         """Everything since train() started, for its TrainOutput."""
-        self.window = StepWindow(comm.wait_s())
+        self.window = StepWindow(self._mark.wait_s)
         """Since the last log line."""
-        self._sent_mark = comm.sent()
 
     def add(self, result: StepResult) -> None:
         for tracker in (self.run, self.window):
@@ -103,20 +58,22 @@ class RunLog:
         what was logged (the same on every rank)."""
         window = self.window
         steps = max(1, window.steps)
-        reduced = window.reduce(self.world, self.comm.wait_s())
+        now = self.traffic()
+        reduced = window.reduce(self.world, now.wait_s)
         metrics = {k: v for k, v in reduced.items() if k not in ("last_loss", "window_s")}
-        sent, calls = self.comm.sent()
-        metrics["comm_bytes_per_step"] = (sent - self._sent_mark[0]) / steps
-        metrics["collectives_per_step"] = (calls - self._sent_mark[1]) / steps
-        self._sent_mark = (sent, calls)
+        sent = now - self._mark
+        metrics["comm_bytes_per_step"] = sent.bytes_sent / steps
+        metrics["comm_wire_bytes_per_step"] = sent.wire_bytes / steps
+        metrics["collectives_per_step"] = sent.collectives / steps
+        self._mark = now
         metrics.update(extra)
         emit(self.report, self.timeline, step, metrics)
-        window.reset(self.comm.wait_s())
+        window.reset(self.traffic().wait_s)
         return metrics
 
     def summary(self) -> dict[str, float]:
         """Collective: the whole call's loss, throughput and wall time."""
-        return self.run.reduce(self.world, self.comm.wait_s())
+        return self.run.reduce(self.world, self.traffic().wait_s)
 
 
 def emit(
