@@ -23,9 +23,12 @@ from torch.utils.data import TensorDataset
 
 from phalanx.train import Trainer, TrainingArguments
 from phalanx.train.callbacks import TrainerCallback
+from phalanx.train.config.args import SyncMethod
 
 SAMPLES = 480
 PAUSE_S = float(os.environ.get("PAUSE_S", "0.03"))
+_SYNCS: dict[str, SyncMethod] = {"ddp": "ddp", "local_sgd": "local_sgd", "diloco": "diloco"}
+SYNC = _SYNCS[os.environ.get("SYNC_METHOD", "ddp")]
 
 
 class Recorder(nn.Module):
@@ -78,7 +81,7 @@ def main() -> None:
         learning_rate=0.05, logging_steps=10, save_steps=int(os.environ.get("SAVE_STEPS", "0"))
         or max_steps, save_strategy="steps", fault_tolerance="live", disable_tqdm=True,
         overwrite_output_dir=not resume, ddp_backend="gloo", seed=3,
-        sync_method=os.environ.get("SYNC_METHOD", "ddp"), sync_every=4,
+        sync_method=SYNC, sync_every=4,
     )  # fmt: skip
     trainer = Trainer(model, args, train_dataset=data, callbacks=[Ledger(model, ledger)])
     model.trainer = trainer
