@@ -71,7 +71,7 @@ def _digests(out: str) -> set[str]:
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
 def test_survivors_go_on_and_a_replacement_joins(tmp_path: Path, how: str) -> None:
     code, out = _run(tmp_path, "--max-restarts 1", KILL_MEMBER="r1", KILL_STEP="10",
-                     KILL_SIGNAL=how)  # fmt: skip
+                     KILL_SIGNAL=how, AWAIT_JOIN="3")  # fmt: skip
     assert code == 0, out
     worlds = _check_exact(tmp_path)
     assert worlds[:10] == [3] * 10 and 2 in worlds and worlds[-1] == 3, worlds
@@ -80,6 +80,19 @@ def test_survivors_go_on_and_a_replacement_joins(tmp_path: Path, how: str) -> No
         assert "fencing it off (SIGKILL)" in out
     assert re.search(r"\[j1\] joined: .*received=True", out), out
     assert len(_digests(out)) == 1 and out.count("done step=") == 3, out
+
+
+@pytest.mark.timeout(120)
+def test_a_replacement_the_run_no_longer_needs_exits_0(tmp_path: Path) -> None:
+    """Lost in the last step: the survivors finish before the replacement has started; it
+    says so and exits 0 at once (not after its quorum timeout), and so does the job."""
+    start = time.monotonic()
+    code, out = _run(tmp_path, "--max-restarts 1 --live-quorum-timeout 90",
+                     KILL_MEMBER="r1", KILL_STEP=str(STEPS - 1))  # fmt: skip
+    assert code == 0, out
+    assert f"replacement j1: the run finished (step {STEPS}) before it could join" in out, out
+    assert out.count("done step=") == 2 and "NoQuorum" not in out, out
+    assert time.monotonic() - start < 80, out
 
 
 @pytest.mark.timeout(120)

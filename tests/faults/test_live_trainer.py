@@ -10,6 +10,7 @@ the step, the world, the epoch and the sample indices this member trained on in 
 from __future__ import annotations
 
 import json
+import random
 import re
 import shutil
 from collections import Counter
@@ -93,7 +94,7 @@ def _digests(out: str) -> list[str]:
 )
 def test_the_run_goes_on_and_grows_back(tmp_path: Path, sync: str, how: str) -> None:
     out = _train(tmp_path / "run", tmp_path / "ledger", 150, KILL_MEMBER="r1", KILL_STEP="10",
-                 KILL_SIGNAL=how, SYNC_METHOD=sync, PAUSE_S="0.05")  # fmt: skip
+                 KILL_SIGNAL=how, SYNC_METHOD=sync, PAUSE_S="0.05", AWAIT_JOIN="3")  # fmt: skip
     worlds = _check_epochs(tmp_path / "ledger", 150)
     assert worlds[:10] == [3] * 10 and worlds[10] == 2 and worlds[-1] == 3, worlds
     assert "live recovery: 2 ranks (r0, r2) at step 10" in out
@@ -119,12 +120,35 @@ def test_a_checkpoint_after_a_recovery_resumes_exactly(tmp_path: Path) -> None:
 def test_a_replayed_membership_ends_bit_identical(tmp_path: Path) -> None:
     """The same loss (injected alike) and the replacement let in at the recorded step: the
     same run, bit for bit (the generators are reseeded from the seed, generation and rank)."""
-    first = _train(tmp_path / "a", tmp_path / "ledger_a", 120, KILL_MEMBER="r1", KILL_STEP="6")
+    first = _train(tmp_path / "a", tmp_path / "ledger_a", 120, KILL_MEMBER="r1", KILL_STEP="6",
+                   AWAIT_JOIN="2")  # fmt: skip
     log = tmp_path / "a" / "live_membership.jsonl"
     changes = [json.loads(line) for line in log.read_text().splitlines()]
     assert [c["members"] for c in changes] == [["r0", "r2"], ["r0", "r2", "j1"]], changes
     replay = _train(tmp_path / "b", tmp_path / "ledger_b", 120, KILL_MEMBER="r1", KILL_STEP="6",
-                    PHALANX_LIVE_REPLAY=str(log))  # fmt: skip
+                    AWAIT_JOIN="2", PHALANX_LIVE_REPLAY=str(log))  # fmt: skip
     replayed = [json.loads(line) for line in (tmp_path / "b" / log.name).read_text().splitlines()]
     assert [c["step"] for c in replayed] == [c["step"] for c in changes]
     assert len(set(_digests(first))) == 1 and set(_digests(replay)) == set(_digests(first))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_twenty_trials_of_a_random_rank_lost_at_a_random_step(tmp_path: Path) -> None:
+    """The issue's soak: 20 trials on 3 ranks, each losing a random rank at a random step
+    (SIGKILL, or SIGSTOP for a stall); each must go on on 2 within 10 s, grow back, end
+    with identical replicas and an exact ledger."""
+    rng = random.Random(27)
+    for trial in range(20):
+        member, step = f"r{rng.randrange(3)}", rng.randrange(3, 40)
+        how = ("SIGKILL", "SIGSTOP")[trial % 2]
+        run, ledger = tmp_path / f"run{trial}", tmp_path / f"ledger{trial}"
+        out = _train(run, ledger, 150, KILL_MEMBER=member, KILL_STEP=str(step),
+                     KILL_SIGNAL=how, AWAIT_JOIN="3")  # fmt: skip
+        worlds = _check_epochs(ledger, 150)
+        assert worlds[step] == 2 and worlds[-1] == 3, (trial, member, step, how, worlds)
+        assert len(_digests(out)) == 3 and len(set(_digests(out))) == 1, (trial, out)
+        killed = float((ledger / "killed_at").read_text())
+        first_on_two = min(e["t"] for es in _steps(ledger).values() for e in es
+                           if e["world"] == 2)  # fmt: skip
+        assert first_on_two - killed < 10, (trial, member, step, how, first_on_two - killed)

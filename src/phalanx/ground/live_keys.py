@@ -31,6 +31,9 @@ HEARTBEAT_S = 0.5
 
 GENERATION_KEY = f"{KEY}generation"
 """The generation the members last agreed on (absent: 0, the first workers)."""
+FINISHED_KEY = f"{KEY}finished"
+"""Set (to the last step) by the members when training ended: a replacement still waiting
+to join has nothing to do, and exits 0 instead of waiting out its quorum timeout."""
 
 
 def abort_key(generation: int) -> str:

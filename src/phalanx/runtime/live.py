@@ -17,9 +17,9 @@ Design and alternatives: docs/reliability.md, "Live recovery".
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
-import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -220,16 +220,30 @@ def start_heartbeat(member: str) -> None:
     if not directory:
         return
     path = Path(directory) / heartbeat_name(member)
+    leaving = threading.Event()
+
+    lock = threading.Lock()
 
     def beat() -> None:
         while True:
-            try:
-                path.touch()
-            except OSError:
-                return
-            time.sleep(HEARTBEAT_S)
+            with lock:
+                if leaving.is_set():
+                    return
+                try:
+                    path.touch()
+                except OSError:
+                    return
+            leaving.wait(HEARTBEAT_S)
+
+    def leave() -> None:
+        """At exit, before the interpreter finalizes (which stops daemon threads, and can
+        take seconds): no beat is no stall, so the file goes."""
+        with lock:
+            leaving.set()
+            path.unlink(missing_ok=True)
 
     threading.Thread(target=beat, name="phalanx-heartbeat", daemon=True).start()
+    atexit.register(leave)
 
 
 def _delegate(name: str) -> Callable[..., dist.Work]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ import torch.distributed as dist
 
 from phalanx.errors import NoQuorum
 from phalanx.ground.live_keys import (
+    FINISHED_KEY,
     GENERATION_KEY,
     JOIN_SEQ_KEY,
     KEY,
@@ -123,8 +125,16 @@ class Membership:
         raise self.group.lost("a replacement is waiting to join")
 
     # ------------------------------------------------------------ replacements
+    def finish(self, step: int) -> None:
+        """Training ended at `step` (every member says so): no replacement will be let in."""
+        self.store.set(FINISHED_KEY, str(step))
+
     def join(self, member: str) -> tuple[int, list[str]]:
-        """As replacement `member`: wait to be taken into a generation; (it, its members)."""
+        """As replacement `member`: wait to be taken into a generation; (it, its members).
+
+        When the run finishes first, this process has nothing to do: it says so and
+        exits 0 (SystemExit), so that the rest of the script (a save, an upload) does not
+        run on a replica that never trained."""
         self.store.set(_join_key(member), "waiting")
         start = time.monotonic()
         while True:
@@ -136,6 +146,12 @@ class Membership:
                     if member in members:
                         self.store.delete_key(_join_key(member))
                         return gen, members
+            if self.store.check([FINISHED_KEY]):
+                self.store.delete_key(_join_key(member))
+                step = self.store.get(FINISHED_KEY).decode()
+                print(f"[phalanx] replacement {member}: the run finished (step {step}) before "
+                      "it could join; nothing to do", file=sys.stderr, flush=True)  # fmt: skip
+                raise SystemExit(0)
             self.store.compare_set(grow_key(current), "", member)
             if time.monotonic() - start > self.settings.quorum_timeout_s:
                 raise NoQuorum(

@@ -97,8 +97,14 @@ class LiveRecovery:
             except PeerLost as exc:  # lost another member while forming: once more
                 reason = str(exc)
 
+    def finish(self, step: int) -> None:
+        """Call on every member once training ended at `step`: a replacement still waiting
+        exits 0 then (Membership.join)."""
+        self.membership.finish(step)
+
     def join(self, member: str, save: SaveFn, load: LoadFn) -> Recovered:
-        """As replacement `member`: wait to be let in, then take the donor's state."""
+        """As replacement `member`: wait to be let in, then take the donor's state (or exit 0
+        if the run finishes first)."""
         start = time.monotonic()
         generation, members = self.membership.join(member)
         self.group.reform(generation, members, member, self._connect)

@@ -98,6 +98,10 @@ class LiveTraining:
     def boundary(self) -> None:
         self.recovery.boundary(self.trainer.state.global_step)
 
+    def finish(self) -> None:
+        """Training ended: a replacement still starting need not join (it exits 0)."""
+        self.recovery.finish(self.trainer.state.global_step)
+
     def recover(self, lost: PeerLost) -> None:
         """Drop the step in flight, agree on the members, take the donor's state, rebuild."""
         trainer = self.trainer

@@ -91,6 +91,8 @@ class Trainer(TrainerSetup):
         try:
             with self._stop_requests.installed(self.args.save_on_signal):
                 self._loop()
+                if self._live is not None:
+                    self._live.finish()
                 if self._stopped_by is not None:
                     raise self._stop_and_save(self._stopped_by)
             self._load_best_model()

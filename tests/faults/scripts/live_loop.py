@@ -57,6 +57,7 @@ def main() -> None:
     ledger = Path(os.environ["LEDGER_DIR"]) / f"{group.member}.jsonl"
     while at["step"] < STEPS:
         try:
+            wait_for_the_replacement(group, at["step"])
             live.boundary(at["step"])
             world, rank = group.size(), group.rank()
             start = at["offset"] + rank * BATCH
@@ -77,6 +78,7 @@ def main() -> None:
             done = live.recover(at["step"], str(exc), save, load)
             say(group, f"recovered: {done}")
             ddp = phalanx.DistributedDataParallel(model, process_group=group)
+    live.finish(at["step"])
     phalanx.check_replicas(ddp, group)
     digest = float(sum(p.detach().double().sum() for p in model.parameters()))
     say(group, f"done step={at['step']} offset={at['offset']} digest={digest:.12e}")
@@ -85,6 +87,19 @@ def main() -> None:
 def maybe_die(member: str, step: int) -> None:
     if member == os.environ.get("KILL_MEMBER") and step == int(os.environ["KILL_STEP"]):
         os.kill(os.getpid(), getattr(signal, os.environ.get("KILL_SIGNAL", "SIGKILL")))
+
+
+def wait_for_the_replacement(group: Any, step: int) -> None:
+    """With AWAIT_JOIN set, on rank 0 before the step AWAIT_JOIN steps after KILL_STEP: hold
+    the run until the replacement has asked to join (or has joined), so that it surely
+    joins before the end on a loaded machine; bounded by that event, not by a guess at how
+    long a process takes to start."""
+    after = os.environ.get("AWAIT_JOIN")
+    if after is None or group.rank() != 0 or step != int(os.environ["KILL_STEP"]) + int(after):
+        return
+    deadline = time.monotonic() + 120
+    while group.size() < 3 and not group.grow_requested() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def say(group: Any, line: str) -> None:

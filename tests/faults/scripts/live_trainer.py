@@ -4,7 +4,8 @@
 The model records the sample indices of each micro-batch; a callback writes them to
 this member's ledger when the step is applied (a dropped step's are forgotten at the
 next step's start). KILL_MEMBER kills or stops itself (KILL_SIGNAL) in the forward of
-KILL_STEP. Arguments: OUTPUT_DIR MAX_STEPS [resume]. Prints the final parameters' digest.
+KILL_STEP; or rank 1 of the world at each of KILL_STEPS, once each. Arguments:
+OUTPUT_DIR MAX_STEPS [resume]. Prints the final parameters' digest.
 """
 
 from __future__ import annotations
@@ -21,14 +22,16 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import TensorDataset
 
+from phalanx.runtime.live import current_live_group
 from phalanx.train import Trainer, TrainingArguments
 from phalanx.train.callbacks import TrainerCallback
-from phalanx.train.config.args import SyncMethod
+from phalanx.train.config.args import FaultTolerance, SyncMethod
 
 SAMPLES = 480
 PAUSE_S = float(os.environ.get("PAUSE_S", "0.03"))
 _SYNCS: dict[str, SyncMethod] = {"ddp": "ddp", "local_sgd": "local_sgd", "diloco": "diloco"}
 SYNC = _SYNCS[os.environ.get("SYNC_METHOD", "ddp")]
+TOLERANCE: FaultTolerance = "restart" if os.environ.get("FAULT_TOLERANCE") == "restart" else "live"
 
 
 class Recorder(nn.Module):
@@ -46,8 +49,21 @@ class Recorder(nn.Module):
         member = os.environ.get("PHALANX_LIVE_MEMBER") or f"r{os.environ['RANK']}"
         step = self.trainer.state.global_step
         if member == os.environ.get("KILL_MEMBER") and step == int(os.environ["KILL_STEP"]):
-            os.kill(os.getpid(), getattr(signal, os.environ.get("KILL_SIGNAL", "SIGKILL")))
+            die()
+        if self.trainer.world.rank == 1 and str(step) in os.environ.get("KILL_STEPS", "").split(
+            ","
+        ):
+            mark = Path(os.environ["LEDGER_DIR"]) / f"killed_{step}"
+            if not mark.exists():  # once: a restarted run passes this step again
+                mark.touch()
+                die()
         return nn.functional.cross_entropy(self.net(x), y)
+
+
+def die() -> None:
+    """KILL_SIGNAL (SIGKILL) to this worker, its time written down first."""
+    (Path(os.environ["LEDGER_DIR"]) / "killed_at").write_text(repr(time.time()))
+    os.kill(os.getpid(), getattr(signal, os.environ.get("KILL_SIGNAL", "SIGKILL")))
 
 
 class Ledger(TrainerCallback):
@@ -61,10 +77,26 @@ class Ledger(TrainerCallback):
         trainer = self.model.trainer
         assert trainer is not None
         entry = {"step": state.global_step, "world": trainer.world.world_size,
-                 "epoch": trainer.state.epoch, "indices": self.model.pending}  # fmt: skip
+                 "epoch": trainer.state.epoch, "indices": self.model.pending,
+                 "t": time.time()}  # fmt: skip
         with self.path.open("a") as out:
             out.write(json.dumps(entry) + "\n")
         time.sleep(PAUSE_S)
+        after = os.environ.get("AWAIT_JOIN")
+        if after and state.global_step == int(os.environ["KILL_STEP"]) + int(after):
+            await_the_replacement(trainer)
+
+
+def await_the_replacement(trainer: Trainer) -> None:
+    """On rank 0 (AWAIT_JOIN steps after KILL_STEP): hold the run until the replacement
+    has asked to join or has joined, so that it surely joins before the end on a loaded
+    machine; bounded by that event, not by a guess at how long a process takes to start."""
+    group = current_live_group()
+    if group is None or trainer.world.rank != 0:
+        return
+    deadline = time.monotonic() + 120
+    while group.size() < 3 and not group.grow_requested() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def main() -> None:
@@ -79,9 +111,9 @@ def main() -> None:
     args = TrainingArguments(
         output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=4,
         learning_rate=0.05, logging_steps=10, save_steps=int(os.environ.get("SAVE_STEPS", "0"))
-        or max_steps, save_strategy="steps", fault_tolerance="live", disable_tqdm=True,
+        or max_steps, save_strategy="steps", disable_tqdm=True,
         overwrite_output_dir=not resume, ddp_backend="gloo", seed=3,
-        sync_method=SYNC, sync_every=4,
+        sync_method=SYNC, sync_every=4, fault_tolerance=TOLERANCE,
     )  # fmt: skip
     trainer = Trainer(model, args, train_dataset=data, callbacks=[Ledger(model, ledger)])
     model.trainer = trainer

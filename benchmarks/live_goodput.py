@@ -1,0 +1,98 @@
+"""Goodput under failures: live recovery against a restart from the checkpoint, interleaved.
+
+Three ranks train the Trainer script of the live-recovery tests
+(tests/faults/scripts/live_trainer.py: a small model, a fixed pause per step
+standing in for a real model's compute) for a fixed number of steps, saving every
+`--save-every` steps. Three variants take turns, round by round, in a balanced
+order (interleave.py):
+
+- `none`: no failure, the wall time the others are measured against;
+- `live`: `phalanx launch --live-recovery --max-restarts 3`, fault_tolerance="live";
+- `restart`: `phalanx launch --max-restarts 3`, every rank restarted from the last
+  checkpoint (the steps since it are trained again).
+
+In both failing variants rank 1 of the world is SIGKILLed in its forward at the
+same three steps. Reported: each run's wall time, the lost time (variant minus
+`none`, medians), and live's lost time / restart's (the issue's target: <= 0.5).
+
+    python benchmarks/live_goodput.py                 # ~6 minutes on 2 cores
+    python benchmarks/live_goodput.py --rounds 1 --steps 90 --kills 20,40,60   # ~1 minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import interleave
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "faults" / "scripts" / "live_trainer.py"
+VARIANTS = ("none", "live", "restart")
+
+
+def run_once(variant: str, steps: int, kills: str, save_every: int, pause_s: float) -> float:
+    """Wall seconds of one launch to its exit (it must succeed)."""
+    work = Path(tempfile.mkdtemp(prefix=f"goodput-{variant}-"))
+    ledger = work / "ledger"
+    ledger.mkdir()
+    env = {**os.environ, "LEDGER_DIR": str(ledger), "OMP_NUM_THREADS": "1",
+           "PAUSE_S": str(pause_s), "SAVE_STEPS": str(save_every)}  # fmt: skip
+    flags = ["--nproc-per-node", "3", "--max-restarts", "3"]
+    if variant == "live":
+        flags += ["--live-recovery", "--live-stall-timeout", "2"]
+    else:
+        env["FAULT_TOLERANCE"] = "restart"
+    if variant != "none":
+        env["KILL_STEPS"] = kills
+    argv = [sys.executable, "-m", "phalanx", "launch", *flags, str(SCRIPT), str(work / "out")]
+    argv += [str(steps), "resume"]
+    start = time.perf_counter()
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900)
+    wall = time.perf_counter() - start
+    shutil.rmtree(work, ignore_errors=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{variant} failed ({done.returncode}):\n{done.stdout[-3000:]}\n"
+                         f"{done.stderr[-3000:]}")  # fmt: skip
+    return wall
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=240)
+    parser.add_argument("--kills", default="60,120,180", help="steps rank 1 is killed at")
+    parser.add_argument("--save-every", type=int, default=25)
+    parser.add_argument("--pause", type=float, default=0.05, help="seconds of compute per step")
+    parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
+    ns = parser.parse_args()
+    walls: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    for round_index in range(ns.rounds):
+        for variant in interleave.balanced_order(round_index, VARIANTS):
+            wall = run_once(variant, ns.steps, ns.kills, ns.save_every, ns.pause)
+            walls[variant].append(wall)
+            print(f"round {round_index} {variant:8s} {wall:7.2f} s", flush=True)
+    median = {v: statistics.median(w) for v, w in walls.items()}
+    lost = {v: median[v] - median["none"] for v in ("live", "restart")}
+    ratio = lost["live"] / lost["restart"] if lost["restart"] > 0 else float("nan")
+    print(f"median wall: none {median['none']:.2f} s, live {median['live']:.2f} s, "
+          f"restart {median['restart']:.2f} s")  # fmt: skip
+    failures = len(ns.kills.split(","))
+    print(f"lost to {failures} failures: live {lost['live']:.2f} s, restart "
+          f"{lost['restart']:.2f} s; live / restart = {ratio:.3f} (target <= 0.5)")  # fmt: skip
+    if ns.out is not None:
+        figures = {"settings": vars(ns) | {"out": str(ns.out)}, "walls_s": walls,
+                   "median_s": median, "lost_s": lost, "live_over_restart": ratio}  # fmt: skip
+        ns.out.write_text(json.dumps(figures, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
