@@ -30,12 +30,23 @@ from phalanx.ground.storeclient import StoreClient
 from phalanx.launch.procgroup import describe_returncode, signal_group
 from phalanx.launch.workers import Failure, StopRequest, Worker, WorkerGroup
 
-__all__ = ["LiveSupervisor", "Respawn"]
+__all__ = ["LiveSupervisor", "Respawn", "take_members"]
 
 Respawn = Callable[[int, str], Worker]
 """Start a replacement for local slot `local_rank` as member `member`."""
 
 _STORE_TIMEOUT_S = 10.0
+
+
+def take_members(store_addr: tuple[str, int], count: int) -> list[str]:
+    """`count` new replacement names (`j<n>`), each number taken once from the store's
+    counter, so no two launchers ever start the same member."""
+    with StoreClient(*store_addr, _STORE_TIMEOUT_S) as store:
+        return [_next_member(store) for _ in range(count)]
+
+
+def _next_member(store: StoreClient) -> str:
+    return f"j{store.add(JOIN_SEQ_KEY, 1)}"
 
 
 @dataclass
@@ -62,12 +73,16 @@ class LiveSupervisor:
     fell_back: Failure | None = None
     """The loss that ended a run which cannot go on without the lost rank (ZeRO: its
     workers left RESTART_MARK): the agent restarts the group as without live recovery."""
+    members: list[str] = field(default_factory=list)
+    """The member names of `group.workers`, when they are replacements (a node that joined
+    the run late); empty: the first workers, `r<rank>`."""
     _slots: list[_Slot] = field(default_factory=list)
 
     def run(self) -> int:
         """Exit status once every worker (replacements included) has exited, or the signum
         that stopped the launcher."""
-        self._slots = [_Slot(w, f"r{w.rank}") for w in self.group.workers]
+        names = self.members or [f"r{w.rank}" for w in self.group.workers]
+        self._slots = [_Slot(w, name) for w, name in zip(self.group.workers, names, strict=True)]
         status = 0
         while True:
             if self.stop_request.signum is not None:
@@ -122,8 +137,7 @@ class LiveSupervisor:
                          "left (--max-restarts), the others go on")  # fmt: skip
                 return code
             self.replacements -= 1
-            number = store.add(JOIN_SEQ_KEY, 1)
-        member = f"j{number}"
+            member = _next_member(store)
         self.say(f"rank {slot.worker.rank} ({slot.member}) lost ({why}); the others go on, "
                  f"replacement {member} starting")  # fmt: skip
         worker = self.respawn(slot.worker.local_rank, member)

@@ -4,7 +4,9 @@ Each step takes the next `world * BATCH` samples of one fixed order, this rank's
 slice of them; so a ledger of (step, offset, world) per applied step shows
 whether any sample was skipped or repeated. KILL_MEMBER kills or stops itself
 (KILL_SIGNAL) at KILL_STEP, before the step's backward, with a collective in
-flight on the others.
+flight on the others. HOLD_STEP and HOLD_WORLD hold the members at that step's boundary
+until the world has grown back to HOLD_WORLD (a replacement coming from a new host), so
+the run cannot end before it arrives.
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ from phalanx.runtime.recovery import LiveRecovery
 
 BATCH, SAMPLES, STEPS = 4, 4096, int(os.environ.get("STEPS", "30"))
 PAUSE_S = float(os.environ.get("PAUSE_S", "0"))
+HOLD_STEP, HOLD_WORLD = (
+    int(os.environ.get("HOLD_STEP", "-1")),
+    int(os.environ.get("HOLD_WORLD", "0")),
+)
 
 
 def main() -> None:
@@ -58,6 +64,9 @@ def main() -> None:
     while at["step"] < STEPS:
         try:
             live.boundary(at["step"])
+            while at["step"] == HOLD_STEP and group.size() < HOLD_WORLD:
+                time.sleep(0.05)
+                live.boundary(at["step"])  # PeerLost once a replacement asks to join
             world, rank = group.size(), group.rank()
             start = at["offset"] + rank * BATCH
             rows = order[start : start + BATCH]
