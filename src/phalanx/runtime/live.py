@@ -17,6 +17,7 @@ Design and alternatives: docs/reliability.md, "Live recovery".
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 import time
@@ -47,6 +48,7 @@ LIVE_BACKEND = "phalanx_live"
 
 _SLICE = timedelta(seconds=0.2)
 _WATCH_S = 0.1
+_END_WATCH_S = 5.0
 _ABORT_REASON_BYTES = 400
 
 _CURRENT: list[LiveGroup] = []
@@ -135,8 +137,10 @@ class LiveGroup(dist.ProcessGroup):
         self._abandoned: list[dist.ProcessGroupGloo] = []
         self._lock = threading.Lock()
         self._watch_store = store.clone()  # type: ignore[attr-defined]  # TCPStore's
+        self._stop_watching = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="phalanx-live", daemon=True)
         self._watcher.start()
+        atexit.register(self._end_watch)
         start_heartbeat(self.member)
         _CURRENT[:] = [self]
 
@@ -201,8 +205,7 @@ class LiveGroup(dist.ProcessGroup):
     def _watch(self) -> None:
         """Keep `_aborted` and `_grow_asked` in step with the store (a daemon thread)."""
         store = self._watch_store
-        stop = threading.Event()
-        while not stop.wait(_WATCH_S):
+        while not self._stop_watching.wait(_WATCH_S):
             gen = self.generation
             try:
                 if gen not in self._aborted and store.check([abort_key(gen)]):
@@ -211,6 +214,12 @@ class LiveGroup(dist.ProcessGroup):
                     self._grow_asked.add(gen)
             except RuntimeError:  # the store went away: the next collective fails and says so
                 return
+
+    def _end_watch(self) -> None:
+        """At exit, before the interpreter finalizes: a daemon thread caught inside a store
+        call then aborts the process ("terminate called without an active exception")."""
+        self._stop_watching.set()
+        self._watcher.join(timeout=_END_WATCH_S)
 
 
 def start_heartbeat(member: str) -> None:
