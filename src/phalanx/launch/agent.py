@@ -242,6 +242,7 @@ class Agent:
             say=self.sink.message,
             stop_request=self.stop_request,
             interval_s=self.config.monitor_interval_s,
+            node_rank=self.config.node_rank if self.config.nnodes > 1 else None,
         )
 
     def _supervise(self, group: WorkerGroup) -> Failure | int:

@@ -15,6 +15,7 @@ take the node's place: a launcher whose --node-rank is already claimed
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from phalanx.errors import ConfigurationError
 from phalanx.ground.live_keys import KEY
 from phalanx.ground.storeclient import StoreClient
+from phalanx.launch.live import node_members_key, report_lost
 from phalanx.launch.rendezvous import claim_node_rank
 
 __all__ = ["NodeBeat", "NodeWatch", "claim_live_node"]
@@ -157,13 +159,24 @@ class NodeWatch:
             elif seen.count > 0 and not seen.lost and now - seen.changed_at > self._stall_s:
                 seen.lost = True
                 self.losses.append(rank)
+                members = self._report_workers(client, rank)
                 client.add(_lost_key(rank), 1)
                 self._say(
                     f"node {rank} lost: its launcher has not been heard from for "
                     f"{now - seen.changed_at:.1f} s (--live-stall-timeout {self._stall_s:g}); "
-                    "the others go on without its workers — start `phalanx launch` with "
-                    f"--node-rank {rank} on a new host to bring the run back to full size"
+                    f"the others go on without its workers ({', '.join(members) or 'none'}) — "
+                    f"start `phalanx launch` with --node-rank {rank} on a new host to bring the "
+                    "run back to full size"
                 )
+
+    @staticmethod
+    def _report_workers(client: StoreClient, rank: int) -> list[str]:
+        """Report the lost node's members lost, as its own launcher would have."""
+        key = node_members_key(rank)
+        members: list[str] = json.loads(client.get(key)) if client.check([key]) else []
+        for member in members:
+            report_lost(client, member, f"its host, node {rank}, was lost")
+        return members
 
     def report(self) -> str | None:
         """The summary line for the run's end, when a node was lost."""
