@@ -20,7 +20,6 @@ from __future__ import annotations
 import atexit
 import os
 import threading
-import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -229,16 +228,27 @@ def start_heartbeat(member: str) -> None:
     if not directory:
         return
     path = Path(directory) / heartbeat_name(member)
+    stopped = threading.Event()
 
     def beat() -> None:
-        while True:
+        while not stopped.is_set():
             try:
                 path.touch()
             except OSError:
                 return
-            time.sleep(HEARTBEAT_S)
+            stopped.wait(HEARTBEAT_S)
 
-    threading.Thread(target=beat, name="phalanx-heartbeat", daemon=True).start()
+    def leave() -> None:
+        """At exit: the teardown after it stops daemon threads, and freeing the gloo groups can
+        take seconds, so a finished worker's file would go stale and its launcher fence it as
+        stalled; without the file the launcher watches it by its exit status alone."""
+        stopped.set()
+        thread.join(timeout=_END_WATCH_S)
+        path.unlink(missing_ok=True)
+
+    thread = threading.Thread(target=beat, name="phalanx-heartbeat", daemon=True)
+    thread.start()
+    atexit.register(leave)
 
 
 def _delegate(name: str) -> Callable[..., dist.Work]:
