@@ -157,10 +157,9 @@ class NodeWatch:
                               "join the run as replacements")  # fmt: skip
                 seen.count, seen.changed_at, seen.lost = count, now, False
             elif seen.count > 0 and not seen.lost and now - seen.changed_at > self._stall_s:
-                seen.lost = True
-                self.losses.append(rank)
                 members = self._report_workers(client, rank)
                 client.add(_lost_key(rank), 1)
+                self.losses.append(rank)
                 self._say(
                     f"node {rank} lost: its launcher has not been heard from for "
                     f"{now - seen.changed_at:.1f} s (--live-stall-timeout {self._stall_s:g}); "
@@ -168,6 +167,7 @@ class NodeWatch:
                     f"start `phalanx launch` with --node-rank {rank} on a new host to bring the "
                     "run back to full size"
                 )
+                seen.lost = True  # last: alive() drops once all of the above is done
 
     @staticmethod
     def _report_workers(client: StoreClient, rank: int) -> list[str]:
