@@ -122,8 +122,7 @@ class Agent:
             group = self._spawn(restart, port, extra, plan, lifeline, members)
             if self.config.live is not None:
                 supervisor = self._live_supervisor(group, restart, port, extra, plan, lifeline,
-                                                   progress_dir)  # fmt: skip
-                supervisor.members = members
+                                                   progress_dir, members)  # fmt: skip
                 status = supervisor.run()
                 if supervisor.fell_back is not None:
                     return self._after_failure(group, supervisor.fell_back, restart, progress_dir)
@@ -224,6 +223,7 @@ class Agent:
         plan: OutputPlan,
         lifeline: Lifeline,
         progress_dir: Path,
+        members: list[str],
     ) -> LiveSupervisor:
         """--live-recovery: replace lost workers, leave the others running (launch/live.py)."""
         assert self.config.live is not None
@@ -242,6 +242,7 @@ class Agent:
             say=self.sink.message,
             stop_request=self.stop_request,
             interval_s=self.config.monitor_interval_s,
+            members=members,
             node_rank=self.config.node_rank if self.config.nnodes > 1 else None,
         )
 
