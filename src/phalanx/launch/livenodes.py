@@ -35,18 +35,10 @@ _STORE_TIMEOUT_S = 10.0
 _POLL_S = 0.1
 
 
-def _beat_key(node_rank: int) -> str:
-    return f"{KEY}node/{node_rank}/beat"
-
-
-def _lost_key(node_rank: int) -> str:
-    """A counter: how many times the store's host declared the node lost."""
-    return f"{KEY}node/{node_rank}/lost"
-
-
-def _taken_key(node_rank: int) -> str:
-    """A counter: how many times a new launcher took the lost node over."""
-    return f"{KEY}node/{node_rank}/taken"
+def _node_key(node_rank: int, counter: str) -> str:
+    """One of a node's counters: `beat` (its launcher's sign of life), `lost` (how often the
+    store's host declared it lost), `taken` (how often a new launcher took it over)."""
+    return f"{KEY}node/{node_rank}/{counter}"
 
 
 def claim_live_node(
@@ -63,12 +55,13 @@ def claim_live_node(
         return False
     announce(f"node {node_rank} is already in the run; waiting until its host is lost, to take "
              f"its place (up to {timeout_s:g}s)")  # fmt: skip
+    lost, taken = _node_key(node_rank, "lost"), _node_key(node_rank, "taken")
     deadline = time.monotonic() + timeout_s
     while not cancelled():
-        if client.add(_lost_key(node_rank), 0) > client.add(_taken_key(node_rank), 0):
-            if client.add(_taken_key(node_rank), 1) <= client.add(_lost_key(node_rank), 0):
+        if client.add(lost, 0) > client.add(taken, 0):
+            if client.add(taken, 1) <= client.add(lost, 0):
                 return True
-            client.add(_taken_key(node_rank), -1)  # another launcher got there first
+            client.add(taken, -1)  # another launcher got there first
         if time.monotonic() > deadline:
             raise ConfigurationError(
                 f"--node-rank {node_rank} is taken by a node that is still running — give this "
@@ -113,7 +106,7 @@ class NodeBeat:
     """A non-host launcher's sign of life: its node's counter, bumped every BEAT_S."""
 
     def __init__(self, addr: tuple[str, int], node_rank: int) -> None:
-        key = _beat_key(node_rank)
+        key = _node_key(node_rank, "beat")
         self._loop = _Loop(addr, BEAT_S, "phalanx-node-beat", lambda c: c.add(key, 1))
 
     def stop(self) -> None:
@@ -150,7 +143,7 @@ class NodeWatch:
     def tick(self, client: StoreClient) -> None:
         now = time.monotonic()
         for rank, seen in self._seen.items():
-            count = client.add(_beat_key(rank), 0)
+            count = client.add(_node_key(rank, "beat"), 0)
             if count != seen.count:
                 if seen.lost:
                     self._say(f"node {rank} is back: a new launcher took its place; its workers "
@@ -158,7 +151,7 @@ class NodeWatch:
                 seen.count, seen.changed_at, seen.lost = count, now, False
             elif seen.count > 0 and not seen.lost and now - seen.changed_at > self._stall_s:
                 members = self._report_workers(client, rank)
-                client.add(_lost_key(rank), 1)
+                client.add(_node_key(rank, "lost"), 1)
                 self.losses.append(rank)
                 self._say(
                     f"node {rank} lost: its launcher has not been heard from for "
