@@ -71,7 +71,7 @@ def _digests(out: str) -> set[str]:
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
 def test_survivors_go_on_and_a_replacement_joins(tmp_path: Path, how: str) -> None:
     code, out = _run(tmp_path, "--max-restarts 1", KILL_MEMBER="r1", KILL_STEP="10",
-                     KILL_SIGNAL=how, AWAIT_JOIN="3")  # fmt: skip
+                     KILL_SIGNAL=how, HOLD_STEP="13", HOLD_WORLD="3")  # fmt: skip
     assert code == 0, out
     worlds = _check_exact(tmp_path)
     assert worlds[:10] == [3] * 10 and 2 in worlds and worlds[-1] == 3, worlds

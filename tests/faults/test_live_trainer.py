@@ -94,7 +94,8 @@ def _digests(out: str) -> list[str]:
 )
 def test_the_run_goes_on_and_grows_back(tmp_path: Path, sync: str, how: str) -> None:
     out = _train(tmp_path / "run", tmp_path / "ledger", 150, KILL_MEMBER="r1", KILL_STEP="10",
-                 KILL_SIGNAL=how, SYNC_METHOD=sync, PAUSE_S="0.05", AWAIT_JOIN="3")  # fmt: skip
+                 KILL_SIGNAL=how, SYNC_METHOD=sync, PAUSE_S="0.05", HOLD_STEP="13",
+                 HOLD_WORLD="3")  # fmt: skip
     worlds = _check_epochs(tmp_path / "ledger", 150)
     assert worlds[:10] == [3] * 10 and worlds[10] == 2 and worlds[-1] == 3, worlds
     assert "live recovery: 2 ranks (r0, r2) at step 10" in out
@@ -121,12 +122,13 @@ def test_a_replayed_membership_ends_bit_identical(tmp_path: Path) -> None:
     """The same loss (injected alike) and the replacement let in at the recorded step: the
     same run, bit for bit (the generators are reseeded from the seed, generation and rank)."""
     first = _train(tmp_path / "a", tmp_path / "ledger_a", 120, KILL_MEMBER="r1", KILL_STEP="6",
-                   AWAIT_JOIN="2")  # fmt: skip
+                   HOLD_STEP="8", HOLD_WORLD="3")  # fmt: skip
     log = tmp_path / "a" / "live_membership.jsonl"
     changes = [json.loads(line) for line in log.read_text().splitlines()]
     assert [c["members"] for c in changes] == [["r0", "r2"], ["r0", "r2", "j1"]], changes
     replay = _train(tmp_path / "b", tmp_path / "ledger_b", 120, KILL_MEMBER="r1", KILL_STEP="6",
-                    AWAIT_JOIN="2", PHALANX_LIVE_REPLAY=str(log))  # fmt: skip
+                    HOLD_STEP="8", HOLD_WORLD="3",
+                    PHALANX_LIVE_REPLAY=str(log))  # fmt: skip
     replayed = [json.loads(line) for line in (tmp_path / "b" / log.name).read_text().splitlines()]
     assert [c["step"] for c in replayed] == [c["step"] for c in changes]
     assert len(set(_digests(first))) == 1 and set(_digests(replay)) == set(_digests(first))
@@ -144,7 +146,7 @@ def test_twenty_trials_of_a_random_rank_lost_at_a_random_step(tmp_path: Path) ->
         how = ("SIGKILL", "SIGSTOP")[trial % 2]
         run, ledger = tmp_path / f"run{trial}", tmp_path / f"ledger{trial}"
         out = _train(run, ledger, 150, KILL_MEMBER=member, KILL_STEP=str(step),
-                     KILL_SIGNAL=how, AWAIT_JOIN="3")  # fmt: skip
+                     KILL_SIGNAL=how, HOLD_STEP=str(step + 3), HOLD_WORLD="3")  # fmt: skip
         worlds = _check_epochs(ledger, 150)
         assert worlds[step] == 2 and worlds[-1] == 3, (trial, member, step, how, worlds)
         assert len(_digests(out)) == 3 and len(set(_digests(out))) == 1, (trial, out)

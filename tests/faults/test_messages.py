@@ -86,6 +86,14 @@ def test_one_worker_is_one_worker_and_torch_rank_tags_are_not_doubled(tmp_path: 
 
 
 WRONG_BACKEND = "import phalanx\nphalanx.init(backend='no-such-backend')\n"
+BOTH_READY = """import os, pathlib, time
+here = pathlib.Path(__file__).parent
+(here / f"ready{os.environ['RANK']}").touch()
+while not all((here / f"ready{r}").exists() for r in range(2)):
+    time.sleep(0.01)
+"""
+"""Both ranks imported torch before either fails: the first failure stops the other, which
+on a loaded machine may still be importing, before it could say its line."""
 
 
 @pytest.mark.timeout(60)
@@ -116,7 +124,7 @@ def test_under_the_launcher_each_rank_says_one_line_and_the_log_dir_keeps_the_tr
     tmp_path: Path,
 ) -> None:
     script = tmp_path / "train.py"
-    script.write_text(WRONG_BACKEND)
+    script.write_text("import torch\n" + BOTH_READY + WRONG_BACKEND)
     logs = tmp_path / "logs"
     result = launch(f"--nproc-per-node 2 --log-dir {logs}", script)
     assert result.returncode != 0

@@ -116,11 +116,16 @@ class StoreClient:
         return self._recv_exactly(size) if size else b""
 
     def wait_for_count(
-        self, key: str, count: int, timeout_s: float, cancelled: Callable[[], bool]
+        self,
+        key: str,
+        count: int | Callable[[], int],
+        timeout_s: float,
+        cancelled: Callable[[], bool],
     ) -> bool:
-        """Poll until counter `key` reaches `count` (True), or time runs out or `cancelled()`."""
+        """Poll until counter `key` reaches `count` (True), or time runs out or `cancelled()`;
+        a callable `count` is asked again at each poll (a target that moves)."""
         deadline = time.monotonic() + timeout_s
-        while self.add(key, 0) < count:
+        while self.add(key, 0) < (count() if callable(count) else count):
             if time.monotonic() >= deadline or cancelled():
                 return False
             time.sleep(_POLL_S)

@@ -14,7 +14,9 @@ Modules (tests/unit/test_layers.py holds this list to the folder):
 - the workers: `workers` (one attempt's processes), `workerenv` (their
   environment), `lifeline` (stops them if the launcher dies unseen),
   `procgroup` (signals to process groups), `live` (--live-recovery: a lost
-  worker reported and replaced, a stalled one fenced, the others left running);
+  worker reported and replaced, a stalled one fenced, the others left running),
+  `livenodes` (--live-recovery across hosts: a lost node noticed, its rank
+  taken by a new host);
 - what a user sees: `output` (rank-prefixed lines), `routing` (where each
   stream goes), `terminal` (rank 0's bar), `summary` (who failed, how).
 """

@@ -33,7 +33,7 @@ from phalanx.ground.live_keys import (
 from phalanx.ground.progress_record import PROGRESS_DIR_VAR, read_stop
 from phalanx.launch.config import LaunchConfig
 from phalanx.launch.lifeline import LAUNCH_ID_ENV, Lifeline
-from phalanx.launch.live import LiveSupervisor
+from phalanx.launch.live import LiveSupervisor, take_members
 from phalanx.launch.meeting import Meeting
 from phalanx.launch.output import OutputSink
 from phalanx.launch.procgroup import describe_returncode
@@ -92,7 +92,7 @@ class Agent:
                     return self._stopped_by(self.stop_request.signum)
                 status: int | None = None  # an exception: no exit barrier
                 try:
-                    status = self._attempt(restart, meeting.port, extra, lifeline)
+                    status = self._attempt(restart, meeting.port, extra, lifeline, meeting.late)
                 finally:
                     meeting.end_attempt(last=status is not None, succeeded=status == 0)
                 if status is not None:
@@ -108,18 +108,21 @@ class Agent:
         return 128 + signum
 
     def _attempt(
-        self, restart: int, port: int, extra: Mapping[str, str], lifeline: Lifeline
+        self, restart: int, port: int, extra: Mapping[str, str], lifeline: Lifeline, late: bool
     ) -> int | None:
-        """One run of the worker group; None means: failed, and a restart is allowed."""
-        self._announce_start(restart, port)
+        """One run of the worker group; None means: failed, and a restart is allowed. A `late`
+        node (it took a lost node's place, launch/livenodes.py) starts replacements."""
+        members = take_members((self.config.master_addr, port), self.config.nproc_per_node) \
+            if late and restart == 0 else []  # fmt: skip
+        self._announce_start(restart, port, members)
         progress_dir = Path(tempfile.mkdtemp(prefix="phalanx-progress-"))
         plan = self._output_plan(restart)
         extra = {**extra, PROGRESS_DIR_VAR: str(progress_dir), **self._live_env()}
         try:
-            group = self._spawn(restart, port, extra, plan, lifeline)
+            group = self._spawn(restart, port, extra, plan, lifeline, members)
             if self.config.live is not None:
                 supervisor = self._live_supervisor(group, restart, port, extra, plan, lifeline,
-                                                   progress_dir)  # fmt: skip
+                                                   progress_dir, members)  # fmt: skip
                 status = supervisor.run()
                 if supervisor.fell_back is not None:
                     return self._after_failure(group, supervisor.fell_back, restart, progress_dir)
@@ -157,13 +160,14 @@ class Agent:
             filtered=filtered,
         )
 
-    def _announce_start(self, restart: int, port: int) -> None:
+    def _announce_start(self, restart: int, port: int, members: list[str]) -> None:
         cfg = self.config
         first, last = cfg.global_rank(0), cfg.global_rank(cfg.nproc_per_node - 1)
         ranks = f"rank {first}" if first == last else f"ranks {first}..{last}"
+        joining = f" joining the run as replacement {', '.join(members)}" if members else ""
         self.sink.message(
             f"starting {cfg.nproc_per_node} worker{'s' if cfg.nproc_per_node > 1 else ''}: "
-            f"{ranks} of {cfg.world_size}, master {cfg.master_addr}:{port}"
+            f"{ranks} of {cfg.world_size}{joining}, master {cfg.master_addr}:{port}"
             + (f", restart {restart}" if restart else "")
         )
 
@@ -219,6 +223,7 @@ class Agent:
         plan: OutputPlan,
         lifeline: Lifeline,
         progress_dir: Path,
+        members: list[str],
     ) -> LiveSupervisor:
         """--live-recovery: replace lost workers, leave the others running (launch/live.py)."""
         assert self.config.live is not None
@@ -237,6 +242,8 @@ class Agent:
             say=self.sink.message,
             stop_request=self.stop_request,
             interval_s=self.config.monitor_interval_s,
+            members=members,
+            node_rank=self.config.node_rank if self.config.nnodes > 1 else None,
         )
 
     def _supervise(self, group: WorkerGroup) -> Failure | int:
@@ -259,11 +266,14 @@ class Agent:
         extra: Mapping[str, str],
         plan: OutputPlan,
         lifeline: Lifeline,
+        members: list[str],
     ) -> WorkerGroup:
+        """This node's workers: the first ones, or replacements named `members`."""
         workers: list[Worker] = []
         try:
             for local_rank in range(self.config.nproc_per_node):
-                workers.append(self._spawn_one(local_rank, restart, port, extra, plan, lifeline))
+                own = {**extra, MEMBER_ENV: members[local_rank]} if members else extra
+                workers.append(self._spawn_one(local_rank, restart, port, own, plan, lifeline))
         except ConfigurationError:
             WorkerGroup(workers, lifeline).stop(signal.SIGKILL, 0.0, self.stop_request)
             raise

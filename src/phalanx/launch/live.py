@@ -20,6 +20,7 @@ from pathlib import Path
 from phalanx.ground.live_keys import (
     GENERATION_KEY,
     JOIN_SEQ_KEY,
+    KEY,
     RESTART_MARK,
     abort_key,
     heartbeat_name,
@@ -30,12 +31,37 @@ from phalanx.ground.storeclient import StoreClient
 from phalanx.launch.procgroup import describe_returncode, signal_group
 from phalanx.launch.workers import Failure, StopRequest, Worker, WorkerGroup
 
-__all__ = ["LiveSupervisor", "Respawn"]
+__all__ = ["LiveSupervisor", "Respawn", "node_members_key", "report_lost", "take_members"]
 
 Respawn = Callable[[int, str], Worker]
 """Start a replacement for local slot `local_rank` as member `member`."""
 
 _STORE_TIMEOUT_S = 10.0
+
+
+def node_members_key(node_rank: int) -> str:
+    """The members a node's workers run as now (JSON), for the store's host to report them
+    lost if the node vanishes with its launcher (launch/livenodes.py)."""
+    return f"{KEY}node/{node_rank}/members"
+
+
+def report_lost(store: StoreClient, member: str, why: str) -> None:
+    """Tell the survivors `member` is gone, so they neither wait for it nor step without it."""
+    store.set(lost_key(member), why.encode())
+    # End the members' generation now: under local SGD no collective may come for a
+    # while to tell them, and they must not take steps the lost rank will not share.
+    _end_generation_of(store, member, why)
+
+
+def take_members(store_addr: tuple[str, int], count: int) -> list[str]:
+    """`count` new replacement names (`j<n>`), each number taken once from the store's
+    counter, so no two launchers ever start the same member."""
+    with StoreClient(*store_addr, _STORE_TIMEOUT_S) as store:
+        return [_next_member(store) for _ in range(count)]
+
+
+def _next_member(store: StoreClient) -> str:
+    return f"j{store.add(JOIN_SEQ_KEY, 1)}"
 
 
 @dataclass
@@ -62,12 +88,19 @@ class LiveSupervisor:
     fell_back: Failure | None = None
     """The loss that ended a run which cannot go on without the lost rank (ZeRO: its
     workers left RESTART_MARK): the agent restarts the group as without live recovery."""
+    members: list[str] = field(default_factory=list)
+    """The member names of `group.workers`, when they are replacements (a node that joined
+    the run late); empty: the first workers, `r<rank>`."""
+    node_rank: int | None = None
+    """This node's rank in a run over several nodes: its members are kept in the store."""
     _slots: list[_Slot] = field(default_factory=list)
 
     def run(self) -> int:
         """Exit status once every worker (replacements included) has exited, or the signum
         that stopped the launcher."""
-        self._slots = [_Slot(w, f"r{w.rank}") for w in self.group.workers]
+        names = self.members or [f"r{w.rank}" for w in self.group.workers]
+        self._slots = [_Slot(w, name) for w, name in zip(self.group.workers, names, strict=True)]
+        self._publish_members()
         status = 0
         while True:
             if self.stop_request.signum is not None:
@@ -113,23 +146,27 @@ class LiveSupervisor:
         """Report `slot`'s member lost, start its replacement if one is left; its exit code."""
         why = "fenced" if slot.fenced_after_s is not None else describe_returncode(code)
         with StoreClient(*self.store_addr, _STORE_TIMEOUT_S) as store:
-            store.set(lost_key(slot.member), why.encode())
-            # End the members' generation now: under local SGD no collective may come for a
-            # while to tell them, and they must not take steps the lost rank will not share.
-            _end_generation_of(store, slot.member, why)
+            report_lost(store, slot.member, why)
             if self.replacements <= 0:
                 self.say(f"rank {slot.worker.rank} ({slot.member}) lost ({why}); no replacement "
                          "left (--max-restarts), the others go on")  # fmt: skip
                 return code
             self.replacements -= 1
-            number = store.add(JOIN_SEQ_KEY, 1)
-        member = f"j{number}"
+            member = _next_member(store)
         self.say(f"rank {slot.worker.rank} ({slot.member}) lost ({why}); the others go on, "
                  f"replacement {member} starting")  # fmt: skip
         worker = self.respawn(slot.worker.local_rank, member)
         self.group.workers.append(worker)
         self._slots.append(_Slot(worker, member))
+        self._publish_members()
         return code
+
+    def _publish_members(self) -> None:
+        if self.node_rank is None:
+            return
+        running = [slot.member for slot in self._slots if not slot.done]
+        with StoreClient(*self.store_addr, _STORE_TIMEOUT_S) as store:
+            store.set(node_members_key(self.node_rank), json.dumps(running).encode())
 
 
 def _end_generation_of(store: StoreClient, member: str, why: str) -> None:

@@ -4,7 +4,10 @@ and start each attempt only once the store serves it.
 The launcher that hosts the store (node 0 under static rendezvous; the one on
 the endpoint's host under c10d, which then is node 0) binds it at once, so a
 master address that is not this host's fails before anything starts. Every
-other launcher proves it reached that store before it spawns a worker.
+other launcher proves it reached that store before it spawns a worker. Under
+--live-recovery the launchers also watch each other (launch/livenodes.py): a
+host that vanishes is declared lost instead of holding up the others' exit, and a
+launcher arriving for its node rank while the run goes on joins it late.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from phalanx.errors import PortTakenError
 from phalanx.ground.storeclient import StoreClient
 from phalanx.launch.config import LaunchConfig
 from phalanx.launch.lifeline import Lifeline
+from phalanx.launch.livenodes import NodeBeat, NodeWatch, claim_live_node
 from phalanx.launch.rendezvous import (
     claim_node_rank,
     join_nodes,
@@ -51,13 +55,20 @@ class Meeting:
         self._cancelled = cancelled
         self._store: StoreHost | None = None
         self._ready_attempt = -1  # the attempt whose store is already known to be up
+        self.late = False
+        """--live-recovery: this launcher took over a lost node while the run went on, so
+        its workers join as replacements (launch/livenodes.py)."""
+        self._beat: NodeBeat | None = None
+        self._watch: NodeWatch | None = None
 
     def open(self) -> LaunchConfig:
         """Host or reach the store and learn this node's rank: the config the workers get."""
         cfg = self.config
         if cfg.rdzv.hosts_store:
             try:
-                return self._host()
+                hosted = self._host()
+                self._watch_nodes()
+                return hosted
             except PortTakenError:
                 if not cfg.rdzv.assign_node_rank or cfg.rdzv.host_forced:
                     raise
@@ -69,12 +80,37 @@ class Meeting:
         with client:
             self._ready_attempt = 0
             if not cfg.rdzv.assign_node_rank:
-                claim_node_rank(client, cfg.node_rank)
+                self._claim(client)
+                self._beat_for(cfg.node_rank)
                 return cfg
             node_rank = join_nodes(client, cfg.run_id, cfg.nnodes, cfg.rdzv.join_timeout_s,
                                    self._cancelled)  # fmt: skip
         self._announce(f"rendezvous {cfg.run_id!r}: this is node {node_rank} of {cfg.nnodes}")
+        self._beat_for(node_rank)
         return _with_node_rank(cfg, node_rank)
+
+    def _claim(self, client: StoreClient) -> None:
+        cfg = self.config
+        if cfg.live is None:
+            claim_node_rank(client, cfg.node_rank)
+            return
+        self.late = claim_live_node(client, cfg.node_rank, cfg.rdzv_timeout_s, self._announce,
+                                    self._cancelled)  # fmt: skip
+        if self.late:
+            self._announce(f"taking the place of lost node {cfg.node_rank}: the run is under "
+                           "way, its workers join it as replacements")  # fmt: skip
+
+    def _beat_for(self, node_rank: int) -> None:
+        """--live-recovery across nodes: tell the store's host this launcher still runs."""
+        if self.config.live is not None and self.config.nnodes > 1:
+            self._beat = NodeBeat((self.config.master_addr, self.port), node_rank)
+
+    def _watch_nodes(self) -> None:
+        """--live-recovery across nodes, on the store's host: notice a node that vanishes."""
+        cfg = self.config
+        if cfg.live is not None and cfg.nnodes > 1 and self._store is not None:
+            addr = (self._store.address, self.port)
+            self._watch = NodeWatch(addr, cfg.nnodes, cfg.live.stall_s, self._announce)
 
     def _host(self) -> LaunchConfig:
         cfg = self.config
@@ -145,6 +181,8 @@ class Meeting:
         self._ready_attempt = -1
         if last and self.config.nnodes > 1 and (self._store is None or succeeded):
             self._leave_together()
+        if last and self._watch is not None and (report := self._watch.report()) is not None:
+            self._announce(report)
         if self._store is not None:
             self._store.close_attempt()
 
@@ -155,8 +193,10 @@ class Meeting:
                 with StoreClient(cfg.master_addr, self.port, cfg.rdzv.read_timeout_s) as client:
                     client.add(_LEFT_KEY, 1)
                 return
+            # Under --live-recovery only the nodes still running: a lost one never leaves.
+            others = cfg.nnodes - 1 if self._watch is None else self._watch.alive
             with StoreClient(self._store.address, self.port, cfg.rdzv.read_timeout_s) as client:
-                if not client.wait_for_count(_LEFT_KEY, cfg.nnodes - 1, _EXIT_BARRIER_S,
+                if not client.wait_for_count(_LEFT_KEY, others, _EXIT_BARRIER_S,
                                              self._cancelled):  # fmt: skip
                     self._announce(
                         f"closing the store although only {client.add(_LEFT_KEY, 0)} of "
@@ -164,6 +204,10 @@ class Meeting:
                     )
 
     def close(self) -> None:
+        for loop in (self._beat, self._watch):
+            if loop is not None:
+                loop.stop()
+        self._beat = self._watch = None
         if self._store is not None:
             with contextlib.suppress(OSError):
                 self._store.close()

@@ -47,6 +47,7 @@ LIVE_BACKEND = "phalanx_live"
 
 _SLICE = timedelta(seconds=0.2)
 _WATCH_S = 0.1
+_END_WATCH_S = 5.0
 _ABORT_REASON_BYTES = 400
 
 _CURRENT: list[LiveGroup] = []
@@ -135,8 +136,10 @@ class LiveGroup(dist.ProcessGroup):
         self._abandoned: list[dist.ProcessGroupGloo] = []
         self._lock = threading.Lock()
         self._watch_store = store.clone()  # type: ignore[attr-defined]  # TCPStore's
+        self._stop_watching = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="phalanx-live", daemon=True)
         self._watcher.start()
+        atexit.register(self._end_watch)
         start_heartbeat(self.member)
         _CURRENT[:] = [self]
 
@@ -201,8 +204,7 @@ class LiveGroup(dist.ProcessGroup):
     def _watch(self) -> None:
         """Keep `_aborted` and `_grow_asked` in step with the store (a daemon thread)."""
         store = self._watch_store
-        stop = threading.Event()
-        while not stop.wait(_WATCH_S):
+        while not self._stop_watching.wait(_WATCH_S):
             gen = self.generation
             try:
                 if gen not in self._aborted and store.check([abort_key(gen)]):
@@ -212,6 +214,12 @@ class LiveGroup(dist.ProcessGroup):
             except RuntimeError:  # the store went away: the next collective fails and says so
                 return
 
+    def _end_watch(self) -> None:
+        """At exit, before the interpreter finalizes: a daemon thread caught inside a store
+        call then aborts the process ("terminate called without an active exception")."""
+        self._stop_watching.set()
+        self._watcher.join(timeout=_END_WATCH_S)
+
 
 def start_heartbeat(member: str) -> None:
     """Touch this worker's heartbeat file while the process runs (a daemon thread): its
@@ -220,29 +228,26 @@ def start_heartbeat(member: str) -> None:
     if not directory:
         return
     path = Path(directory) / heartbeat_name(member)
-    leaving = threading.Event()
-
-    lock = threading.Lock()
+    stopped = threading.Event()
 
     def beat() -> None:
-        while True:
-            with lock:
-                if leaving.is_set():
-                    return
-                try:
-                    path.touch()
-                except OSError:
-                    return
-            leaving.wait(HEARTBEAT_S)
+        while not stopped.is_set():
+            try:
+                path.touch()
+            except OSError:
+                return
+            stopped.wait(HEARTBEAT_S)
 
     def leave() -> None:
-        """At exit, before the interpreter finalizes (which stops daemon threads, and can
-        take seconds): no beat is no stall, so the file goes."""
-        with lock:
-            leaving.set()
-            path.unlink(missing_ok=True)
+        """At exit: the teardown after it stops daemon threads, and freeing the gloo groups can
+        take seconds, so a finished worker's file would go stale and its launcher fence it as
+        stalled; without the file the launcher watches it by its exit status alone."""
+        stopped.set()
+        thread.join(timeout=_END_WATCH_S)
+        path.unlink(missing_ok=True)
 
-    threading.Thread(target=beat, name="phalanx-heartbeat", daemon=True).start()
+    thread = threading.Thread(target=beat, name="phalanx-heartbeat", daemon=True)
+    thread.start()
     atexit.register(leave)
 
 

@@ -4,7 +4,9 @@ Each step takes the next `world * BATCH` samples of one fixed order, this rank's
 slice of them; so a ledger of (step, offset, world) per applied step shows
 whether any sample was skipped or repeated. KILL_MEMBER kills or stops itself
 (KILL_SIGNAL) at KILL_STEP, before the step's backward, with a collective in
-flight on the others.
+flight on the others. HOLD_STEP and HOLD_WORLD hold the members at that step's boundary
+until the world has grown back to HOLD_WORLD (a replacement coming from a new host), so
+the run cannot end before it arrives.
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ from phalanx.runtime.recovery import LiveRecovery
 
 BATCH, SAMPLES, STEPS = 4, 4096, int(os.environ.get("STEPS", "30"))
 PAUSE_S = float(os.environ.get("PAUSE_S", "0"))
+HOLD_STEP, HOLD_WORLD = (
+    int(os.environ.get("HOLD_STEP", "-1")),
+    int(os.environ.get("HOLD_WORLD", "0")),
+)
 
 
 def main() -> None:
@@ -57,8 +63,10 @@ def main() -> None:
     ledger = Path(os.environ["LEDGER_DIR"]) / f"{group.member}.jsonl"
     while at["step"] < STEPS:
         try:
-            wait_for_the_replacement(group, at["step"])
             live.boundary(at["step"])
+            while at["step"] == HOLD_STEP and group.size() < HOLD_WORLD:
+                time.sleep(0.05)
+                live.boundary(at["step"])  # PeerLost once a replacement asks to join
             world, rank = group.size(), group.rank()
             start = at["offset"] + rank * BATCH
             rows = order[start : start + BATCH]
@@ -87,19 +95,6 @@ def main() -> None:
 def maybe_die(member: str, step: int) -> None:
     if member == os.environ.get("KILL_MEMBER") and step == int(os.environ["KILL_STEP"]):
         os.kill(os.getpid(), getattr(signal, os.environ.get("KILL_SIGNAL", "SIGKILL")))
-
-
-def wait_for_the_replacement(group: Any, step: int) -> None:
-    """With AWAIT_JOIN set, on rank 0 before the step AWAIT_JOIN steps after KILL_STEP: hold
-    the run until the replacement has asked to join (or has joined), so that it surely
-    joins before the end on a loaded machine; bounded by that event, not by a guess at how
-    long a process takes to start."""
-    after = os.environ.get("AWAIT_JOIN")
-    if after is None or group.rank() != 0 or step != int(os.environ["KILL_STEP"]) + int(after):
-        return
-    deadline = time.monotonic() + 120
-    while group.size() < 3 and not group.grow_requested() and time.monotonic() < deadline:
-        time.sleep(0.05)
 
 
 def say(group: Any, line: str) -> None:

@@ -4,7 +4,8 @@
 The model records the sample indices of each micro-batch; a callback writes them to
 this member's ledger when the step is applied (a dropped step's are forgotten at the
 next step's start). KILL_MEMBER kills or stops itself (KILL_SIGNAL) in the forward of
-KILL_STEP; or rank 1 of the world at each of KILL_STEPS, once each. Arguments:
+KILL_STEP; or rank 1 of the world at each of KILL_STEPS, once each. After step
+HOLD_STEP, rank 0 waits for a replacement to ask in (or the world to be HOLD_WORLD). Arguments:
 OUTPUT_DIR MAX_STEPS [resume]. Prints the final parameters' digest.
 """
 
@@ -31,6 +32,8 @@ SAMPLES = 480
 PAUSE_S = float(os.environ.get("PAUSE_S", "0.03"))
 _SYNCS: dict[str, SyncMethod] = {"ddp": "ddp", "local_sgd": "local_sgd", "diloco": "diloco"}
 SYNC = _SYNCS[os.environ.get("SYNC_METHOD", "ddp")]
+HOLD_STEP = int(os.environ.get("HOLD_STEP", "-1"))
+HOLD_WORLD = int(os.environ.get("HOLD_WORLD", "0"))
 TOLERANCE: FaultTolerance = "restart" if os.environ.get("FAULT_TOLERANCE") == "restart" else "live"
 
 
@@ -82,20 +85,18 @@ class Ledger(TrainerCallback):
         with self.path.open("a") as out:
             out.write(json.dumps(entry) + "\n")
         time.sleep(PAUSE_S)
-        after = os.environ.get("AWAIT_JOIN")
-        if after and state.global_step == int(os.environ["KILL_STEP"]) + int(after):
-            await_the_replacement(trainer)
+        if state.global_step == HOLD_STEP:
+            hold_for_the_replacement(trainer)
 
 
-def await_the_replacement(trainer: Trainer) -> None:
-    """On rank 0 (AWAIT_JOIN steps after KILL_STEP): hold the run until the replacement
-    has asked to join or has joined, so that it surely joins before the end on a loaded
+def hold_for_the_replacement(trainer: Trainer) -> None:
+    """On rank 0 after step HOLD_STEP: hold the run until a replacement has asked to join or
+    the world is back at HOLD_WORLD, so that it surely joins before the end on a loaded
     machine; bounded by that event, not by a guess at how long a process takes to start."""
     group = current_live_group()
     if group is None or trainer.world.rank != 0:
         return
-    deadline = time.monotonic() + 120
-    while group.size() < 3 and not group.grow_requested() and time.monotonic() < deadline:
+    while group.size() < HOLD_WORLD and not group.grow_requested():
         time.sleep(0.05)
 
 

@@ -1,0 +1,182 @@
+"""--live-recovery across hosts: the launchers' side. A host can vanish with its launcher
+(torn down, powered off), and a new host can take its node rank while the run goes on.
+
+No launcher is left to report such a host's workers lost, so the launchers report
+themselves: every launcher but the store's host bumps a counter in the job's store
+(`NodeBeat`), and the store's host (`NodeWatch`) declares a node lost when its
+counter stops moving for --live-stall-timeout. The survivors' own rule is
+unchanged (they leave out a member that neither checked in nor was reported lost
+after the settle time, runtime/membership.py); the watch is what lets the host say
+which node went, leave without waiting for it at the end, and let a new launcher
+take the node's place: a launcher whose --node-rank is already claimed
+(`claim_live_node`) waits for that node to be declared lost, takes it over
+(counted, so that two cannot), and starts its workers as replacements.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from phalanx.errors import ConfigurationError
+from phalanx.ground.live_keys import KEY
+from phalanx.ground.storeclient import StoreClient
+from phalanx.launch.live import node_members_key, report_lost
+from phalanx.launch.rendezvous import claim_node_rank
+
+__all__ = ["NodeBeat", "NodeWatch", "claim_live_node"]
+
+BEAT_S = 0.5
+"""How often a launcher bumps its node's counter."""
+_STORE_TIMEOUT_S = 10.0
+_POLL_S = 0.1
+
+
+def _node_key(node_rank: int, counter: str) -> str:
+    """One of a node's counters: `beat` (its launcher's sign of life), `lost` (how often the
+    store's host declared it lost), `taken` (how often a new launcher took it over)."""
+    return f"{KEY}node/{node_rank}/{counter}"
+
+
+def claim_live_node(
+    client: StoreClient,
+    node_rank: int,
+    timeout_s: float,
+    announce: Callable[[str], None],
+    cancelled: Callable[[], bool],
+) -> bool:
+    """Claim `node_rank` as at the start (False), or take over a lost node (True, a late
+    join); a node still running keeps its rank: a one-line error after `timeout_s`."""
+    if client.add(f"phalanx/node_rank/{node_rank}", 0) == 0:
+        claim_node_rank(client, node_rank)
+        return False
+    announce(f"node {node_rank} is already in the run; waiting until its host is lost, to take "
+             f"its place (up to {timeout_s:g}s)")  # fmt: skip
+    lost, taken = _node_key(node_rank, "lost"), _node_key(node_rank, "taken")
+    deadline = time.monotonic() + timeout_s
+    while not cancelled():
+        if client.add(lost, 0) > client.add(taken, 0):
+            if client.add(taken, 1) <= client.add(lost, 0):
+                return True
+            client.add(taken, -1)  # another launcher got there first
+        if time.monotonic() > deadline:
+            raise ConfigurationError(
+                f"--node-rank {node_rank} is taken by a node that is still running — give this "
+                "launcher the rank of a node that is gone, or stop that node first"
+            )
+        time.sleep(_POLL_S)
+    return False
+
+
+class _Loop:
+    """A daemon thread that calls `tick` with its own store client every `period_s` until
+    stopped; a store that is away (between two attempts) is dialled again at the next tick."""
+
+    def __init__(
+        self, addr: tuple[str, int], period_s: float, name: str,
+        tick: Callable[[StoreClient], object],
+    ) -> None:  # fmt: skip
+        self._addr, self._period_s, self._tick = addr, period_s, tick
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join(timeout=_STORE_TIMEOUT_S)
+
+    def _run(self) -> None:
+        client: StoreClient | None = None
+        while not self._stopped.wait(self._period_s):
+            try:
+                client = client or StoreClient(*self._addr, _STORE_TIMEOUT_S)
+                self._tick(client)
+            except OSError:
+                if client is not None:
+                    client.close()
+                client = None
+        if client is not None:
+            client.close()
+
+
+class NodeBeat:
+    """A non-host launcher's sign of life: its node's counter, bumped every BEAT_S."""
+
+    def __init__(self, addr: tuple[str, int], node_rank: int) -> None:
+        key = _node_key(node_rank, "beat")
+        self._loop = _Loop(addr, BEAT_S, "phalanx-node-beat", lambda c: c.add(key, 1))
+
+    def stop(self) -> None:
+        self._loop.stop()
+
+
+@dataclass
+class _Seen:
+    count: int = -1
+    changed_at: float = 0.0
+    lost: bool = False
+
+
+class NodeWatch:
+    """The store host's watch over the other nodes' launchers (module docstring)."""
+
+    def __init__(
+        self, addr: tuple[str, int], nnodes: int, stall_s: float, say: Callable[[str], None]
+    ) -> None:
+        self._stall_s = stall_s
+        self._say = say
+        self._seen = {rank: _Seen() for rank in range(1, nnodes)}
+        self.losses: list[int] = []
+        """The node ranks declared lost, in order (a node lost twice appears twice)."""
+        self._loop = _Loop(addr, _POLL_S, "phalanx-node-watch", self.tick)
+
+    def stop(self) -> None:
+        self._loop.stop()
+
+    def alive(self) -> int:
+        """How many other nodes' launchers are running (seen and not lost)."""
+        return sum(1 for seen in self._seen.values() if seen.count > 0 and not seen.lost)
+
+    def tick(self, client: StoreClient) -> None:
+        now = time.monotonic()
+        for rank, seen in self._seen.items():
+            count = client.add(_node_key(rank, "beat"), 0)
+            if count != seen.count:
+                if seen.lost:
+                    self._say(f"node {rank} is back: a new launcher took its place; its workers "
+                              "join the run as replacements")  # fmt: skip
+                seen.count, seen.changed_at, seen.lost = count, now, False
+            elif seen.count > 0 and not seen.lost and now - seen.changed_at > self._stall_s:
+                members = self._report_workers(client, rank)
+                client.add(_node_key(rank, "lost"), 1)
+                self.losses.append(rank)
+                self._say(
+                    f"node {rank} lost: its launcher has not been heard from for "
+                    f"{now - seen.changed_at:.1f} s (--live-stall-timeout {self._stall_s:g}); "
+                    f"the others go on without its workers ({', '.join(members) or 'none'}) — "
+                    f"start `phalanx launch` with --node-rank {rank} on a new host to bring the "
+                    "run back to full size"
+                )
+                seen.lost = True  # last: alive() drops once all of the above is done
+
+    @staticmethod
+    def _report_workers(client: StoreClient, rank: int) -> list[str]:
+        """Report the lost node's members lost, as its own launcher would have."""
+        key = node_members_key(rank)
+        members: list[str] = json.loads(client.get(key)) if client.check([key]) else []
+        for member in members:
+            report_lost(client, member, f"its host, node {rank}, was lost")
+        return members
+
+    def report(self) -> str | None:
+        """The summary line for the run's end, when a node was lost."""
+        if not self.losses:
+            return None
+        nodes = ", ".join(str(rank) for rank in self.losses)
+        back = [rank for rank in self._seen if self._seen[rank].lost]
+        ending = (f"node {', '.join(map(str, back))} still missing at the end" if back
+                  else "every lost node was taken over by a new host")  # fmt: skip
+        return f"nodes lost during the run: {nodes} ({ending})"

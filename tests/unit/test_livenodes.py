@@ -1,0 +1,77 @@
+"""The launchers watching each other under --live-recovery across hosts (launch/livenodes.py),
+against a real torch TCPStore: a node whose launcher goes quiet is declared lost and its
+members reported lost, a new launcher takes its rank once, and a running node keeps it."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+
+import pytest
+
+from phalanx.errors import ConfigurationError
+from phalanx.ground.live_keys import lost_key
+from phalanx.ground.storeclient import StoreClient
+from phalanx.launch.live import node_members_key
+from phalanx.launch.livenodes import NodeBeat, NodeWatch, claim_live_node
+
+EVENT_S = 10.0
+
+
+@pytest.fixture
+def port() -> Iterator[int]:
+    import torch.distributed as dist
+
+    server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=10),
+                           wait_for_workers=False)  # fmt: skip
+    yield int(server.port)
+    del server
+
+
+def _until(seen: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + EVENT_S
+    while not seen():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.02)
+
+
+@pytest.mark.timeout(30)
+def test_a_quiet_node_is_lost_its_members_reported_then_taken_over(port: int) -> None:
+    said: list[str] = []
+    addr = ("127.0.0.1", port)
+    with StoreClient(*addr, 5) as client:
+        client.set(node_members_key(1), json.dumps(["r1", "j4"]).encode())
+        watch = NodeWatch(addr, 2, 0.5, said.append)
+        beat = NodeBeat(addr, 1)
+        try:
+            _until(lambda: watch.alive() == 1, "node 1 seen")
+            beat.stop()
+            _until(lambda: watch.alive() == 0, "node 1 lost")
+            assert "node 1 lost" in said[0] and "(r1, j4)" in said[0], said
+            assert client.check([lost_key("r1"), lost_key("j4")])
+            assert claim_live_node(client, 1, 1.0, said.append, lambda: False) is False
+            assert claim_live_node(client, 1, 1.0, said.append, lambda: False) is True
+            with pytest.raises(ConfigurationError, match="taken by a node that is still running"):
+                claim_live_node(client, 1, 0.3, said.append, lambda: False)  # one loss, one taker
+            beat = NodeBeat(addr, 1)
+            _until(lambda: watch.alive() == 1, "node 1 back")
+            assert any("node 1 is back" in line for line in said), said
+            assert watch.report() == (
+                "nodes lost during the run: 1 (every lost node was taken over by a new host)"
+            )
+        finally:
+            beat.stop()
+            watch.stop()
+
+
+@pytest.mark.timeout(30)
+def test_a_node_that_never_beat_is_not_waited_for_nor_lost(port: int) -> None:
+    said: list[str] = []
+    watch = NodeWatch(("127.0.0.1", port), 3, 0.2, said.append)
+    try:
+        time.sleep(0.6)  # three stall timeouts with no beat at all: nothing to declare
+        assert watch.alive() == 0 and said == [] and watch.report() is None
+    finally:
+        watch.stop()
