@@ -6,7 +6,8 @@ this member's ledger when the step is applied (a dropped step's are forgotten at
 next step's start). KILL_MEMBER kills or stops itself (KILL_SIGNAL) in the forward of
 KILL_STEP; or rank 1 of the world at each of KILL_STEPS, once each. After step
 HOLD_STEP, rank 0 waits for a replacement to ask in (or the world to be HOLD_WORLD). Arguments:
-OUTPUT_DIR MAX_STEPS [resume]. Prints the final parameters' digest.
+OUTPUT_DIR MAX_STEPS [resume]. Prints the final parameters' digest and the final model's
+loss on the whole dataset (SEED: the Trainer's seed, 3).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ SAMPLES = 480
 PAUSE_S = float(os.environ.get("PAUSE_S", "0.03"))
 _SYNCS: dict[str, SyncMethod] = {"ddp": "ddp", "local_sgd": "local_sgd", "diloco": "diloco"}
 SYNC = _SYNCS[os.environ.get("SYNC_METHOD", "ddp")]
+SEED = int(os.environ.get("SEED", "3"))
 HOLD_STEP = int(os.environ.get("HOLD_STEP", "-1"))
 HOLD_WORLD = int(os.environ.get("HOLD_WORLD", "0"))
 TOLERANCE: FaultTolerance = "restart" if os.environ.get("FAULT_TOLERANCE") == "restart" else "live"
@@ -105,7 +107,8 @@ def main() -> None:
     resume = len(sys.argv) > 3
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(SAMPLES, 6, generator=gen)
-    data = TensorDataset(x, torch.randint(0, 3, (SAMPLES,), generator=gen), torch.arange(SAMPLES))
+    labels = (x @ torch.randn(6, 3, generator=gen)).argmax(dim=1)  # learnable: a linear rule
+    data = TensorDataset(x, labels, torch.arange(SAMPLES))
     model = Recorder()
     member = os.environ.get("PHALANX_LIVE_MEMBER") or f"r{os.environ['RANK']}"
     ledger = Path(os.environ["LEDGER_DIR"]) / f"{member}.jsonl"
@@ -113,15 +116,18 @@ def main() -> None:
         output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=4,
         learning_rate=0.05, logging_steps=10, save_steps=int(os.environ.get("SAVE_STEPS", "0"))
         or max_steps, save_strategy="steps", disable_tqdm=True,
-        overwrite_output_dir=not resume, ddp_backend="gloo", seed=3,
+        overwrite_output_dir=not resume, ddp_backend="gloo", seed=SEED,
         sync_method=SYNC, sync_every=4, fault_tolerance=TOLERANCE,
     )  # fmt: skip
     trainer = Trainer(model, args, train_dataset=data, callbacks=[Ledger(model, ledger)])
     model.trainer = trainer
     result = trainer.train(resume_from_checkpoint=True if resume else None)
     digest = float(sum(p.detach().double().sum() for p in trainer.model.parameters()))
+    model.eval()
+    with torch.no_grad():  # the final model's loss on the whole dataset
+        fit = float(nn.functional.cross_entropy(model.net(data.tensors[0]), data.tensors[1]))
     print(f"[{member}] done step={result.global_step} loss={result.train_loss:.6f} "
-          f"digest={digest:.15e}", flush=True)  # fmt: skip
+          f"digest={digest:.15e} eval={fit:.6f}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
