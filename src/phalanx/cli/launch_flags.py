@@ -120,35 +120,6 @@ def _processes(add: Add) -> None:
         metavar="K",
     )
     add(
-        "--live-recovery",
-        "when a worker dies or stalls, the others go on without a restart and a replacement "
-        "joins (--max-restarts of them); docs/reliability.md",
-        action="store_true",
-    )
-    add(
-        "--live-stall-timeout",
-        "with --live-recovery: seconds without a worker's heartbeat before it is fenced off "
-        "(killed and replaced); default 5",
-        type=float,
-        default=5.0,
-        metavar="S",
-    )
-    add(
-        "--live-min-members",
-        "with --live-recovery: the fewest workers the run goes on with; default 1",
-        type=int,
-        default=1,
-        metavar="N",
-    )
-    add(
-        "--live-quorum-timeout",
-        "with --live-recovery: seconds survivors wait for --live-min-members before they "
-        "stop; default 60",
-        type=float,
-        default=60.0,
-        metavar="S",
-    )
-    add(
         "--monitor-interval",
         "seconds between checks of the workers; default 0.1",
         type=float,
@@ -181,6 +152,38 @@ def _processes(add: Add) -> None:
         "accepted for torchrun; workers are always fresh interpreters",
         choices=("spawn", "fork", "forkserver"),
         default="spawn",
+    )
+
+
+def _live_recovery(add: Add) -> None:
+    add(
+        "--live-recovery",
+        "when a worker dies or stalls, the others go on without a restart and a replacement "
+        "joins (--max-restarts of them); docs/reliability.md",
+        action="store_true",
+    )
+    add(
+        "--live-stall-timeout",
+        "with --live-recovery: seconds without a worker's heartbeat before it is fenced off "
+        "(killed and replaced); default 5",
+        type=float,
+        default=5.0,
+        metavar="S",
+    )
+    add(
+        "--live-min-members",
+        "with --live-recovery: the fewest workers the run goes on with; default 1",
+        type=int,
+        default=1,
+        metavar="N",
+    )
+    add(
+        "--live-quorum-timeout",
+        "with --live-recovery: seconds survivors wait for --live-min-members before they "
+        "stop; default 60",
+        type=float,
+        default=60.0,
+        metavar="S",
     )
 
 
@@ -240,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     add = partial(_flag, parser)
-    for group in (_topology, _rendezvous, _processes, _output, _refused):
+    for group in (_topology, _rendezvous, _processes, _live_recovery, _output, _refused):
         group(add)
     parser.add_argument("script", help="the training script (or module, or executable)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="passed to the script")

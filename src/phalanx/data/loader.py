@@ -15,7 +15,8 @@ from typing import Any
 
 import torch.utils.data
 
-from phalanx.data.sampler import ConsumedBatches, DistributedSampler
+from phalanx.data.consumed import ConsumedBatches
+from phalanx.data.sampler import DistributedSampler
 
 
 class DataLoader(torch.utils.data.DataLoader):
