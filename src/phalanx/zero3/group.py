@@ -182,21 +182,41 @@ class ParamGroup:
 
         The unsharded gradients are freed once laid out. None: no gradient arrived.
         """
-        grads = [p.unsharded.grad if p.unsharded is not None else None for p in self.params]
+        self.hold_unsynced(reduce_dtype)
+        grads = [_take_grad(p) for p in self.params]
         if all(g is None for g in grads):
             return None
         with torch.no_grad():
             flats = [None if g is None else g.reshape(-1).to(reduce_dtype) for g in grads]
             send = self.layout.reduce_scatter_input(flats, reduce_dtype)
             scale_to_mean(send, divisor)
-        for p in self.params:
-            if p.unsharded is not None:
-                p.unsharded.grad = None
         out = send.new_empty(self.layout.block)
         state = start_reduce_scatter(out, send, self.info.shard_group)
         self.comm.add(state.traffic())
         self._record_flight("reduce-scatter", state.work, send)
         return state
+
+    def hold_unsynced(self, reduce_dtype: torch.dtype) -> None:
+        """A backward that does not reduce: keep its gradients summed in `reduce_dtype`.
+
+        Summing bf16 micro-batch gradients in bf16 loses what FSDP2 keeps: it upcasts the
+        first to `reduce_dtype` and adds each later one to that (`to_accumulated_grad_if_needed`,
+        `accumulate_unsharded_grad_if_needed`), in this order, so the sums match bit for bit.
+        Idempotent: a gradient already folded in is gone from `.grad`.
+        """
+        with torch.no_grad():
+            for p in self.params:
+                full = p.unsharded
+                grad = None if full is None else full.grad
+                if full is None or grad is None:
+                    continue
+                if p.accumulated_grad is not None:
+                    p.accumulated_grad += grad
+                elif grad.dtype != reduce_dtype:
+                    p.accumulated_grad = grad.to(reduce_dtype)
+                else:
+                    continue  # the compute dtype is the reduce dtype: autograd's sum is FSDP2's
+                full.grad = None
 
     def finish_reduce(self, state: ReduceScatterState, all_reduce: bool) -> PendingAllReduce | None:
         """Wait for the reduce-scatter. HSDP: start the all-reduce across replicas (returned)
@@ -246,6 +266,16 @@ class ParamGroup:
                 if not p.sharded.requires_grad:
                     continue
                 p.set_grad(piece.to(p.sharded.dtype))  # on the device: a view, no copy
+
+
+def _take_grad(p: ShardedParam) -> torch.Tensor | None:
+    """The gradient to reduce (the unsynced sum, else this backward's), cleared from `p`."""
+    grad, p.accumulated_grad = p.accumulated_grad, None
+    if p.unsharded is not None:
+        if grad is None:
+            grad = p.unsharded.grad
+        p.unsharded.grad = None
+    return grad
 
 
 def _done(pending: PendingAllReduce) -> torch.Tensor:

@@ -78,6 +78,9 @@ class ShardedParam:
         )
         self.unsharded: nn.Parameter | None = None
         """Created by the unit's group at its first gather (on the sharded parameter's device)."""
+        self.accumulated_grad: torch.Tensor | None = None
+        """Unsynced micro-batches' unsharded gradient summed in the reduce dtype, when that
+        differs from the compute dtype (FSDP2's rule: bf16 compute accumulates in fp32)."""
         if home.in_files and param.requires_grad:  # its file now, not at the first backward
             self.grad_home = home.tensor(self.local_shape, param.dtype)
 

@@ -138,7 +138,9 @@ class Root:
             now = time.perf_counter_ns()
             self.timeline.backward_waited(now, now)
         for u in self.units:
-            if u.requires_gradient_sync and u.arrived and u.reducing is None and not u.reduced:
+            if not u.requires_gradient_sync:
+                u.hold_unsynced()  # a unit some of whose parameters went unused, unsynced
+            elif u.arrived and u.reducing is None and not u.reduced:
                 u.launch_reduce()  # a unit some of whose parameters went unused
         pending = self._all_reduces + [entry for u in self.units for entry in u.finish_reduce()]
         self._all_reduces, self._in_flight = [], None

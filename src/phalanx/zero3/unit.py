@@ -183,9 +183,17 @@ class Unit:
         parameters unless this is the root (its end of backward frees it)."""
         if self.requires_gradient_sync:
             self.launch_reduce()
+        else:
+            self.hold_unsynced()
         root = self.root
         if root is not None and self is not root.unit and self.reshard_after_backward:
             self.reshard()
+
+    def hold_unsynced(self) -> None:
+        """No reduction this backward (set_requires_gradient_sync(False)): its gradients
+        wait, summed in the reduce dtype, for the next synced backward."""
+        for g in self.groups:
+            g.hold_unsynced(self.policy.gradient_dtype(g.dtype))
 
     def launch_reduce(self) -> None:
         if self.reducing is not None or self.reduced:
