@@ -14,6 +14,7 @@ __all__ = [
     "MasterUnreachableError",
     "NoQuorum",
     "NonFiniteError",
+    "NotAMember",
     "NotSupportedError",
     "OffloadError",
     "OutputError",
@@ -22,6 +23,7 @@ __all__ = [
     "PortTakenError",
     "ReducerError",
     "RendezvousError",
+    "StoreTampered",
     "UnevenInputsError",
     "UsageError",
 ]
@@ -97,3 +99,13 @@ class PeerLost(PhalanxError):
 
 class NoQuorum(PhalanxError):
     """Under live recovery, too few members checked in to form the next group in time."""
+
+
+class StoreTampered(PhalanxError):
+    """Under live recovery, someone outside the run keeps overwriting a key of the protocol in
+    the job's store, so the members cannot agree through it."""
+
+
+class NotAMember(PeerLost):
+    """Under live recovery, a rank of a newly formed group could not prove it belongs to the
+    run (it does not hold the run's secret): the group is formed again without trusting it."""

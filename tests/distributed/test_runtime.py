@@ -32,8 +32,9 @@ def _exercise_init(rank: int, world_size: int) -> dict[str, Any]:
     dist.all_reduce(total, group=world.process_group)
     again = runtime.init(timeout=30)
     fields = {
-        "gathered": world.all_gather_object(rank),
-        "broadcast": world.broadcast_object(f"from rank {rank}"),
+        "gathered": world.all_gather_json(rank),
+        "broadcast": world.broadcast_json(f"from rank {rank}"),
+        "state": [int(t.sum()) for t in world.all_gather_state(torch.full((rank + 1,), 2))],
         "summed": world.all_reduce_sum([1.0, float(rank)]),
         "rank": world.rank,
         "local_rank": world.local_rank,
@@ -151,6 +152,7 @@ def _check_common(out: list[Any], world_size: int, launcher: str) -> None:
         # World's own collectives, on a one-rank group as on many.
         assert v["gathered"] == list(range(world_size))
         assert v["broadcast"] == "from rank 0"
+        assert v["state"] == [2 * (r + 1) for r in range(world_size)]
         assert v["summed"] == [float(world_size), world_size * (world_size - 1) / 2]
 
 

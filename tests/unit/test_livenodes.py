@@ -12,10 +12,13 @@ from datetime import timedelta
 import pytest
 
 from phalanx.errors import ConfigurationError
-from phalanx.ground.live_keys import lost_key
+from phalanx.ground.live_keys import lost_key, node_key
+from phalanx.ground.live_store import LiveStore
+from phalanx.ground.runauth import RunKey, new_secret
 from phalanx.ground.storeclient import StoreClient
-from phalanx.launch.live import node_members_key
 from phalanx.launch.livenodes import NodeBeat, NodeWatch, claim_live_node
+
+KEY = RunKey(new_secret(), "test")
 
 EVENT_S = 10.0
 
@@ -30,6 +33,10 @@ def port() -> Iterator[int]:
     del server
 
 
+def _never() -> bool:
+    return False
+
+
 def _until(seen: Callable[[], bool], what: str) -> None:
     deadline = time.monotonic() + EVENT_S
     while not seen():
@@ -42,20 +49,21 @@ def test_a_quiet_node_is_lost_its_members_reported_then_taken_over(port: int) ->
     said: list[str] = []
     addr = ("127.0.0.1", port)
     with StoreClient(*addr, 5) as client:
-        client.set(node_members_key(1), json.dumps(["r1", "j4"]).encode())
-        watch = NodeWatch(addr, 2, 0.5, said.append)
-        beat = NodeBeat(addr, 1)
+        store = LiveStore(client, KEY)
+        store.put(node_key(1, "members"), json.dumps(["r1", "j4"]))
+        watch = NodeWatch(addr, 2, 0.5, said.append, KEY)
+        beat = NodeBeat(addr, 1, KEY)
         try:
             _until(lambda: watch.alive() == 1, "node 1 seen")
             beat.stop()
             _until(lambda: watch.alive() == 0, "node 1 lost")
             assert "node 1 lost" in said[0] and "(r1, j4)" in said[0], said
-            assert client.check([lost_key("r1"), lost_key("j4")])
-            assert claim_live_node(client, 1, 1.0, said.append, lambda: False) is False
-            assert claim_live_node(client, 1, 1.0, said.append, lambda: False) is True
+            assert store.read(lost_key("r1")) and store.read(lost_key("j4"))
+            assert claim_live_node(client, 1, KEY, 1.0, said.append, _never) is False
+            assert claim_live_node(client, 1, KEY, 1.0, said.append, _never) is True
             with pytest.raises(ConfigurationError, match="taken by a node that is still running"):
-                claim_live_node(client, 1, 0.3, said.append, lambda: False)  # one loss, one taker
-            beat = NodeBeat(addr, 1)
+                claim_live_node(client, 1, KEY, 0.3, said.append, _never)  # one loss, one taker
+            beat = NodeBeat(addr, 1, KEY)
             _until(lambda: watch.alive() == 1, "node 1 back")
             assert any("node 1 is back" in line for line in said), said
             assert watch.report() == (
@@ -69,7 +77,7 @@ def test_a_quiet_node_is_lost_its_members_reported_then_taken_over(port: int) ->
 @pytest.mark.timeout(30)
 def test_a_node_that_never_beat_is_not_waited_for_nor_lost(port: int) -> None:
     said: list[str] = []
-    watch = NodeWatch(("127.0.0.1", port), 3, 0.2, said.append)
+    watch = NodeWatch(("127.0.0.1", port), 3, 0.2, said.append, KEY)
     try:
         time.sleep(0.6)  # three stall timeouts with no beat at all: nothing to declare
         assert watch.alive() == 0 and said == [] and watch.report() is None

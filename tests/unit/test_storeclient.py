@@ -38,6 +38,17 @@ def test_one_key_space_with_torch_clients(store: object) -> None:
         assert client.wait_for_count("n", 5, 0.2, lambda: False)
 
 
+def test_compare_set_as_torch_does(store: object) -> None:
+    port = store.port  # type: ignore[attr-defined]
+    with StoreClient("127.0.0.1", port, 5) as client:
+        assert client.compare_set("k", b"", b"first") == b"first"  # absent: set
+        assert client.compare_set("k", b"", b"second") == b"first"  # present: kept
+        assert client.compare_set("k", b"first", b"third") == b"third"  # matched: swapped
+        assert store.get("k") == b"third"  # type: ignore[attr-defined]
+        assert client.compare_set("gone", b"x", b"y") == b"x"  # torch: absent, not expected
+        assert not client.check(["gone"])
+
+
 class _Listener:
     """A TCP server that is not a store: it sends `greeting` (if any) to each client, then
     closes the connection if `hang_up`, else holds it open and says nothing more."""

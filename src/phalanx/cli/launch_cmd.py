@@ -7,6 +7,7 @@ as in torchrun, so existing launch commands need only the program name changed.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import uuid
@@ -17,6 +18,7 @@ from phalanx.cli.launch_flags import build_parser
 from phalanx.cli.rdzvflags import store_site
 from phalanx.errors import ConfigurationError, PhalanxError, UsageError
 from phalanx.ground.netif import is_local_address
+from phalanx.ground.runauth import SECRET_ENV, new_secret, read_secret_file
 from phalanx.launch.agent import Agent
 from phalanx.launch.config import (
     LaunchConfig,
@@ -53,7 +55,7 @@ def config_from_args(ns: argparse.Namespace) -> LaunchConfig:
         master_addr=site.master_addr,
         master_port=site.master_port,
         max_restarts=ns.max_restarts,
-        live=_live(ns),
+        live=_live(ns, nnodes),
         log_dir=ns.log_dir,
         routing=_routing(ns),
         rdzv_timeout_s=site.rdzv_timeout_s,
@@ -157,11 +159,29 @@ def _usage_error(message: str) -> int:
     return USAGE_EXIT
 
 
-def _live(ns: argparse.Namespace) -> LiveOptions | None:
+def _live(ns: argparse.Namespace, nnodes: int) -> LiveOptions | None:
     if not ns.live_recovery:
         return None
     return LiveOptions(
         stall_s=ns.live_stall_timeout,
         min_members=ns.live_min_members,
         quorum_timeout_s=ns.live_quorum_timeout,
+        secret=_run_secret(ns, nnodes),
     )
+
+
+def _run_secret(ns: argparse.Namespace, nnodes: int) -> str:
+    """The secret that signs the live protocol's store values: --run-secret-file, else
+    PHALANX_RUN_SECRET, else (one node) a fresh one; it never travels through the store."""
+    if ns.run_secret_file:
+        return read_secret_file(ns.run_secret_file)
+    given = os.environ.get(SECRET_ENV, "")
+    if given:
+        return given
+    if nnodes > 1:
+        raise ConfigurationError(
+            "--live-recovery over several nodes needs the run's secret, the same on every "
+            f"node — pass --run-secret-file FILE (chmod 600), or set {SECRET_ENV} on each "
+            "(make one with: openssl rand -hex 32; docs/launch.md, 'Multi-node')"
+        )
+    return new_secret()

@@ -178,6 +178,13 @@ def _live_recovery(add: Add) -> None:
         metavar="N",
     )
     add(
+        "--run-secret-file",
+        "with --live-recovery: a file (mode 600) holding the run's secret, the same on every "
+        "node; it signs what the workers write in the job's store (default: "
+        "$PHALANX_RUN_SECRET, or a fresh one on a single node)",
+        metavar="FILE",
+    )
+    add(
         "--live-quorum-timeout",
         "with --live-recovery: seconds survivors wait for --live-min-members before they "
         "stop; default 60",

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from phalanx.ddp.stats import Collective, Traffic
 from phalanx.errors import ConfigurationError
+from phalanx.runtime.wire import all_gather_json
 
 # Broadcast in chunks of this size: large enough for few calls, small enough
 # not to double peak memory on a big model (torch DDP uses 250 MiB too).
@@ -55,9 +56,8 @@ def verify_same_state(
     ranks that differ there would pair up different collectives and abort in
     the backend, or hang.
     """
-    everyone: list[Any] = [None] * dist.get_world_size(group)
     mine = (dict(settings or {}), parameter_signature(params), parameter_signature(buffers))
-    dist.all_gather_object(everyone, mine, group=group)
+    everyone: list[Any] = all_gather_json(mine, group)
     raise_if_settings_differ([e[0] if e else {} for e in everyone], "wrap")
     _raise_first_difference("parameter", [e[1] if e else None for e in everyone])
     _raise_first_difference("buffer", [e[2] if e else None for e in everyone])

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from phalanx.errors import PhalanxError
+from phalanx.runtime.wire import all_gather_json
 
 
 class ReplicaDivergenceError(PhalanxError):
@@ -101,8 +102,7 @@ def check_replicas(model: nn.Module, group: dist.ProcessGroup | None = None) -> 
             stacklevel=2,
         )
     # A drift inside one replica group must stop every rank, not only that group's.
-    everyone: list[str | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, problem, group=group)
+    everyone: list[str | None] = all_gather_json(problem, group)
     first = next((p for p in everyone if p is not None), None)
     if first is not None:
         raise ReplicaDivergenceError(first)

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 KEY = "phalanx/live/"
 """Every key of the protocol in the job's store starts so."""
-JOIN_SEQ_KEY = f"{KEY}join/seq"
-"""A counter: the launcher takes each replacement's number from it (member `j<n>`)."""
 
 LIVE_ENV = "PHALANX_LIVE_RECOVERY"
 """Set to "1" in every worker of a `phalanx launch --live-recovery` run."""
@@ -61,3 +59,27 @@ def lost_key(member: str) -> str:
 def heartbeat_name(member: str) -> str:
     """A worker's heartbeat file, in its progress directory (PHALANX_PROGRESS_DIR)."""
     return f"live-{member}.beat"
+
+
+def checkin_key(generation: int, member: str) -> str:
+    """A survivor's check-in for `generation`: JSON {"step": the steps it applied}."""
+    return f"{KEY}g{generation}/in/{member}"
+
+
+def claim_key(member: str) -> str:
+    """Held by the launcher that took the replacement name `member` (`j<n>`): names are
+    claimed in order, j1, j2, ..., each by one launcher, so the members find every
+    replacement by reading the claims until the first one missing."""
+    return f"{KEY}join/claim/{member}"
+
+
+def join_key(member: str) -> str:
+    """A replacement's state: "waiting" to be let in, then "joined"."""
+    return f"{KEY}join/{member}"
+
+
+def node_key(node_rank: int, what: str) -> str:
+    """A node's entry (launch/livenodes.py): `members` (JSON list of the members its workers
+    run as), `beat` (its launcher's count of signs of life), `lost` (how often the store's
+    host declared it lost), `taken/<n>` (the launcher that took it over after loss n)."""
+    return f"{KEY}node/{node_rank}/{what}"

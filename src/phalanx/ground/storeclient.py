@@ -25,7 +25,7 @@ ATTEMPT_KEY = "phalanx/attempt"
 
 # c10d::detail::validationMagicNumber and QueryType, in the order torch declares them.
 _VALIDATION_MAGIC = 0x3C85F7CE
-_VALIDATE, _SET, _GET, _ADD, _CHECK = 0, 1, 3, 4, 5
+_VALIDATE, _SET, _COMPARE_SET, _GET, _ADD, _CHECK = 0, 1, 2, 3, 4, 5
 _PING = 13
 _READY = 0  # CheckResponseType::READY
 _POLL_S = 0.05
@@ -102,6 +102,20 @@ class StoreClient:
 
     def set(self, key: str, value: bytes) -> None:
         self._sock.sendall(bytes([_SET]) + _key(key) + struct.pack("=Q", len(value)) + value)
+
+    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        """torch's compare_set: `desired` replaces `expected` (b"": absent) atomically; the
+        value `key` holds afterwards (the current one when it did not match)."""
+        self._sock.sendall(
+            bytes([_COMPARE_SET])
+            + _key(key)
+            + struct.pack("=Q", len(expected))
+            + expected
+            + struct.pack("=Q", len(desired))
+            + desired
+        )
+        (size,) = struct.unpack("=Q", self._recv_exactly(8))
+        return self._recv_exactly(size) if size else b""
 
     def check(self, keys: Sequence[str]) -> bool:
         """True when every key exists, without waiting."""

@@ -31,6 +31,7 @@ from phalanx.ground.live_keys import (
     STALL_ENV,
 )
 from phalanx.ground.progress_record import PROGRESS_DIR_VAR, read_stop
+from phalanx.ground.runauth import SECRET_ENV
 from phalanx.launch.config import LaunchConfig
 from phalanx.launch.lifeline import LAUNCH_ID_ENV, Lifeline
 from phalanx.launch.live import LiveSupervisor, take_members
@@ -112,8 +113,13 @@ class Agent:
     ) -> int | None:
         """One run of the worker group; None means: failed, and a restart is allowed. A `late`
         node (it took a lost node's place, launch/livenodes.py) starts replacements."""
-        members = take_members((self.config.master_addr, port), self.config.nproc_per_node) \
-            if late and restart == 0 else []  # fmt: skip
+        members = (
+            take_members(
+                (self.config.master_addr, port), self.config.nproc_per_node, self.config.live_key()
+            )
+            if late and restart == 0
+            else []
+        )
         self._announce_start(restart, port, members)
         progress_dir = Path(tempfile.mkdtemp(prefix="phalanx-progress-"))
         plan = self._output_plan(restart)
@@ -209,6 +215,7 @@ class Agent:
             return {}
         return {
             LIVE_ENV: "1",
+            SECRET_ENV: live.secret,
             STALL_ENV: f"{live.stall_s:g}",
             MIN_MEMBERS_ENV: str(live.min_members),
             QUORUM_TIMEOUT_ENV: f"{live.quorum_timeout_s:g}",
@@ -235,6 +242,7 @@ class Agent:
         return LiveSupervisor(
             group=group,
             store_addr=(self.config.master_addr, port),
+            key=self.config.live_key(),
             progress_dir=progress_dir,
             respawn=respawn,
             replacements=self.config.max_restarts,

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from phalanx.errors import ConfigurationError
 from phalanx.ground.jobenv import global_rank
+from phalanx.ground.runauth import RunKey, new_secret
 from phalanx.launch.devices import cpu_count, gpu_count
 from phalanx.launch.routing import OutputRouting
 
@@ -54,6 +55,9 @@ class LiveOptions:
     stall_s: float = 5.0
     min_members: int = 1
     quorum_timeout_s: float = 60.0
+    secret: str = field(default_factory=new_secret, repr=False)
+    """The run's secret (--run-secret-file, PHALANX_RUN_SECRET, or made for the run): the
+    workers get it in their environment, never through the store (ground/runauth.py)."""
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -114,6 +118,11 @@ class LaunchConfig:
             )
         if not self.command:
             raise ConfigurationError("no script to run — pass a script path or -m module")
+
+    def live_key(self) -> RunKey:
+        """What signs and checks the live protocol's store values (needs --live-recovery)."""
+        assert self.live is not None
+        return RunKey(self.live.secret, self.run_id)
 
     @property
     def world_size(self) -> int:

@@ -11,6 +11,7 @@ ones to finish succeeded.
 from __future__ import annotations
 
 import json
+import secrets
 import signal
 import time
 from collections.abc import Callable
@@ -19,19 +20,21 @@ from pathlib import Path
 
 from phalanx.ground.live_keys import (
     GENERATION_KEY,
-    JOIN_SEQ_KEY,
-    KEY,
     RESTART_MARK,
     abort_key,
+    claim_key,
     heartbeat_name,
     lost_key,
     members_key,
+    node_key,
 )
+from phalanx.ground.live_store import LiveStore
+from phalanx.ground.runauth import RunKey
 from phalanx.ground.storeclient import StoreClient
 from phalanx.launch.procgroup import describe_returncode, signal_group
 from phalanx.launch.workers import Failure, StopRequest, Worker, WorkerGroup
 
-__all__ = ["LiveSupervisor", "Respawn", "node_members_key", "report_lost", "take_members"]
+__all__ = ["LiveSupervisor", "Respawn", "report_lost", "take_members"]
 
 Respawn = Callable[[int, str], Worker]
 """Start a replacement for local slot `local_rank` as member `member`."""
@@ -39,29 +42,30 @@ Respawn = Callable[[int, str], Worker]
 _STORE_TIMEOUT_S = 10.0
 
 
-def node_members_key(node_rank: int) -> str:
-    """The members a node's workers run as now (JSON), for the store's host to report them
-    lost if the node vanishes with its launcher (launch/livenodes.py)."""
-    return f"{KEY}node/{node_rank}/members"
-
-
-def report_lost(store: StoreClient, member: str, why: str) -> None:
+def report_lost(store: LiveStore, member: str, why: str) -> None:
     """Tell the survivors `member` is gone, so they neither wait for it nor step without it."""
-    store.set(lost_key(member), why.encode())
+    store.put(lost_key(member), why)
     # End the members' generation now: under local SGD no collective may come for a
     # while to tell them, and they must not take steps the lost rank will not share.
     _end_generation_of(store, member, why)
 
 
-def take_members(store_addr: tuple[str, int], count: int) -> list[str]:
-    """`count` new replacement names (`j<n>`), each number taken once from the store's
-    counter, so no two launchers ever start the same member."""
-    with StoreClient(*store_addr, _STORE_TIMEOUT_S) as store:
+def take_members(store_addr: tuple[str, int], count: int, key: RunKey) -> list[str]:
+    """`count` new replacement names (`j<n>`), each claimed once in the store, so no two
+    launchers ever start the same member."""
+    with StoreClient(*store_addr, _STORE_TIMEOUT_S) as client:
+        store = LiveStore(client, key)
         return [_next_member(store) for _ in range(count)]
 
 
-def _next_member(store: StoreClient) -> str:
-    return f"j{store.add(JOIN_SEQ_KEY, 1)}"
+def _next_member(store: LiveStore) -> str:
+    """The lowest name j1, j2, ... not yet claimed, claimed now (a stranger's garbage in a
+    claim is swapped out, never taken as a claim: ground/live_store.py)."""
+    nonce = secrets.token_hex(8)
+    n = 1
+    while not store.claimed(claim_key(f"j{n}"), nonce):
+        n += 1
+    return f"j{n}"
 
 
 @dataclass
@@ -78,6 +82,8 @@ class LiveSupervisor:
 
     group: WorkerGroup
     store_addr: tuple[str, int]
+    key: RunKey
+    """The run's secret: every value this launcher writes in the store is signed with it."""
     progress_dir: Path
     respawn: Respawn
     replacements: int
@@ -145,14 +151,25 @@ class LiveSupervisor:
     def _lost(self, slot: _Slot, code: int) -> int:
         """Report `slot`'s member lost, start its replacement if one is left; its exit code."""
         why = "fenced" if slot.fenced_after_s is not None else describe_returncode(code)
-        with StoreClient(*self.store_addr, _STORE_TIMEOUT_S) as store:
-            report_lost(store, slot.member, why)
-            if self.replacements <= 0:
-                self.say(f"rank {slot.worker.rank} ({slot.member}) lost ({why}); no replacement "
-                         "left (--max-restarts), the others go on")  # fmt: skip
-                return code
-            self.replacements -= 1
-            member = _next_member(store)
+        try:
+            with StoreClient(*self.store_addr, _STORE_TIMEOUT_S) as client:
+                store = LiveStore(client, self.key)
+                report_lost(store, slot.member, why)
+                if self.replacements <= 0:
+                    self.say(
+                        f"rank {slot.worker.rank} ({slot.member}) lost ({why}); no "
+                        "replacement left (--max-restarts), the others go on"
+                    )
+                    return code
+                self.replacements -= 1
+                member = _next_member(store)
+        except OSError as exc:
+            host, port = self.store_addr
+            self.say(
+                f"rank {slot.worker.rank} ({slot.member}) lost ({why}), and the job's store "
+                f"at {host}:{port} cannot be reached ({exc}); no replacement"
+            )
+            return code
         self.say(f"rank {slot.worker.rank} ({slot.member}) lost ({why}); the others go on, "
                  f"replacement {member} starting")  # fmt: skip
         worker = self.respawn(slot.worker.local_rank, member)
@@ -165,18 +182,22 @@ class LiveSupervisor:
         if self.node_rank is None:
             return
         running = [slot.member for slot in self._slots if not slot.done]
-        with StoreClient(*self.store_addr, _STORE_TIMEOUT_S) as store:
-            store.set(node_members_key(self.node_rank), json.dumps(running).encode())
+        with StoreClient(*self.store_addr, _STORE_TIMEOUT_S) as client:
+            LiveStore(client, self.key).put(
+                node_key(self.node_rank, "members"), json.dumps(running)
+            )
 
 
-def _end_generation_of(store: StoreClient, member: str, why: str) -> None:
+def _end_generation_of(store: LiveStore, member: str, why: str) -> None:
     """Abort the current generation if `member` is in it (the survivors may have formed
-    the next one without it already: then nothing is left to end)."""
-    generation = int(store.get(GENERATION_KEY)) if store.check([GENERATION_KEY]) else 0
+    the next one without it already: then nothing is left to end). Values that are not
+    the run's read as absent (logged once): the survivors then learn of the loss from
+    their next collective, or leave `member` out after the settle time."""
+    generation = store.read_int(GENERATION_KEY) or 0
     if generation == 0:
         members_now = member.startswith("r")
     else:
-        members_now = member in json.loads(store.get(members_key(generation)))
-    aborted = abort_key(generation)
-    if members_now and not store.check([aborted]):
-        store.set(aborted, f"launcher: {member} lost ({why})".encode())
+        members = store.read_json(members_key(generation))
+        members_now = isinstance(members, list) and member in members
+    if members_now:
+        store.first(abort_key(generation), f"launcher: {member} lost ({why})")

@@ -15,16 +15,18 @@ take the node's place: a launcher whose --node-rank is already claimed
 
 from __future__ import annotations
 
-import json
+import secrets
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from phalanx.errors import ConfigurationError
-from phalanx.ground.live_keys import KEY
+from phalanx.ground.live_keys import node_key
+from phalanx.ground.live_store import LiveStore
+from phalanx.ground.runauth import RunKey
 from phalanx.ground.storeclient import StoreClient
-from phalanx.launch.live import node_members_key, report_lost
+from phalanx.launch.live import report_lost
 from phalanx.launch.rendezvous import claim_node_rank
 
 __all__ = ["NodeBeat", "NodeWatch", "claim_live_node"]
@@ -35,15 +37,10 @@ _STORE_TIMEOUT_S = 10.0
 _POLL_S = 0.1
 
 
-def _node_key(node_rank: int, counter: str) -> str:
-    """One of a node's counters: `beat` (its launcher's sign of life), `lost` (how often the
-    store's host declared it lost), `taken` (how often a new launcher took it over)."""
-    return f"{KEY}node/{node_rank}/{counter}"
-
-
 def claim_live_node(
     client: StoreClient,
     node_rank: int,
+    key: RunKey,
     timeout_s: float,
     announce: Callable[[str], None],
     cancelled: Callable[[], bool],
@@ -55,13 +52,14 @@ def claim_live_node(
         return False
     announce(f"node {node_rank} is already in the run; waiting until its host is lost, to take "
              f"its place (up to {timeout_s:g}s)")  # fmt: skip
-    lost, taken = _node_key(node_rank, "lost"), _node_key(node_rank, "taken")
+    store = LiveStore(client, key)
+    nonce = secrets.token_hex(8)
     deadline = time.monotonic() + timeout_s
     while not cancelled():
-        if client.add(lost, 0) > client.add(taken, 0):
-            if client.add(taken, 1) <= client.add(lost, 0):
-                return True
-            client.add(taken, -1)  # another launcher got there first
+        losses = store.read_int(node_key(node_rank, "lost")) or 0
+        # Each loss is taken over once: by the launcher whose claim holds its key.
+        if losses and store.claimed(node_key(node_rank, f"taken/{losses}"), nonce):
+            return True
         if time.monotonic() > deadline:
             raise ConfigurationError(
                 f"--node-rank {node_rank} is taken by a node that is still running — give this "
@@ -103,11 +101,18 @@ class _Loop:
 
 
 class NodeBeat:
-    """A non-host launcher's sign of life: its node's counter, bumped every BEAT_S."""
+    """A non-host launcher's sign of life: its node's count, raised every BEAT_S (signed, so
+    no one outside the run can keep a lost node looking alive)."""
 
-    def __init__(self, addr: tuple[str, int], node_rank: int) -> None:
-        key = _node_key(node_rank, "beat")
-        self._loop = _Loop(addr, BEAT_S, "phalanx-node-beat", lambda c: c.add(key, 1))
+    def __init__(self, addr: tuple[str, int], node_rank: int, key: RunKey) -> None:
+        self._key, self._name, self._count = key, node_key(node_rank, "beat"), 0
+        self._launcher = secrets.token_hex(4)
+        """This launcher among the node's (a new host that takes the node over has another)."""
+        self._loop = _Loop(addr, BEAT_S, "phalanx-node-beat", self._beat)
+
+    def _beat(self, client: StoreClient) -> None:
+        self._count += 1
+        LiveStore(client, self._key).put(self._name, f"{self._launcher}:{self._count}")
 
     def stop(self) -> None:
         self._loop.stop()
@@ -115,17 +120,35 @@ class NodeBeat:
 
 @dataclass
 class _Seen:
+    launcher: str = ""
     count: int = -1
     changed_at: float = 0.0
     lost: bool = False
+
+    def moved(self, beat: str | None) -> bool:
+        """Whether `beat` ("<launcher>:<count>") is newer: a higher count from the same
+        launcher, or another launcher's (a value replayed from before is neither)."""
+        launcher, _, count = (beat or "").partition(":")
+        if not launcher or not count.isdigit():
+            return False
+        if launcher == self.launcher and int(count) <= self.count:
+            return False
+        self.launcher, self.count = launcher, int(count)
+        return True
 
 
 class NodeWatch:
     """The store host's watch over the other nodes' launchers (module docstring)."""
 
     def __init__(
-        self, addr: tuple[str, int], nnodes: int, stall_s: float, say: Callable[[str], None]
+        self,
+        addr: tuple[str, int],
+        nnodes: int,
+        stall_s: float,
+        say: Callable[[str], None],
+        key: RunKey,
     ) -> None:
+        self._key = key
         self._stall_s = stall_s
         self._say = say
         self._seen = {rank: _Seen() for rank in range(1, nnodes)}
@@ -142,17 +165,17 @@ class NodeWatch:
 
     def tick(self, client: StoreClient) -> None:
         now = time.monotonic()
+        store = LiveStore(client, self._key)
         for rank, seen in self._seen.items():
-            count = client.add(_node_key(rank, "beat"), 0)
-            if count != seen.count:
+            if seen.moved(store.read(node_key(rank, "beat"))):
                 if seen.lost:
                     self._say(f"node {rank} is back: a new launcher took its place; its workers "
                               "join the run as replacements")  # fmt: skip
-                seen.count, seen.changed_at, seen.lost = count, now, False
+                seen.changed_at, seen.lost = now, False
             elif seen.count > 0 and not seen.lost and now - seen.changed_at > self._stall_s:
-                members = self._report_workers(client, rank)
-                client.add(_node_key(rank, "lost"), 1)
+                members = self._report_workers(store, rank)
                 self.losses.append(rank)
+                store.put(node_key(rank, "lost"), str(self.losses.count(rank)))
                 self._say(
                     f"node {rank} lost: its launcher has not been heard from for "
                     f"{now - seen.changed_at:.1f} s (--live-stall-timeout {self._stall_s:g}); "
@@ -163,12 +186,12 @@ class NodeWatch:
                 seen.lost = True  # last: alive() drops once all of the above is done
 
     @staticmethod
-    def _report_workers(client: StoreClient, rank: int) -> list[str]:
+    def _report_workers(store: LiveStore, rank: int) -> list[str]:
         """Report the lost node's members lost, as its own launcher would have."""
-        key = node_members_key(rank)
-        members: list[str] = json.loads(client.get(key)) if client.check([key]) else []
+        listed = store.read_json(node_key(rank, "members"))
+        members = [m for m in listed if isinstance(m, str)] if isinstance(listed, list) else []
         for member in members:
-            report_lost(client, member, f"its host, node {rank}, was lost")
+            report_lost(store, member, f"its host, node {rank}, was lost")
         return members
 
     def report(self) -> str | None:

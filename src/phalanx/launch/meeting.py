@@ -94,8 +94,14 @@ class Meeting:
         if cfg.live is None:
             claim_node_rank(client, cfg.node_rank)
             return
-        self.late = claim_live_node(client, cfg.node_rank, cfg.rdzv_timeout_s, self._announce,
-                                    self._cancelled)  # fmt: skip
+        self.late = claim_live_node(
+            client,
+            cfg.node_rank,
+            cfg.live_key(),
+            cfg.rdzv_timeout_s,
+            self._announce,
+            self._cancelled,
+        )
         if self.late:
             self._announce(f"taking the place of lost node {cfg.node_rank}: the run is under "
                            "way, its workers join it as replacements")  # fmt: skip
@@ -103,14 +109,17 @@ class Meeting:
     def _beat_for(self, node_rank: int) -> None:
         """--live-recovery across nodes: tell the store's host this launcher still runs."""
         if self.config.live is not None and self.config.nnodes > 1:
-            self._beat = NodeBeat((self.config.master_addr, self.port), node_rank)
+            addr = (self.config.master_addr, self.port)
+            self._beat = NodeBeat(addr, node_rank, self.config.live_key())
 
     def _watch_nodes(self) -> None:
         """--live-recovery across nodes, on the store's host: notice a node that vanishes."""
         cfg = self.config
         if cfg.live is not None and cfg.nnodes > 1 and self._store is not None:
             addr = (self._store.address, self.port)
-            self._watch = NodeWatch(addr, cfg.nnodes, cfg.live.stall_s, self._announce)
+            self._watch = NodeWatch(
+                addr, cfg.nnodes, cfg.live.stall_s, self._announce, cfg.live_key()
+            )
 
     def _host(self) -> LaunchConfig:
         cfg = self.config

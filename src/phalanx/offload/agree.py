@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.errors import OffloadError
+from phalanx.runtime.wire import all_gather_json
 
 
 def raise_on_every_rank(failure: OffloadError | None, group: dist.ProcessGroup | None) -> None:
@@ -30,8 +31,7 @@ def raise_on_every_rank(failure: OffloadError | None, group: dist.ProcessGroup |
     dist.all_reduce(flag, group=group)
     if not int(flag.item()):
         return
-    messages: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(messages, None if failure is None else str(failure), group=group)
+    messages: list[Any] = all_gather_json(None if failure is None else str(failure), group)
     if failure is not None:
         raise failure
     rank, message = next((r, m) for r, m in enumerate(messages) if m is not None)

@@ -22,7 +22,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from phalanx.errors import ConfigurationError, RendezvousError
+from phalanx.errors import ConfigurationError, PhalanxError, RendezvousError
 from phalanx.ground import netif, progress_record
 from phalanx.ground.jobenv import LaunchInfo, detect_launch, launched_by_launcher
 from phalanx.ground.live_keys import LIVE_ENV, MEMBER_ENV
@@ -113,6 +113,8 @@ def _join_group(backend: str, info: LaunchInfo, device: torch.device, wait: time
             # Binds NCCL to this rank's GPU up front instead of guessing it at the first collective.
             device_id=device if device.type == "cuda" else None,
         )
+    except PhalanxError:  # live recovery's own (a rank that could not prove it is ours)
+        raise
     except (RuntimeError, OSError) as exc:
         raise RendezvousError(
             f"rank {info.rank} reached the master but could not connect to its peers ({exc}) "

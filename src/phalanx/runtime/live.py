@@ -18,17 +18,19 @@ Design and alternatives: docs/reliability.md, "Live recovery".
 from __future__ import annotations
 
 import atexit
+import hmac
+import json
 import os
 import threading
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
-from phalanx.errors import PeerLost
+from phalanx.errors import NotAMember, PeerLost
 from phalanx.ground.live_keys import (
     HEARTBEAT_S,
     KEY,
@@ -37,7 +39,9 @@ from phalanx.ground.live_keys import (
     grow_key,
     heartbeat_name,
 )
+from phalanx.ground.live_store import KeyValue, LiveStore
 from phalanx.ground.progress_record import PROGRESS_DIR_VAR
+from phalanx.ground.runauth import TAG_BYTES, RunKey
 
 __all__ = ["LIVE_BACKEND", "LiveGroup", "current_live_group"]
 
@@ -116,13 +120,18 @@ class LiveGroup(dist.ProcessGroup):
         rank: int,
         size: int,
         timeout: timedelta,
+        key: RunKey,
         replacement: str | None = None,
     ) -> None:
         """The first workers are members `r<rank>` of generation 0; a `replacement` (`j<n>`)
-        has no group until `LiveRecovery.join` lets it in."""
+        has no group until `LiveRecovery.join` lets it in. `key`: the run's secret, which
+        every value read from the store and every member of a group must prove."""
         super().__init__(rank, size)  # type: ignore[call-arg]  # the stubs know one overload
         self.store = store
-        """The job's store, unprefixed: the protocol's keys and each generation's prefix."""
+        """The job's store, unprefixed: each generation's prefix for gloo's own keys."""
+        self.key = key
+        self.live_store = LiveStore(cast(KeyValue, store), key)
+        """The protocol's keys, signed (ground/live_store.py)."""
         self.timeout = timeout
         self.generation = 0 if replacement is None else -1
         self.members: list[str] = [f"r{r}" for r in range(size)] if replacement is None else []
@@ -130,12 +139,13 @@ class LiveGroup(dist.ProcessGroup):
         self._inner: dist.ProcessGroupGloo | None = None
         if replacement is None:
             self._inner = self._gloo(0, rank, size)
+            self._prove(self._inner, 0, self.members, rank, timeout)
         self._rank, self._size = rank, size
         self._aborted: dict[int, str] = {}
         self._grow_asked: set[int] = set()
         self._abandoned: list[dist.ProcessGroupGloo] = []
         self._lock = threading.Lock()
-        self._watch_store = store.clone()  # type: ignore[attr-defined]  # TCPStore's
+        self._watch_store = LiveStore(cast(KeyValue, store.clone()), key)  # type: ignore[attr-defined]
         self._stop_watching = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="phalanx-live", daemon=True)
         self._watcher.start()
@@ -169,7 +179,11 @@ class LiveGroup(dist.ProcessGroup):
         rank = members.index(member)
         try:
             inner = self._gloo(generation, rank, len(members), connect)
-        except RuntimeError as exc:
+            self._prove(inner, generation, members, rank, connect)
+        except (RuntimeError, PeerLost) as exc:
+            self._abandon(generation, members, member)
+            if isinstance(exc, PeerLost):
+                raise
             raise PeerLost(
                 f"generation {generation}: a member did not connect ({_first_line(exc)})"
             ) from exc
@@ -179,6 +193,46 @@ class LiveGroup(dist.ProcessGroup):
             self._inner = inner
             self.generation, self.members, self.member = generation, members, member
             self._rank, self._size = rank, len(members)
+
+    def _abandon(self, generation: int, members: list[str], member: str) -> None:
+        """`generation` was agreed but could not form (a member died or failed its proof):
+        it is over, and the next one is agreed from its members (so not the same again)."""
+        with self._lock:
+            if self._inner is not None:
+                self._abandoned.append(self._inner)
+            self._inner = None
+            self.generation, self.members, self.member = generation, members, member
+            self._aborted.setdefault(generation, "it could not form")
+
+    def _prove(
+        self,
+        inner: dist.ProcessGroupGloo,
+        generation: int,
+        members: list[str],
+        rank: int,
+        timeout: timedelta,
+    ) -> None:
+        """Every rank of a new group shows a tag only the run's secret makes, bound to the
+        generation, its rank and name and the roster: a stranger that slipped into gloo's
+        rendezvous (its addresses are in the store too) is found here, before any data
+        moves. NotAMember naming it otherwise."""
+        roster = json.dumps(members).encode()
+
+        def tag(r: int) -> bytes:
+            return self.key.tag(
+                b"member", b"%d" % generation, b"%d" % r, members[r].encode(), roster
+            )
+
+        mine = torch.frombuffer(bytearray(tag(rank)), dtype=torch.uint8)
+        out = [torch.empty(TAG_BYTES, dtype=torch.uint8) for _ in members]
+        cast(dist.ProcessGroup, inner).allgather([out], [mine]).wait(timeout)
+        for r, got in enumerate(out):
+            if not hmac.compare_digest(got.numpy().tobytes(), tag(r)):
+                raise NotAMember(
+                    f"generation {generation}: rank {r} (claiming to be {members[r]}) does not "
+                    "hold the run's secret — someone outside the run joined its group; it is "
+                    "formed again without trusting it (docs/reliability.md, 'Who can steer a run')"
+                )
 
     # ------------------------------------------------------------ aborting
     def raise_if_aborted(self, generation: int | None = None) -> None:
@@ -193,7 +247,7 @@ class LiveGroup(dist.ProcessGroup):
     def lost(self, reason: str) -> PeerLost:
         """Mark the current generation aborted for every member; the error to raise here."""
         gen = self.generation
-        self.store.compare_set(abort_key(gen), "", f"{self.member}: {reason}"[:_ABORT_REASON_BYTES])
+        self.live_store.first(abort_key(gen), f"{self.member}: {reason}"[:_ABORT_REASON_BYTES])
         self._aborted.setdefault(gen, reason)
         return PeerLost(f"generation {gen} ended: {reason}")
 
@@ -207,9 +261,11 @@ class LiveGroup(dist.ProcessGroup):
         while not self._stop_watching.wait(_WATCH_S):
             gen = self.generation
             try:
-                if gen not in self._aborted and store.check([abort_key(gen)]):
-                    self._aborted[gen] = store.get(abort_key(gen)).decode(errors="replace")
-                if gen not in self._grow_asked and store.check([grow_key(gen)]):
+                if gen not in self._aborted:
+                    reason = store.read(abort_key(gen))
+                    if reason is not None:
+                        self._aborted[gen] = reason
+                if gen not in self._grow_asked and store.read(grow_key(gen)) is not None:
                     self._grow_asked.add(gen)
             except RuntimeError:  # the store went away: the next collective fails and says so
                 return
@@ -277,7 +333,8 @@ def create_live_group(
     its own prefix over the job's; the protocol uses the job's store itself."""
     while isinstance(store, dist.PrefixStore):
         store = store.underlying_store
-    return LiveGroup(store, rank, size, timeout, os.environ.get(MEMBER_ENV) or None)
+    key = RunKey.from_env()
+    return LiveGroup(store, rank, size, timeout, key, os.environ.get(MEMBER_ENV) or None)
 
 
 def register_live_backend() -> None:

@@ -8,7 +8,11 @@ their old order, then the replacements waiting to join) with one
 compare-and-set; every other member reads that proposal, so all agree whatever
 they saw. A member left out (a stalled rank that woke up late) is fenced: it
 stops, and cannot bring stale state back. Replacements announce themselves under
-`join/`; they are taken in at the next generation. Fewer than `min_members`
+`join/` (under the name their launcher claimed, `join/claim/`); they are taken in
+at the next generation, unless their launcher reported them lost meanwhile.
+Every value is read through `LiveStore`: one that is not signed with the run's
+secret is absent, so a stranger can neither check in, nor report a member lost,
+nor propose the members (docs/reliability.md, "Who can steer a run"). Fewer than `min_members`
 after `quorum_timeout_s` is `NoQuorum`, naming who is missing.
 """
 
@@ -19,36 +23,29 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-
-import torch.distributed as dist
+from typing import Any
 
 from phalanx.errors import NoQuorum
 from phalanx.ground.live_keys import (
     FINISHED_KEY,
     GENERATION_KEY,
-    JOIN_SEQ_KEY,
-    KEY,
     MIN_MEMBERS_ENV,
     QUORUM_TIMEOUT_ENV,
     STALL_ENV,
     abort_key,
+    checkin_key,
+    claim_key,
     grow_key,
+    join_key,
     lost_key,
     members_key,
 )
+from phalanx.ground.live_store import LiveStore
 from phalanx.runtime.live import LiveGroup
 
 __all__ = ["Membership", "Settings", "settings_from_env"]
 
 _POLL_S = 0.05
-
-
-def _join_key(member: str) -> str:
-    return f"{KEY}join/{member}"
-
-
-def _checkin_key(generation: int, member: str) -> str:
-    return f"{KEY}g{generation}/in/{member}"
 
 
 @dataclass(frozen=True)
@@ -65,17 +62,18 @@ class Membership:
 
     def __init__(self, group: LiveGroup, settings: Settings) -> None:
         self.group = group
-        self.store: dist.Store = group.store
+        self.store: LiveStore = group.live_store
         self.settings = settings
+        self._generation_seen = 0
+        """The highest generation read from GENERATION_KEY (a replayed older value is ignored)."""
 
     # ------------------------------------------------------------ survivors
     def next_generation(self, applied_step: int, reason: str) -> list[str]:
         """Leave the current generation and agree on the next one's members (in order)."""
         group = self.group
         old, gen = group.members, group.generation
-        self.store.compare_set(abort_key(gen), "", f"{group.member}: {reason}")
-        checkin = json.dumps({"step": applied_step})
-        self.store.set(_checkin_key(gen + 1, group.member), checkin)
+        self.store.first(abort_key(gen), f"{group.member}: {reason}")
+        self.store.put(checkin_key(gen + 1, group.member), json.dumps({"step": applied_step}))
         members = self._agree(gen + 1, old)
         if group.member not in members:
             raise NoQuorum(
@@ -87,23 +85,32 @@ class Membership:
     def _agree(self, gen: int, old: list[str]) -> list[str]:
         start = time.monotonic()
         key = members_key(gen)
-        while not self.store.check([key]):
+        members = _member_list(self.store.read_json(key))
+        while members is None:
             waited = time.monotonic() - start
-            arrived = [m for m in old if self.store.check([_checkin_key(gen, m)])]
-            lost = [m for m in old if m not in arrived and self.store.check([lost_key(m)])]
+            arrived = [m for m in old if self._checked_in(gen, m)]
+            lost = [m for m in old if m not in arrived and self._lost(m)]
             missing = [m for m in old if m not in arrived and m not in lost]
             if not missing or waited > self.settings.settle_s:
-                joiners = [j for j in self._waiting_joiners() if j not in old]
-                proposal = arrived + joiners
+                proposal = arrived + [j for j in self._waiting_joiners() if j not in old]
                 if len(proposal) >= self.settings.min_members:
-                    self.store.compare_set(key, "", json.dumps(proposal))
+                    members = _member_list(json.loads(self.store.first(key, json.dumps(proposal))))
                     break
                 if waited > self.settings.quorum_timeout_s:
                     raise NoQuorum(self._short(gen, proposal, lost, missing))
             time.sleep(_POLL_S)
-        members: list[str] = json.loads(self.store.get(key))
-        self.store.set(GENERATION_KEY, str(gen))
+            members = _member_list(self.store.read_json(key))
+        if members is None:  # signed by a member, yet not a list of names: never expected
+            raise NoQuorum(f"generation {gen}'s members could not be read — restart the run")
+        self.store.put(GENERATION_KEY, str(gen))
         return members
+
+    def _checked_in(self, gen: int, member: str) -> bool:
+        entry = self.store.read_json(checkin_key(gen, member))
+        return isinstance(entry, dict) and isinstance(entry.get("step"), int)
+
+    def _lost(self, member: str) -> bool:
+        return self.store.read(lost_key(member)) is not None
 
     def _short(self, gen: int, proposal: list[str], lost: list[str], missing: list[str]) -> str:
         need = self.settings.min_members
@@ -116,9 +123,15 @@ class Membership:
         )
 
     def _waiting_joiners(self) -> list[str]:
-        count = self.store.add(JOIN_SEQ_KEY, 0)
-        joiners = [f"j{n}" for n in range(1, count + 1)]
-        return [j for j in joiners if self.store.check([_join_key(j)])]
+        """The replacements waiting to be let in: every claimed name j1, j2, ... (up to the
+        first unclaimed) whose state is "waiting" and whose launcher has not lost it."""
+        waiting, n = [], 1
+        while self.store.read(claim_key(f"j{n}")) is not None:
+            member = f"j{n}"
+            if self.store.read(join_key(member)) == "waiting" and not self._lost(member):
+                waiting.append(member)
+            n += 1
+        return waiting
 
     def ask_to_grow(self) -> None:
         """At a step boundary with a replacement waiting: end this generation for everyone."""
@@ -127,7 +140,7 @@ class Membership:
     # ------------------------------------------------------------ replacements
     def finish(self, step: int) -> None:
         """Training ended at `step` (every member says so): no replacement will be let in."""
-        self.store.set(FINISHED_KEY, str(step))
+        self.store.put(FINISHED_KEY, str(step))
 
     def join(self, member: str) -> tuple[int, list[str]]:
         """As replacement `member`: wait to be taken into a generation; (it, its members).
@@ -135,24 +148,22 @@ class Membership:
         When the run finishes first, this process has nothing to do: it says so and
         exits 0 (SystemExit), so that the rest of the script (a save, an upload) does not
         run on a replica that never trained."""
-        self.store.set(_join_key(member), "waiting")
+        self.store.put(join_key(member), "waiting")
         start = time.monotonic()
         while True:
             current = self._generation()
             for gen in (current, current + 1):  # the members may have moved on already
-                key = members_key(gen)
-                if gen > 0 and self.store.check([key]):
-                    members: list[str] = json.loads(self.store.get(key))
-                    if member in members:
-                        self.store.delete_key(_join_key(member))
-                        return gen, members
-            if self.store.check([FINISHED_KEY]):
-                self.store.delete_key(_join_key(member))
-                step = self.store.get(FINISHED_KEY).decode()
-                print(f"[phalanx] replacement {member}: the run finished (step {step}) before "
-                      "it could join; nothing to do", file=sys.stderr, flush=True)  # fmt: skip
+                members = _member_list(self.store.read_json(members_key(gen))) if gen else None
+                if members is not None and member in members:
+                    self.store.put(join_key(member), "joined")
+                    return gen, members
+            step = self.store.read(FINISHED_KEY)
+            if step is not None:
+                self.store.put(join_key(member), "finished")
+                print(f"[phalanx] replacement {member}: the run finished (step {step}) before it "
+                      "could join; nothing to do", file=sys.stderr, flush=True)  # fmt: skip
                 raise SystemExit(0)
-            self.store.compare_set(grow_key(current), "", member)
+            self.store.first(grow_key(current), member)
             if time.monotonic() - start > self.settings.quorum_timeout_s:
                 raise NoQuorum(
                     f"replacement {member} was not taken into the run within "
@@ -162,9 +173,18 @@ class Membership:
             time.sleep(_POLL_S)
 
     def _generation(self) -> int:
-        if not self.store.check([GENERATION_KEY]):
-            return 0
-        return int(self.store.get(GENERATION_KEY))
+        """The members' generation, never going back (a stranger may replay an older value)."""
+        read = self.store.read_int(GENERATION_KEY)
+        if read is not None and read > self._generation_seen:
+            self._generation_seen = read
+        return self._generation_seen
+
+
+def _member_list(value: Any) -> list[str] | None:
+    """`value` as a list of member names, or None."""
+    if isinstance(value, list) and value and all(isinstance(m, str) for m in value):
+        return value
+    return None
 
 
 def settings_from_env(environ: dict[str, str] | None = None) -> Settings:

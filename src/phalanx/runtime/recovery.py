@@ -10,10 +10,16 @@ loop's `save()`: model, optimizer, sampler position, counters) is broadcast
 over the new group to every member behind it, replacements included. Either
 every member applies a step or none does, and no step applied anywhere is
 lost.
+
+The donor's state arrives with a tag (an HMAC of its bytes under the run's secret,
+bound to the generation): a member loads only bytes a member of this run sent, and
+loads them with `weights_only=True`. No collective here carries a pickle.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import io
 import time
 from collections.abc import Callable, Collection
@@ -24,7 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phalanx.errors import PeerLost
+from phalanx.errors import NotAMember, PeerLost
+from phalanx.ground.runauth import TAG_BYTES
 from phalanx.runtime.live import LiveGroup
 from phalanx.runtime.membership import Membership, Settings
 
@@ -107,8 +114,11 @@ class LiveRecovery:
         if the run finishes first)."""
         start = time.monotonic()
         generation, members = self.membership.join(member)
-        self.group.reform(generation, members, member, self._connect)
-        return self._sync(-1, save, load, start, "joined as a replacement")
+        try:
+            self.group.reform(generation, members, member, self._connect)
+            return self._sync(-1, save, load, start, "joined as a replacement")
+        except PeerLost as exc:  # lost a member while joining: now one of the members
+            return self.recover(-1, f"joined as a replacement; then {exc}", save, load)
 
     def _sync(
         self, applied_step: int, save: SaveFn, load: LoadFn, start: float, reason: str
@@ -121,7 +131,13 @@ class LiveRecovery:
         received = False
         if behind:
             blob = _broadcast_bytes(group, _dump(save()) if group.rank() == donor else b"", donor)
+            tag = _broadcast_bytes(group, self._donor_tag(blob), donor)
             if applied_step != best:
+                if not hmac.compare_digest(tag, self._donor_tag(blob)):
+                    raise NotAMember(
+                        f"generation {group.generation}: the donor's state "
+                        f"({group.members[donor]}) does not carry the run's tag; not loaded"
+                    )
                 load(_load(blob))
                 received = True
         return Recovered(
@@ -135,6 +151,12 @@ class LiveRecovery:
             seconds=time.monotonic() - start,
             reason=reason,
         )
+
+    def _donor_tag(self, blob: bytes) -> bytes:
+        gen = b"%d" % self.group.generation
+        tag = self.group.key.tag(b"donor", gen, hashlib.sha256(blob).digest())
+        assert len(tag) == TAG_BYTES
+        return tag
 
 
 def _all_gather_ints(group: LiveGroup, value: int) -> list[int]:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from phalanx import errors
 from phalanx.errors import PhalanxError
 from phalanx.ground.jobenv import LaunchInfo
+from phalanx.runtime import wire
 from phalanx.runtime.backend import current_device
 
 __all__ = ["World", "describe_default_group"]
@@ -61,17 +62,17 @@ class World:
         dist.all_reduce(tensor, group=self.process_group)
         return [float(v) for v in tensor.tolist()]
 
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's `obj`, in rank order, on every rank."""
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.process_group)
-        return out
+    def all_gather_json(self, obj: Any) -> list[Any]:
+        """Every rank's `obj` (JSON: no pickle travels, runtime/wire.py), in rank order."""
+        return wire.all_gather_json(obj, self.process_group)
 
-    def broadcast_object(self, obj: Any) -> Any:
-        """Rank 0's `obj` on every rank."""
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.process_group)
-        return box[0]
+    def all_gather_state(self, obj: Any) -> list[Any]:
+        """Every rank's tensors and plain containers (read back with weights_only)."""
+        return wire.all_gather_state(obj, self.process_group)
+
+    def broadcast_json(self, obj: Any) -> Any:
+        """Rank 0's `obj` (JSON) on every rank."""
+        return wire.broadcast_json(obj, 0, self.process_group)
 
     def barrier_or_raise(self, error: PhalanxError | None) -> None:
         """A barrier that fails on every rank if it failed on any: pass your error or None.
@@ -85,7 +86,7 @@ class World:
         mine = None if error is None else (type(error).__name__, str(error))
         failures = [
             (rank, failure)
-            for rank, failure in enumerate(self.all_gather_object(mine))
+            for rank, failure in enumerate(self.all_gather_json(mine))
             if failure is not None
         ]
         if not failures:

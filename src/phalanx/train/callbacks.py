@@ -261,7 +261,7 @@ class Callbacks:
             setattr(self.control, name, bool(vote))
 
     def _raise_failure(self) -> None:
-        failures: list[Any] = self.world.all_gather_object(self._failure)
+        failures: list[Any] = self.world.all_gather_json(self._failure)
         rank, message = next((r, m) for r, m in enumerate(failures) if m is not None)
         step = self.state.global_step
         raise CallbackError(

@@ -132,7 +132,7 @@ def _in_dataset_order(per_rank: list[Tensor | None], total: int, world: int) -> 
 
 def _gather(parts: list[Tensor], world: World, total: int) -> Tensor | None:
     local = torch.cat(parts) if parts else None
-    everyone = world.all_gather_object(local)
+    everyone = world.all_gather_state(local)
     if all(t is None for t in everyone):
         return None
     return _in_dataset_order(everyone, total, world.world_size)

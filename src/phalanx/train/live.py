@@ -103,15 +103,25 @@ class LiveTraining:
         self.recovery.finish(self.trainer.state.global_step)
 
     def recover(self, lost: PeerLost) -> None:
-        """Drop the step in flight, agree on the members, take the donor's state, rebuild."""
+        """Drop the step in flight, agree on the members, take the donor's state, rebuild;
+        a loss during the rebuild (its broadcasts) is one more recovery, not the run's end."""
         trainer = self.trainer
-        trainer.optimizer.zero_grad(set_to_none=True)
-        done = self.recovery.recover(trainer.state.global_step, str(lost), self._save, self._load)
-        self._rebuild(done)
+        while True:
+            trainer.optimizer.zero_grad(set_to_none=True)
+            step = trainer.state.global_step
+            done = self.recovery.recover(step, str(lost), self._save, self._load)
+            try:
+                self._rebuild(done)
+                return
+            except PeerLost as again:
+                lost = again
 
     def join(self) -> None:
         done = self.recovery.join(self.group.member, self._save, self._load)
-        self._rebuild(done)
+        try:
+            self._rebuild(done)
+        except PeerLost as lost:
+            self.recover(lost)
 
     # ------------------------------------------------------------ the state
     def _used_by_all(self) -> int:

@@ -53,8 +53,7 @@ def check_same_arguments(args: TrainingArguments, world: World) -> None:
     if not world.is_distributed:
         return
     mine = {k: v for k, v in args.to_dict().items() if k not in PER_RANK_ARGUMENTS}
-    everyone: list[Any] = [None] * world.world_size
-    dist.all_gather_object(everyone, mine, group=world.process_group)
+    everyone: list[Any] = world.all_gather_json(mine)
     raise_if_settings_differ(everyone, "TrainingArguments")
 
 

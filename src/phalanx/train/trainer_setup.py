@@ -202,7 +202,7 @@ class TrainerSetup:
         )
         self.micro_batches_per_epoch = len(self.train_loader)
         if not args.even_batches:  # the longest rank's epoch: every rank counts the same steps
-            lengths: list[int] = self.world.all_gather_object(len(self.train_loader))
+            lengths: list[int] = self.world.all_gather_json(len(self.train_loader))
             self.micro_batches_per_epoch = max(lengths)
         steps_per_epoch = math.ceil(self.micro_batches_per_epoch / args.gradient_accumulation_steps)
         self.max_steps = (

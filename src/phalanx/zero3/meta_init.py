@@ -170,9 +170,9 @@ def _use_rank0_generator(group: dist.ProcessGroup | None) -> None:
         return
     ranks = group if group is not None else dist.group.WORLD
     assert ranks is not None
-    state = [torch.get_rng_state()]
-    dist.broadcast_object_list(state, src=dist.get_global_rank(ranks, 0), group=group)
-    torch.set_rng_state(state[0])
+    state = torch.get_rng_state()  # a byte tensor of fixed size: no object collective
+    dist.broadcast(state, src=dist.get_global_rank(ranks, 0), group=group)
+    torch.set_rng_state(state)
 
 
 Swapped = dict[str, tuple[torch.Tensor, torch.Tensor]]

@@ -109,7 +109,7 @@ class Checkpointer:
         started = time.perf_counter()
         placements = {name: placement_of(entry) for name, entry in states.items()}
         per_rank = {
-            name: self.world.all_gather_object(_stateful(name, entry).state_dict())
+            name: self.world.all_gather_state(_stateful(name, entry).state_dict())
             for name, entry in states.items()
             if placements[name] == "per_rank"
         }
@@ -144,7 +144,7 @@ class Checkpointer:
 
         self._turn(tmp, step, seal_on_main, everyone=False)
         size = checkpoint_bytes(read_manifest(sealed[0])) if sealed else 0
-        size = int(self.world.broadcast_object(size))
+        size = int(self.world.broadcast_json(size))
         return Saved(tmp.with_name(f"{PREFIX}{step}"), size, time.perf_counter() - started)
 
     def _turn(
@@ -212,7 +212,7 @@ class Checkpointer:
                     f"{exc}) — the checkpoint is corrupt; resume from an earlier one"
                 )
         self.world.barrier_or_raise(error)
-        chosen = self.world.broadcast_object(chosen)
+        chosen = self.world.broadcast_json(chosen)
         return None if chosen is None else Path(chosen)
 
     def _choose_locally(self, resume: bool | str | Path) -> Path | None:

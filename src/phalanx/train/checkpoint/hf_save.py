@@ -139,7 +139,7 @@ def save_model(
         except PhalanxError as exc:
             error = exc
     world.barrier_or_raise(error)
-    staging = Path(world.broadcast_object(None if staging is None else str(staging)))
+    staging = Path(world.broadcast_json(None if staging is None else str(staging)))
     if sharded:
         from phalanx import zero3
 

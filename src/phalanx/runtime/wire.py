@@ -1,0 +1,77 @@
+"""Objects between ranks without pickle.
+
+torch's `all_gather_object` and `broadcast_object_list` unpickle whatever a peer
+sends, so anything that joins the group runs code in every rank (under live
+recovery a group is formed again mid-run, from a store anyone on the network can
+write). phalanx sends JSON instead: every rank learns the others' sizes, then
+the UTF-8 bytes travel as one padded uint8 tensor. State that holds tensors (a
+rank's RNG state for its checkpoint) travels through `torch.save` and comes back
+through `torch.load(weights_only=True)`, the loader that admits tensors and
+plain containers only, as every checkpoint read does. tests/unit/test_wire.py
+holds src/phalanx to these, and to no object collective of torch's.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["all_gather_bytes", "all_gather_json", "all_gather_state", "broadcast_json"]
+
+
+def _device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where the group's tensors must live: NCCL's on this rank's GPU, others' on the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_gather_bytes(data: bytes, group: dist.ProcessGroup | None = None) -> list[bytes]:
+    """Every rank's `data`, in rank order, on every rank (sizes first, then one padded gather)."""
+    device = _device(group)
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    world = dist.get_world_size(group)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    lengths = [int(s.item()) for s in sizes]
+    longest = max(lengths)
+    mine = torch.zeros(max(longest, 1), dtype=torch.uint8, device=device)
+    if data:
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    out = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(out, mine, group=group)
+    return [t[:n].cpu().numpy().tobytes() for t, n in zip(out, lengths, strict=True)]
+
+
+def all_gather_json(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Every rank's `obj` (JSON: tuples come back as lists), in rank order, on every rank."""
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    return [json.loads(b) for b in all_gather_bytes(data, group)]
+
+
+def broadcast_json(obj: Any, src: int = 0, group: dist.ProcessGroup | None = None) -> Any:
+    """Group rank `src`'s `obj` (JSON) on every rank."""
+    device = _device(group)
+    root = dist.get_global_rank(group, src) if group is not None else src
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=root, group=group)
+    buffer = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    if dist.get_rank() == root and data:
+        buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    dist.broadcast(buffer, src=root, group=group)
+    return json.loads(buffer.cpu().numpy().tobytes())
+
+
+def all_gather_state(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Every rank's `obj` of tensors and plain containers, read back with weights_only."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return [
+        torch.load(io.BytesIO(b), weights_only=True)
+        for b in all_gather_bytes(buffer.getvalue(), group)
+    ]
