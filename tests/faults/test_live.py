@@ -106,3 +106,17 @@ def test_no_quorum_stops_with_one_line(tmp_path: Path) -> None:
     assert "missing r2 (lost)" in lines[0] and "2 of the 3 members" in lines[0]
     assert "Traceback" not in out
     assert time.monotonic() - start < 100
+
+
+@pytest.mark.timeout(170)
+def test_a_replacement_that_dies_on_admission_is_dropped(tmp_path: Path) -> None:
+    """j1 is let in and dies before it connects: the members' wait for it ends within the
+    connect bound, it is left out of the next generation, and the run finishes exact."""
+    code, out = _run(tmp_path, "--max-restarts 1", KILL_MEMBER="r1", KILL_STEP="10",
+                     DIE_ON_ADMISSION="j1")  # fmt: skip
+    assert code == 0, out
+    worlds = _check_exact(tmp_path)
+    assert worlds[:10] == [3] * 10 and worlds[-1] == 2, worlds
+    assert "rank 1 (j1) lost" in out, out
+    assert re.search(r"recovered: Recovered\(generation=3, members=\['r0', 'r2'\]", out), out
+    assert len(_digests(out)) == 1 and out.count("done step=") == 2, out

@@ -177,3 +177,21 @@ def test_twenty_trials_of_a_random_rank_lost_at_a_random_step(tmp_path: Path) ->
         first_on_two = min(e["t"] for es in _steps(ledger).values() for e in es
                            if e["world"] == 2)  # fmt: skip
         assert first_on_two - killed < 10, (trial, member, step, how, first_on_two - killed)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stage", ["1", "3"])
+def test_zero_falls_back_to_a_restart_and_says_so(tmp_path: Path, stage: str) -> None:
+    """Under --live-recovery a ZeRO run starts (its collectives over the live group), says in
+    one line that a loss restarts it, and a rank killed after the step-4 checkpoint restarts
+    every rank from it, with no replacement started: the model ends where the undisturbed
+    run's does."""
+    quiet = _train(tmp_path / "quiet", tmp_path / "ql", 8, 2, "resume", ZERO_STAGE=stage,
+                   SAVE_STEPS="4")  # fmt: skip
+    out = _train(tmp_path / "out", tmp_path / "ledger", 8, 2, "resume", ZERO_STAGE=stage,
+                 SAVE_STEPS="4", KILL_STEPS="6")  # fmt: skip
+    assert out.count('fault_tolerance="live" falls back to a restart') == 2, out
+    assert "restarting the worker group (restart 1 of 1)" in out, out
+    assert "resumed from checkpoint-4" in out or "resuming" in out, out
+    assert "replacement" not in out and "Traceback" not in out, out
+    assert _fit(out) == _fit(quiet), out

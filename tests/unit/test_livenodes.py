@@ -83,3 +83,22 @@ def test_a_node_that_never_beat_is_not_waited_for_nor_lost(port: int) -> None:
         assert watch.alive() == 0 and said == [] and watch.report() is None
     finally:
         watch.stop()
+
+
+@pytest.mark.timeout(30)
+def test_the_launcher_reads_garbage_as_absent(port: int) -> None:
+    """A stranger's garbage where the launcher reads the generation and its members: it
+    reports the loss (signed) and says once what it ignored, never a traceback."""
+    from phalanx.ground.live_keys import GENERATION_KEY, abort_key, members_key
+    from phalanx.launch.live import report_lost
+
+    with StoreClient("127.0.0.1", port, 5) as client:
+        client.set(GENERATION_KEY, b"\xff not a number")
+        client.set(members_key(3), b"{broken")
+        store = LiveStore(client, KEY)
+        report_lost(store, "r1", "killed")  # generation unreadable: gen 0, r1 is in it
+        assert store.read(lost_key("r1")) == "killed"
+        assert store.read(abort_key(0)) == "launcher: r1 lost (killed)"
+        store.put(GENERATION_KEY, "3")
+        report_lost(store, "r2", "killed")  # its members unreadable: nothing to end
+        assert store.read(abort_key(3)) is None and store.read(lost_key("r2")) == "killed"

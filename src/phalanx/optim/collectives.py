@@ -35,6 +35,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from phalanx.runtime.live import LIVE_BACKEND
 from phalanx.ddp.stats import Collective, Traffic
 from phalanx.optim.sharding import ShardedFlat
 
@@ -89,7 +90,8 @@ class ReduceScatterState(NamedTuple):
 
 
 def is_gloo(group: dist.ProcessGroup | None) -> bool:
-    return str(dist.get_backend(group)) == "gloo"
+    """Gloo's collectives (live recovery's group hands each to a gloo group)."""
+    return str(dist.get_backend(group)) in ("gloo", LIVE_BACKEND)
 
 
 def scale_to_mean(tensor: torch.Tensor, ranks: int) -> torch.Tensor:

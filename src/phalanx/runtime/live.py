@@ -94,21 +94,28 @@ def _first_line(exc: BaseException) -> str:
     return text[0][:200] if text else type(exc).__name__
 
 
-_OPS = (
-    "allreduce",
-    "allreduce_coalesced",
-    "broadcast",
-    "allgather",
-    "_allgather_base",
-    "allgather_coalesced",
-    "reduce",
-    "reduce_scatter",
-    "_reduce_scatter_base",
-    "gather",
-    "scatter",
-    "alltoall_base",
-    "barrier",
-)
+_OPS = {
+    "allreduce": "allreduce",
+    "allreduce_coalesced": "allreduce_coalesced",
+    "broadcast": "broadcast",
+    "allgather": "allgather",
+    "_allgather_base": "_allgather_base",
+    "all_gather_single": "_allgather_base",  # torch 2.13's names for the same collectives
+    "allgather_coalesced": "allgather_coalesced",
+    "reduce": "reduce",
+    "reduce_scatter": "reduce_scatter",
+    "_reduce_scatter_base": "_reduce_scatter_base",
+    "reduce_scatter_single": "_reduce_scatter_base",
+    "gather": "gather",
+    "scatter": "scatter",
+    "alltoall_base": "alltoall_base",
+    "all_to_all_single": "alltoall_base",
+    "alltoall": "alltoall",
+    "send": "send",
+    "recv": "recv",
+    "barrier": "barrier",
+}
+"""Our name -> the inner gloo group's: every collective torch.distributed calls a group by."""
 
 
 class LiveGroup(dist.ProcessGroup):
@@ -140,6 +147,7 @@ class LiveGroup(dist.ProcessGroup):
         if replacement is None:
             self._inner = self._gloo(0, rank, size)
             self._prove(self._inner, 0, self.members, rank, timeout)
+            self._bind(self._inner)
         self._rank, self._size = rank, size
         self._aborted: dict[int, str] = {}
         self._grow_asked: set[int] = set()
@@ -193,6 +201,17 @@ class LiveGroup(dist.ProcessGroup):
             self._inner = inner
             self.generation, self.members, self.member = generation, members, member
             self._rank, self._size = rank, len(members)
+            self._bind(inner)
+
+    def _bind(self, inner: dist.ProcessGroupGloo) -> None:
+        """Make `inner` this group's registered CPU backend, and name the group again (torch
+        reads the name from its backend). What torch calls through Python (every `dist.*`
+        collective) reaches our methods above; what it dispatches in C++ (DTensor's functional
+        collectives, a DeviceMesh over this group) reaches the current generation's gloo."""
+        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, inner)
+        name = dist.distributed_c10d._world.pg_names.get(self)
+        if name:
+            self._set_group_name(name)
 
     def _abandon(self, generation: int, members: list[str], member: str) -> None:
         """`generation` was agreed but could not form (a member died or failed its proof):
@@ -307,12 +326,12 @@ def start_heartbeat(member: str) -> None:
     atexit.register(leave)
 
 
-def _delegate(name: str) -> Callable[..., dist.Work]:
+def _delegate(name: str, inner_name: str) -> Callable[..., dist.Work]:
     def op(self: LiveGroup, *args: Any) -> dist.Work:
         generation = self.generation
         self.raise_if_aborted(generation)
         try:
-            inner = getattr(self._inner, name)(*args)  # raise_if_aborted: joined, so set
+            inner = getattr(self._inner, inner_name)(*args)  # raise_if_aborted: joined, so set
         except RuntimeError as exc:
             raise self.lost(f"a collective could not start ({_first_line(exc)})") from exc
         return _LiveWork(self, inner, generation)
@@ -322,8 +341,8 @@ def _delegate(name: str) -> Callable[..., dist.Work]:
     return op
 
 
-for _name in _OPS:
-    setattr(LiveGroup, _name, _delegate(_name))
+for _name, _inner_name in _OPS.items():
+    setattr(LiveGroup, _name, _delegate(_name, _inner_name))
 
 
 def create_live_group(

@@ -6,7 +6,8 @@ whether any sample was skipped or repeated. KILL_MEMBER kills or stops itself
 (KILL_SIGNAL) at KILL_STEP, before the step's backward, with a collective in
 flight on the others. HOLD_STEP and HOLD_WORLD hold the members at that step's boundary
 until the world has grown back to HOLD_WORLD (a replacement coming from a new host), so
-the run cannot end before it arrives.
+the run cannot end before it arrives. ADMIT_AT lets a replacement in at that step
+only (as a replayed membership does), so two runs with the same loss are bit-identical.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def main() -> None:
     phalanx.init(backend="gloo", timeout=60)
     group = current_live_group()
     assert group is not None, "run me under phalanx launch --live-recovery"
-    live = LiveRecovery(group, settings_from_env())
+    admit_at = [int(os.environ["ADMIT_AT"])] if os.environ.get("ADMIT_AT") else None
+    live = LiveRecovery(group, settings_from_env(), admit_at)  # ADMIT_AT: a replacement's step
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -57,6 +59,8 @@ def main() -> None:
         optimizer.load_state_dict(state["optimizer"])
         at.update(step=state["step"], offset=state["offset"])
 
+    if group.member == os.environ.get("DIE_ON_ADMISSION"):
+        die_on_admission(live)
     if group.member.startswith("j"):
         say(group, f"joined: {live.join(group.member, save, load)}")
     ddp = phalanx.DistributedDataParallel(model, process_group=group)
@@ -95,6 +99,18 @@ def main() -> None:
 def maybe_die(member: str, step: int) -> None:
     if member == os.environ.get("KILL_MEMBER") and step == int(os.environ["KILL_STEP"]):
         os.kill(os.getpid(), getattr(signal, os.environ.get("KILL_SIGNAL", "SIGKILL")))
+
+
+def die_on_admission(live: LiveRecovery) -> None:
+    """Be let in, then die before connecting: the members wait for it in vain."""
+    admitted = live.membership.join
+
+    def join_then_die(member: str) -> tuple[int, list[str]]:
+        admitted(member)
+        os.kill(os.getpid(), signal.SIGKILL)
+        raise AssertionError("unreachable")
+
+    live.membership.join = join_then_die  # type: ignore[method-assign]
 
 
 def say(group: Any, line: str) -> None:

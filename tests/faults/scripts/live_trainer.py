@@ -118,6 +118,7 @@ def main() -> None:
         or max_steps, save_strategy="steps", disable_tqdm=True,
         overwrite_output_dir=not resume, ddp_backend="gloo", seed=SEED,
         sync_method=SYNC, sync_every=4, fault_tolerance=TOLERANCE,
+        zero_stage=int(os.environ.get("ZERO_STAGE", "0")),
     )  # fmt: skip
     trainer = Trainer(model, args, train_dataset=data, callbacks=[Ledger(model, ledger)])
     model.trainer = trainer
