@@ -70,7 +70,7 @@ class _Overwritten:
 def test_the_store_reads_only_what_the_run_signed() -> None:
     import torch.distributed as dist
 
-    server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=10),
+    server: Any = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=10),
                            wait_for_workers=False)  # fmt: skip
     ours, theirs = RunKey(new_secret(), "run"), RunKey(new_secret(), "run")
     store, stranger = LiveStore(server, ours), LiveStore(server, theirs)

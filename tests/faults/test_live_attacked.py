@@ -22,6 +22,7 @@ import sys
 import threading
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -68,7 +69,7 @@ class Stranger:
     def _run(self) -> None:
         import torch.distributed as dist
 
-        store = dist.TCPStore("127.0.0.1", self.port, None, False,
+        store: Any = dist.TCPStore("127.0.0.1", self.port, None, False,
                               timeout=timedelta(seconds=60))  # fmt: skip
         forged = _forgeries()
         while not self.stop.wait(0.02):

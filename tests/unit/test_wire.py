@@ -52,7 +52,8 @@ def test_no_collective_or_load_unpickles_a_peer() -> None:
 
 
 def test_the_check_finds_what_it_forbids() -> None:
-    bad = "dist.all_gather_object(out, x)\ntorch.load(f)\npickle.loads(b)\ntorch.load(f, weights_only=True)"
+    calls = ["dist.all_gather_object(o, x)", "torch.load(f)", "pickle.loads(b)"]
+    bad = "\n".join([*calls, "torch.load(f, weights_only=True)"])
     assert [what for _, what in _offences(ast.parse(bad))] == [
         "dist.all_gather_object",
         "torch.load without weights_only=True",

@@ -35,9 +35,9 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from phalanx.runtime.live import LIVE_BACKEND
 from phalanx.ddp.stats import Collective, Traffic
 from phalanx.optim.sharding import ShardedFlat
+from phalanx.runtime.live import LIVE_BACKEND
 
 # all_gather_single / reduce_scatter_single are torch 2.13's names; the older ones
 # (2.3-2.12) take the same arguments.

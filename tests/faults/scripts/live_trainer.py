@@ -27,13 +27,14 @@ from torch.utils.data import TensorDataset
 from phalanx.runtime.live import current_live_group
 from phalanx.train import Trainer, TrainingArguments
 from phalanx.train.callbacks import TrainerCallback
-from phalanx.train.config.args import FaultTolerance, SyncMethod
+from phalanx.train.config.args import FaultTolerance, SyncMethod, ZeroStage
 
 SAMPLES = 480
 PAUSE_S = float(os.environ.get("PAUSE_S", "0.03"))
 _SYNCS: dict[str, SyncMethod] = {"ddp": "ddp", "local_sgd": "local_sgd", "diloco": "diloco"}
 SYNC = _SYNCS[os.environ.get("SYNC_METHOD", "ddp")]
 SEED = int(os.environ.get("SEED", "3"))
+STAGES: dict[str, ZeroStage] = {"0": 0, "1": 1, "2": 2, "3": 3}
 HOLD_STEP = int(os.environ.get("HOLD_STEP", "-1"))
 HOLD_WORLD = int(os.environ.get("HOLD_WORLD", "0"))
 TOLERANCE: FaultTolerance = "restart" if os.environ.get("FAULT_TOLERANCE") == "restart" else "live"
@@ -118,7 +119,7 @@ def main() -> None:
         or max_steps, save_strategy="steps", disable_tqdm=True,
         overwrite_output_dir=not resume, ddp_backend="gloo", seed=SEED,
         sync_method=SYNC, sync_every=4, fault_tolerance=TOLERANCE,
-        zero_stage=int(os.environ.get("ZERO_STAGE", "0")),
+        zero_stage=STAGES[os.environ.get("ZERO_STAGE", "0")],
     )  # fmt: skip
     trainer = Trainer(model, args, train_dataset=data, callbacks=[Ledger(model, ledger)])
     model.trainer = trainer
