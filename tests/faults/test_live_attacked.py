@@ -26,7 +26,6 @@ from typing import Any
 
 import pytest
 
-from phalanx.ground import live_keys as keys
 from phalanx.ground.ports import free_port
 from tests.launchkit import FAULT_SCRIPTS, clean_env, start
 
@@ -36,23 +35,25 @@ STEPS = 30
 
 
 def _forgeries() -> dict[str, bytes]:
-    """What the stranger writes: every key it can name, forged or garbage."""
-    members = ["r0", "r1", "r2", "j1", "j2"]
+    """What the stranger writes: every key of the protocol it can name, spelled as a stranger
+    reading ground/live_keys.py would, forged or garbage."""
+    live = "phalanx/live/"
     forged: dict[str, bytes] = {
-        keys.GENERATION_KEY: b"not a number",
-        keys.FINISHED_KEY: b"0",
-        keys.claim_key("j7"): b"stranger",
-        keys.join_key("j7"): b"waiting",
-        keys.claim_key("j3"): b"\xff\x00garbage",
+        f"{live}generation": b"not a number",
+        f"{live}finished": b"0",
+        f"{live}join/seq": b"not a counter",
+        f"{live}join/claim/j7": b"stranger",
+        f"{live}join/j7": b"waiting",
+        f"{live}join/claim/j3": b"\xff\x00garbage",
     }
     for gen in range(4):
-        forged[keys.abort_key(gen)] = b"r0: forced by a stranger"
-        forged[keys.members_key(gen + 1)] = json.dumps(["j7", "r0"]).encode()
-        forged[keys.grow_key(gen)] = b"j7"
-        forged[keys.checkin_key(gen + 1, "r1")] = json.dumps({"step": 999}).encode()
-        forged[keys.checkin_key(gen + 1, "j7")] = b"{not json"
-    for member in members:
-        forged[keys.lost_key(member)] = b"kicked by a stranger"
+        forged[f"{live}g{gen}/abort"] = b"r0: forced by a stranger"
+        forged[f"{live}g{gen + 1}/members"] = json.dumps(["j7", "r0"]).encode()
+        forged[f"{live}g{gen}/grow"] = b"j7"
+        forged[f"{live}g{gen + 1}/in/r1"] = json.dumps({"step": 999}).encode()
+        forged[f"{live}g{gen + 1}/in/j7"] = b"{not json"
+    for member in ("r0", "r1", "r2", "j1", "j2"):
+        forged[f"{live}lost/{member}"] = b"kicked by a stranger"
     return forged
 
 
@@ -63,22 +64,27 @@ class Stranger:
         self.port = port
         self.stop = threading.Event()
         self.writes = 0
+        self.errors: list[str] = []
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
-        import torch.distributed as dist
-
-        store: Any = dist.TCPStore("127.0.0.1", self.port, None, False,
-                              timeout=timedelta(seconds=60))  # fmt: skip
         forged = _forgeries()
+        store: Any = None
         while not self.stop.wait(0.02):
             try:
+                store = store or self._connect()
                 for key, value in forged.items():
                     store.compare_set(key, b"", value)  # only where absent: first, every time
                     self.writes += 1
-            except RuntimeError:  # the run ended and its store with it
-                return
+            except RuntimeError as exc:  # not up yet, or the run ended and its store with it
+                self.errors.append(str(exc).splitlines()[0])
+                store = None
+
+    def _connect(self) -> Any:
+        import torch.distributed as dist
+
+        return dist.TCPStore("127.0.0.1", self.port, None, False, timeout=timedelta(seconds=5))
 
     def close(self) -> None:
         self.stop.set()
@@ -107,7 +113,8 @@ def _run(tmp_path: Path, attacked: bool) -> str:
             stranger.close()
     text = out + err
     assert launcher.returncode == 0, text
-    assert stranger is None or stranger.writes > 100, "test bug: the stranger never wrote"
+    if stranger is not None:
+        assert stranger.writes > 100, f"test bug: the stranger never wrote: {stranger.errors}"
     return text
 
 
@@ -124,6 +131,6 @@ def test_a_stranger_on_the_store_cannot_steer_the_run(tmp_path: Path) -> None:
     assert _digest(attacked) == _digest(quiet), attacked
     assert "Traceback" not in attacked, attacked
     assert re.search(r"\[j1\] joined: .*received=True", attacked), attacked
-    forced, kicked = keys.abort_key(0), keys.lost_key("r2")
-    for forged in (forced, kicked, keys.checkin_key(1, "r1"), keys.members_key(1)):
+    forced, kicked = "phalanx/live/g0/abort", "phalanx/live/lost/r2"
+    for forged in (forced, kicked, "phalanx/live/g1/in/r1", "phalanx/live/g1/members"):
         assert f"ignored {forged}=" in attacked, f"{forged} not logged:\n{attacked}"

@@ -110,6 +110,8 @@ def test_the_run_goes_on_and_grows_back(tmp_path: Path, sync: str, how: str) -> 
     assert "live recovery: 3 ranks (r0, r2, j1)" in out
     digests = _digests(out)
     assert len(digests) == 3 and len(set(digests)) == 1, out  # identical replicas, j1's too
+    losses = set(re.findall(r"done step=\d+ loss=(\S+)", out))
+    assert len(losses) == 1, out  # one train_loss on every member, the replacement's too
 
 
 @pytest.mark.timeout(300)

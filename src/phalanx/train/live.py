@@ -140,14 +140,18 @@ class LiveTraining:
         return {n: entries[n] for n in _TRANSFERRED if isinstance(entries.get(n), Stateful)}  # type: ignore[misc]
 
     def _save(self) -> dict[str, Any]:
+        trainer = self.trainer
         state: dict[str, Any] = {n: e.state_dict() for n, e in self._entries().items()}
-        state["data"] = {"epoch": self.trainer.state.epoch, "used_by_all": self._used_by_all()}
+        state["data"] = {"epoch": trainer.state.epoch, "used_by_all": self._used_by_all()}
+        state["loss"] = {"before": trainer._loss_before, "steps": trainer._steps_before}
         return state
 
     def _load(self, state: dict[str, Any]) -> None:
         for name, entry in self._entries().items():
             entry.load_state_dict(state[name])
         self._data = {k: int(v) for k, v in state["data"].items()}
+        self.trainer._loss_before = float(state["loss"]["before"])
+        self.trainer._steps_before = int(state["loss"]["steps"])
 
     # ------------------------------------------------------------ the rebuild
     def _rebuild(self, done: Recovered) -> None:
@@ -167,6 +171,7 @@ class LiveTraining:
         sampler.set_epoch(data["epoch"])
         sampler.reshard(world.world_size, world.rank, data["used_by_all"])
         trainer.state.batches_done = 0  # the epoch's length from here: Trainer._epoch_steps
+        trainer.fold_loss()
         _reseed(trainer.args.seed, done.generation, done.rank)
         self._record(done)
         who = ", ".join(done.members)

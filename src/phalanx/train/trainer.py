@@ -180,8 +180,10 @@ class Trainer(TrainerSetup):
 
     def _loop(self) -> None:
         """Train until max_steps, or until the ranks agree to stop at a step boundary."""
-        self._runlog = RunLog(self.world, self._report, self.traffic_source(), self.timeline)
-        self._loss_before = self.state.loss_sum
+        if self._runlog is None or self._live is None:  # a replacement's began at its join
+            self._runlog = RunLog(self.world, self._report, self.traffic_source(), self.timeline)
+            self._loss_before = self.state.loss_sum
+            self._steps_before = self._counted_steps()
         while not self._train_epoch():
             self.state.epoch += 1
             self.state.batches_done = 0
@@ -316,9 +318,23 @@ class Trainer(TrainerSetup):
         if self._runlog is None:
             return {}
         summary = self._runlog.summary()
-        steps = self._runlog.run.steps
+        steps = self._counted_steps() - self._steps_before
         self.state.loss_sum = self._loss_before + summary.get("loss", 0.0) * steps
         return summary
+
+    def fold_loss(self) -> None:
+        """Live recovery, on every member after the state is shared (collective): fold the
+        run window's loss into loss_sum and start a new window, so that members who trained
+        different steps (a replacement trained none) report one train_loss. The steps a
+        lost member trained count at the survivors' mean."""
+        if self._runlog is None:  # a replacement, before its loop: an empty window
+            self._runlog = RunLog(self.world, self._report, self.traffic_source(), self.timeline)
+        self._sync_loss()
+        self._runlog.run.reset(self._runlog.traffic().wait_s)
+        self._loss_before, self._steps_before = self.state.loss_sum, self._counted_steps()
+
+    def _counted_steps(self) -> int:
+        return self.state.global_step - self.state.skipped_steps
 
     def _mean_loss(self) -> float:
         steps = self.state.global_step - self.state.skipped_steps

@@ -131,6 +131,8 @@ class TrainerSetup:
         self._runlog: RunLog | None = None
         """The log window and totals of the train() call under way (train/logging/runlog.py)."""
         self._loss_before = 0.0
+        self._steps_before = 0
+        """The steps `_loss_before` covers (loss_sum as the loop started, or at a recovery)."""
         self._stopped_by: Stop | None = None
         """The signal the ranks agreed to stop for (train() then saves and exits)."""
         self._saved_step: int | None = None

@@ -82,21 +82,25 @@ class StepWindow:
             float(self.samples),
             comm_wait_now - self.comm_wait_start,
             time.perf_counter() - self.started,
+            float(self.steps),
         ]
-        loss, last, norm, samples, comm, elapsed = world.all_reduce_sum(local)
-        ranks, steps = world.world_size, max(1, self.steps)
+        loss, last, norm, samples, comm, elapsed, total = world.all_reduce_sum(local)
+        # Means over every rank's steps: after a live recovery a replacement's window is
+        # shorter than the others', and every member must still print the same numbers.
+        trained = total > 0
+        ranks, steps, total = world.world_size, max(1, self.steps), max(1.0, total)
         wall = elapsed / ranks  # every rank ran the same steps: average their clocks
         out = {
-            "loss": loss / (steps * ranks),
+            "loss": loss / total,
             "last_loss": last / ranks,
             "samples_per_second": samples / wall if wall > 0 else 0.0,
             "step_time_s": wall / steps,
-            "comm_wait_s": comm / (steps * ranks),
+            "comm_wait_s": comm / total,
             "window_s": wall,
         }
         if self.grad_norm_sum is not None:
-            out["grad_norm"] = norm / (steps * ranks)
-        if self.steps == 0:
+            out["grad_norm"] = norm / total
+        if not trained:  # no rank took a step (a replacement alone has none: still the means)
             out = {"samples_per_second": 0.0, "window_s": wall}
         return out
 
