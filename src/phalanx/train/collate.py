@@ -18,7 +18,7 @@ pickle the collator, and this holds only column names, never the model.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from torch import nn
@@ -71,3 +71,15 @@ def _without_transformers(rows: list[dict[str, Any]]) -> Any:
             "them), call dataset.set_format('torch'), or pass data_collator="
         )
     return default_collate([{k: v for k, v in r.items() if not isinstance(v, str)} for r in rows])
+
+
+def one_collator(
+    collate_fn: Callable[[list[Any]], Any] | None, data_collator: Callable[[list[Any]], Any] | None
+) -> Callable[[list[Any]], Any] | None:
+    """collate_fn (phalanx's name) or data_collator (Hugging Face's): one argument."""
+    if collate_fn is not None and data_collator is not None:
+        raise ConfigurationError(
+            "collate_fn and data_collator are one argument (phalanx's name and Hugging "
+            "Face's) — pass one of them"
+        )
+    return collate_fn if collate_fn is not None else data_collator

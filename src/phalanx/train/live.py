@@ -143,15 +143,16 @@ class LiveTraining:
         trainer = self.trainer
         state: dict[str, Any] = {n: e.state_dict() for n, e in self._entries().items()}
         state["data"] = {"epoch": trainer.state.epoch, "used_by_all": self._used_by_all()}
-        state["loss"] = {"before": trainer._loss_before, "steps": trainer._steps_before}
+        runlog = trainer._runlog or trainer.open_runlog()
+        state["loss"] = {"before": runlog.loss_before, "steps": runlog.steps_before}
         return state
 
     def _load(self, state: dict[str, Any]) -> None:
         for name, entry in self._entries().items():
             entry.load_state_dict(state[name])
         self._data = {k: int(v) for k, v in state["data"].items()}
-        self.trainer._loss_before = float(state["loss"]["before"])
-        self.trainer._steps_before = int(state["loss"]["steps"])
+        runlog = self.trainer._runlog or self.trainer.open_runlog()
+        runlog.loss_from(float(state["loss"]["before"]), int(state["loss"]["steps"]))
 
     # ------------------------------------------------------------ the rebuild
     def _rebuild(self, done: Recovered) -> None:

@@ -34,7 +34,7 @@ from phalanx.train.checkpoint.rng import seed_everything
 from phalanx.train.evaluation import EvalSetup, evaluate_model
 from phalanx.train.flow import due_after_step, metric_key, record_evaluation, record_save
 from phalanx.train.logging.report import human_size
-from phalanx.train.logging.runlog import RunLog, emit
+from phalanx.train.logging.runlog import emit
 from phalanx.train.nonfinite import check_parameters
 from phalanx.train.stopping import Stop, TrainingStopped
 from phalanx.train.trainer_setup import TrainerSetup
@@ -180,14 +180,11 @@ class Trainer(TrainerSetup):
 
     def _loop(self) -> None:
         """Train until max_steps, or until the ranks agree to stop at a step boundary."""
-        if self._runlog is None or self._live is None:  # a replacement's began at its join
-            self._runlog = RunLog(self.world, self._report, self.traffic_source(), self.timeline)
-            self._loss_before = self.state.loss_sum
-            self._steps_before = self._counted_steps()
+        runlog = self._runlog or self.open_runlog()  # a replacement's opened at its join
         while not self._train_epoch():
             self.state.epoch += 1
             self.state.batches_done = 0
-        if self._runlog.window.steps and self.args.logging_strategy != "no":
+        if runlog.window.steps and self.args.logging_strategy != "no":
             self._log()
 
     def _train_epoch(self) -> bool:
@@ -317,24 +314,8 @@ class Trainer(TrainerSetup):
         """Collective: fold this call's step losses into state.loss_sum; the call's summary."""
         if self._runlog is None:
             return {}
-        summary = self._runlog.summary()
-        steps = self._counted_steps() - self._steps_before
-        self.state.loss_sum = self._loss_before + summary.get("loss", 0.0) * steps
+        self.state.loss_sum, summary = self._runlog.settle_loss(self.counted_steps())
         return summary
-
-    def fold_loss(self) -> None:
-        """Live recovery, on every member after the state is shared (collective): fold the
-        run window's loss into loss_sum and start a new window, so that members who trained
-        different steps (a replacement trained none) report one train_loss. The steps a
-        lost member trained count at the survivors' mean."""
-        if self._runlog is None:  # a replacement, before its loop: an empty window
-            self._runlog = RunLog(self.world, self._report, self.traffic_source(), self.timeline)
-        self._sync_loss()
-        self._runlog.run.reset(self._runlog.traffic().wait_s)
-        self._loss_before, self._steps_before = self.state.loss_sum, self._counted_steps()
-
-    def _counted_steps(self) -> int:
-        return self.state.global_step - self.state.skipped_steps
 
     def _mean_loss(self) -> float:
         steps = self.state.global_step - self.state.skipped_steps

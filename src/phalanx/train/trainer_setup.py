@@ -34,7 +34,7 @@ from phalanx.train.callbacks import Callbacks
 from phalanx.train.checkpoint import hf_save
 from phalanx.train.checkpoint.checkpointer import Checkpointer
 from phalanx.train.checkpoint.stateful import Entry
-from phalanx.train.collate import DefaultCollator, forward_columns
+from phalanx.train.collate import DefaultCollator, forward_columns, one_collator
 from phalanx.train.comm import PerRank, attach_comm_hook, make_periodic_sync
 from phalanx.train.config.args import TrainingArguments
 from phalanx.train.evaluation import ComputeMetrics
@@ -100,7 +100,7 @@ class TrainerSetup:
         self.train_dataset = train_dataset
         self.eval_dataset = eval_dataset
         self.loss_fn = loss_fn
-        self.collate_fn = _one_collator(collate_fn, data_collator)
+        self.collate_fn = one_collator(collate_fn, data_collator)
         """How samples become a batch; None until the model is known, then the default."""
         self.compute_metrics = compute_metrics
         self._init_loop_state()
@@ -130,9 +130,6 @@ class TrainerSetup:
         self.state = TrainState()
         self._runlog: RunLog | None = None
         """The log window and totals of the train() call under way (train/logging/runlog.py)."""
-        self._loss_before = 0.0
-        self._steps_before = 0
-        """The steps `_loss_before` covers (loss_sum as the loop started, or at a recovery)."""
         self._stopped_by: Stop | None = None
         """The signal the ranks agreed to stop for (train() then saves and exits)."""
         self._saved_step: int | None = None
@@ -369,20 +366,28 @@ class TrainerSetup:
             local.close()  # unhook the optimizer, which outlives the Trainer
         release(wrapped, self._owns_group, self.__dict__.get("optimizer"))
 
+    def open_runlog(self) -> RunLog:
+        """The train() call's log and loss tally, from the loss summed so far."""
+        self._runlog = RunLog(self.world, self._report, self.traffic_source(), self.timeline)
+        self._runlog.loss_from(self.state.loss_sum, self.counted_steps())
+        return self._runlog
+
+    def fold_loss(self) -> None:
+        """Live recovery, on every member once the state is shared (collective): fold the
+        run window's loss into loss_sum and count on from there, so that members who trained
+        different steps (a replacement, none) report one train_loss. The steps a lost member
+        trained count at the survivors' mean."""
+        runlog = self._runlog or self.open_runlog()
+        self.state.loss_sum, _ = runlog.settle_loss(self.counted_steps())
+        runlog.run.reset(runlog.traffic().wait_s)
+        runlog.loss_from(self.state.loss_sum, self.counted_steps())
+
+    def counted_steps(self) -> int:
+        """Steps whose loss counts (a skipped step's does not)."""
+        return self.state.global_step - self.state.skipped_steps
+
     def _check_open(self) -> None:
         if self._closed:
             raise ConfigurationError(
                 "this Trainer was closed and has let go of the process group — make a new one"
             )
-
-
-def _one_collator(
-    collate_fn: Callable[[list[Any]], Any] | None, data_collator: Callable[[list[Any]], Any] | None
-) -> Callable[[list[Any]], Any] | None:
-    """collate_fn (phalanx's name) or data_collator (Hugging Face's): one argument."""
-    if collate_fn is not None and data_collator is not None:
-        raise ConfigurationError(
-            "collate_fn and data_collator are one argument (phalanx's name and Hugging "
-            "Face's) — pass one of them"
-        )
-    return collate_fn if collate_fn is not None else data_collator

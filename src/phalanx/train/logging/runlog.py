@@ -46,6 +46,21 @@ class RunLog:
         """Everything since train() started, for its TrainOutput."""
         self.window = StepWindow(self._mark.wait_s)
         """Since the last log line."""
+        self.loss_before = 0.0
+        """The loss summed over the steps before `run` began (the state's loss_sum then)."""
+        self.steps_before = 0
+        """How many steps `loss_before` covers."""
+
+    def loss_from(self, loss_sum: float, steps: int) -> None:
+        """`run` counts on from `loss_sum` over `steps` steps."""
+        self.loss_before, self.steps_before = loss_sum, steps
+
+    def settle_loss(self, steps: int) -> tuple[float, dict[str, float]]:
+        """Collective: the loss summed over `steps` steps (the run's mean for those since
+        `steps_before`), and the run's summary."""
+        summary = self.summary()
+        mean = summary.get("loss", 0.0)
+        return self.loss_before + mean * (steps - self.steps_before), summary
 
     def add(self, result: StepResult) -> None:
         for tracker in (self.run, self.window):
