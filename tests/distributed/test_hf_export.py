@@ -206,7 +206,7 @@ def test_the_cli_export_reloads_with_from_pretrained_to_identical_logits(
         assert weights == ["model.safetensors"] and hf_export.INDEX not in files
     reference = _logits(_reference(checkpoint, family))
     assert (_logits(_reloaded(out, family)) - reference).abs().max().item() == 0.0
-    assert not [p for p in out.parent.iterdir() if p.name.startswith(".hf.tmp")]
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(".hf.")]
 
 
 @pytest.mark.timeout(300)

@@ -23,7 +23,13 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import TensorDataset
 
-from phalanx.train import CheckpointError, CheckpointFallbackWarning, Trainer, TrainingArguments
+from phalanx.train import (
+    CheckpointError,
+    CheckpointFallbackWarning,
+    IncompleteSaveWarning,
+    Trainer,
+    TrainingArguments,
+)
 from phalanx.train.checkpoint.directory import MANIFEST
 
 REPO = Path(__file__).resolve().parents[2]
@@ -185,9 +191,10 @@ def test_resume_true_with_no_checkpoint_starts_afresh_and_skips_torn_ones(tmp_pa
     torn = tmp_path / "checkpoint-4.tmp"
     torn.mkdir(parents=True)
     (torn / "model.pt").write_bytes(b"half")
-    out = _trainer(tmp_path, save_steps=0).train(resume_from_checkpoint=True)
+    with pytest.warns(IncompleteSaveWarning, match="checkpoint-4 was never completed"):
+        out = _trainer(tmp_path, save_steps=0).train(resume_from_checkpoint=True)
     assert (out.resumed_from, out.global_step) == (None, 6)
-    assert not torn.exists()  # a .tmp directory never finished: it is swept away
+    assert not torn.exists()  # a .tmp directory never finished: it is swept away, and said
 
 
 def test_a_flipped_byte_is_caught_by_the_checksum(tmp_path: Path) -> None:

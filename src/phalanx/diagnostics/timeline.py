@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from phalanx.ground.safe_files import create_file
+
 ENV = "PHALANX_TIMELINE"
 STOP_ENV = "PHALANX_BENCH_STEPS"
 """Set by `phalanx bench`: the script ends (SystemExit(0)) at the first forward after
@@ -233,9 +235,11 @@ class Timeline:
             ],
         }
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.rank_file(self.rank).with_suffix(".tmp")
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, self.rank_file(self.rank))
+        final = self.rank_file(self.rank)
+        tmp, file = create_file(final.parent, final.name)  # random, O_EXCL|O_NOFOLLOW
+        with file:
+            file.write(json.dumps(data).encode())
+        os.replace(tmp, final)
 
 
 def merge(path: str | Path, world_size: int, wait_s: float = _MERGE_WAIT_S) -> dict[str, Any]:

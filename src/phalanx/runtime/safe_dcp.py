@@ -13,6 +13,16 @@ torch sizes, dtypes and layouts, and plain containers; non-tensor entries
 through `torch.load(weights_only=True)` (tensors, numbers, strings, lists,
 tuples, dicts). Anything else is refused with one line naming the file.
 
+What `.metadata` says about storage is checked against the directory before
+anything is opened or allocated (`check_storage`): every storage file a
+regular file inside the DCP directory, reached through no link (another
+run's shard, `/etc/...` or a FIFO, which would block `open()` forever, are
+refused without being opened); every byte range inside its file and apart
+from the others; every tensor's chunks inside its declared size, covering it
+exactly, each backed by at least its bytes of storage. So a declared size
+cannot make a reader allocate more than the files hold. Every file this
+reader opens is opened without following a link and without blocking.
+
 Import this module where it is used: torch.distributed.checkpoint costs
 seconds of CPU at import.
 """
@@ -20,8 +30,11 @@ seconds of CPU at import.
 from __future__ import annotations
 
 import io
+import itertools
+import math
+import os
 import pickle
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, cast
@@ -36,11 +49,19 @@ from torch.distributed.checkpoint.default_planner import (
     DefaultLoadPlanner,
     _EmptyStateDictLoadPlanner,
 )
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from phalanx.errors import CheckpointError
+from phalanx.ground.safe_files import open_regular, regular_inside
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _ALLOWED: dict[str, set[str]] = {
@@ -89,30 +110,171 @@ def read_metadata(directory: str | Path) -> Metadata:
     return SafeReader(directory).read_metadata()
 
 
+class _NoFollowFileSystem(FileSystem):
+    """DCP's file system, opening for reading only regular files, through no final link,
+    without blocking (a FIFO would block `open()` forever)."""
+
+    @contextmanager
+    def create_stream(
+        self, path: str | os.PathLike[str], mode: str
+    ) -> Generator[io.IOBase, None, None]:
+        if mode != "rb":
+            raise CheckpointError(f"{path}: the safe reader only reads — this is a phalanx bug")
+        with open_regular(Path(path)) as stream:
+            yield cast(io.IOBase, stream)
+
+
 class SafeReader(FileSystemReader):
-    """`FileSystemReader` whose metadata is read through the restricted unpickler."""
+    """`FileSystemReader` whose metadata is read through the restricted unpickler and whose
+    storage is checked against the directory (`check_storage`) before anything is read."""
+
+    def __init__(self, path: str | Path) -> None:
+        super().__init__(path)
+        self.fs = _NoFollowFileSystem()
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as stream:
-            try:
+        try:
+            with self.fs.create_stream(path, "rb") as stream:
                 metadata = _MetadataUnpickler(cast(IO[bytes], stream), str(path)).load()
-            except UnsafeCheckpointError:
-                raise
-            except Exception as exc:  # torn or foreign bytes
-                raise CheckpointError(
-                    f"{path} is not a readable torch.distributed.checkpoint metadata file "
-                    f"({type(exc).__name__}: {exc}) — resume from an earlier checkpoint"
-                ) from exc
+        except UnsafeCheckpointError:
+            raise
+        except FileNotFoundError:
+            raise CheckpointError(
+                f"{path} is missing — this is not a torch.distributed.checkpoint directory, or "
+                "it is incomplete; resume from an earlier checkpoint"
+            ) from None
+        except Exception as exc:  # torn or foreign bytes, a link, a FIFO
+            raise CheckpointError(
+                f"{path} is not a readable torch.distributed.checkpoint metadata file "
+                f"({type(exc).__name__}: {exc}) — resume from an earlier checkpoint"
+            ) from None
         if not isinstance(metadata, Metadata):
             raise UnsafeCheckpointError(
                 f"{path} holds a {type(metadata).__name__}, not DCP metadata — the file was "
                 "replaced; restore the checkpoint from a trusted copy"
             )
+        check_storage(metadata, Path(self.path), str(path))
         storage_meta = metadata.storage_meta or StorageMeta()
         storage_meta.load_id = self.load_id
         metadata.storage_meta = storage_meta
         return metadata
+
+
+def _refuse(path: str, what: str) -> UnsafeCheckpointError:
+    return UnsafeCheckpointError(
+        f"{path} {what} — the checkpoint was changed or planted; nothing was read from it: "
+        "restore it from a trusted copy, or resume from another one"
+    )
+
+
+def check_storage(metadata: Metadata, directory: Path, path: str) -> None:
+    """Refuse metadata whose storage is outside `directory`, not regular files, or smaller
+    than the tensors it declares (module docstring); `path` names it in the error."""
+    storage = metadata.storage_data
+    if not isinstance(storage, dict) or not isinstance(metadata.state_dict_metadata, dict):
+        raise _refuse(path, "has no storage table")
+    sizes: dict[str, int] = {}
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    for index, info in storage.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
+            raise _refuse(path, "holds a storage entry of the wrong kind")
+        name = info.relative_path
+        if not isinstance(name, str):
+            raise _refuse(path, f"names storage by a {type(name).__name__}")
+        if name not in sizes:
+            try:
+                sizes[name] = regular_inside(directory, name).st_size
+            except OSError as exc:
+                raise _refuse(path, f"names the storage file {name!r}, which {_why(exc)}") from None
+        if info.transform_descriptors:
+            raise _refuse(path, f"asks for transforms {list(info.transform_descriptors)!r}")
+        start, length = info.offset, info.length
+        if not _counts(start, length) or start + length > sizes[name]:
+            raise _refuse(
+                path,
+                f"places {index.fqn!r} at bytes {start}+{length} of {name!r}, "
+                f"which has {sizes[name]}",
+            )
+        ranges.setdefault(name, []).append((start, start + length))
+    for name, spans in ranges.items():
+        spans.sort()
+        if any(a[1] > b[0] for a, b in itertools.pairwise(spans)):
+            raise _refuse(path, f"places two entries on the same bytes of {name!r}")
+    for fqn, meta in metadata.state_dict_metadata.items():
+        if isinstance(meta, TensorStorageMetadata):
+            _check_tensor(fqn, meta, storage, path)
+
+
+def _why(exc: OSError) -> str:
+    if isinstance(exc, FileNotFoundError):
+        return "does not exist in the checkpoint"
+    return exc.strerror or str(exc)
+
+
+def _counts(*values: object) -> bool:
+    return all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values)
+
+
+def _check_tensor(
+    fqn: str, meta: TensorStorageMetadata, storage: dict[Any, Any], path: str
+) -> None:
+    """Chunks inside the declared size, apart, covering it, each backed by its bytes."""
+    size = tuple(meta.size)
+    itemsize = getattr(meta.properties.dtype, "itemsize", None)
+    if not _counts(*size) or not isinstance(itemsize, int):
+        raise _refuse(
+            path, f"declares {fqn!r} with the size {size} and dtype {meta.properties.dtype!r}"
+        )
+    covered = 0
+    boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for chunk in meta.chunks:
+        box = _chunk_box(chunk, size)
+        if box is None:
+            raise _refuse(path, f"declares a chunk of {fqn!r} outside its size {size}")
+        numel = math.prod(box[1])
+        info = storage.get(MetadataIndex(fqn, box[0]))
+        if info is None or info.length < numel * itemsize:
+            stored = "none" if info is None else f"{info.length} bytes"
+            raise _refuse(
+                path,
+                f"declares {numel * itemsize} bytes of {fqn!r} at {box[0]} "
+                f"with {stored} of storage",
+            )
+        covered += numel
+        boxes.append(box)
+    if covered != math.prod(size) or _overlapping(boxes):
+        raise _refuse(path, f"declares {fqn!r} of size {size}, which its chunks do not tile")
+
+
+def _chunk_box(
+    chunk: ChunkStorageMetadata, size: tuple[int, ...]
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    if not isinstance(chunk, ChunkStorageMetadata):
+        return None
+    offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+    if len(offsets) != len(size) or len(sizes) != len(size) or not _counts(*offsets, *sizes):
+        return None
+    if any(o + n > whole for o, n, whole in zip(offsets, sizes, size, strict=True)):
+        return None
+    return offsets, sizes
+
+
+def _overlapping(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
+    """Whether two chunks share an element: a sweep along dim 0, so row shards cost n log n."""
+    if not boxes or not boxes[0][0]:
+        return len(boxes) > 1  # a scalar has one chunk
+    ordered = sorted(boxes)
+    for i, (offsets, sizes) in enumerate(ordered):
+        for other, other_sizes in ordered[i + 1 :]:
+            if other[0] >= offsets[0] + sizes[0]:
+                break
+            if all(
+                o < p + m and p < o + n
+                for o, n, p, m in zip(offsets, sizes, other, other_sizes, strict=True)
+            ):
+                return True
+    return False
 
 
 def _load_plain(value: io.BytesIO, fqn: str) -> Any:

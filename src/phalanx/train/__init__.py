@@ -18,6 +18,7 @@ from phalanx.train.callbacks import (
     TrainerControl,
 )
 from phalanx.train.checkpoint.checkpointer import CheckpointFallbackWarning
+from phalanx.train.checkpoint.outputdir import IncompleteSaveWarning
 from phalanx.train.checkpoint.stateful import ShardedStateful, Stateful
 from phalanx.train.config.args import TrainingArguments
 from phalanx.train.evaluation import EvalPrediction
@@ -32,6 +33,7 @@ __all__ = [
     "CheckpointFallbackWarning",
     "EarlyStoppingCallback",
     "EvalPrediction",
+    "IncompleteSaveWarning",
     "NonFiniteError",
     "OutputError",
     "ResumeWarning",

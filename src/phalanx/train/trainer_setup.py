@@ -217,7 +217,9 @@ class TrainerSetup:
         self.scheduler = make_scheduler(
             self.optimizer, args.lr_scheduler_type, warmup, self.max_steps, args.lr_scheduler_kwargs
         )
-        self._checkpointer = Checkpointer(self.world, Path(args.output_dir), args.save_total_limit)
+        self._checkpointer = Checkpointer(
+            self.world, Path(args.output_dir), args.save_total_limit, self._report.say
+        )
         self._guard = NonFiniteGuard(
             self.world, args.on_nonfinite_grad, args.max_consecutive_skips, self._report.say
         )

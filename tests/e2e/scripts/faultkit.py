@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 import phalanx.train.checkpoint.checkpointer as checkpointer
+import phalanx.train.checkpoint.lineage as lineage
 from phalanx.offload import Streamer, streamer_of
 from phalanx.train import Trainer
 
@@ -55,7 +56,7 @@ def kill_in_save(trainer: Trainer, where: str) -> None:
         return
     armed = lambda: trainer.state.global_step == int(step)  # noqa: E731
     die = lambda: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
-    save, write_file, seal = trainer._checkpointer.save, checkpointer.write_file, checkpointer.seal
+    save, write_file, seal = trainer._checkpointer.save, checkpointer.write_file, lineage.seal
     written = [0]
 
     def save_then(*args: Any, **kwargs: Any) -> Any:
@@ -80,7 +81,7 @@ def kill_in_save(trainer: Trainer, where: str) -> None:
 
     trainer._checkpointer.save = save_then  # type: ignore[method-assign]
     checkpointer.write_file = write_file_then  # type: ignore[assignment]
-    checkpointer.seal = seal_then  # type: ignore[assignment]
+    lineage.seal = seal_then  # type: ignore[assignment]
 
 
 def _streamer(trainer: Trainer) -> Streamer:

@@ -3,13 +3,14 @@
 Saving takes turns in one temporary directory (directory.py makes it atomic):
 
 1. every rank hands rank 0 its per-rank states (one gather), and rank 0
-   makes the empty `checkpoint-<step>.tmp/`;
+   makes the empty `checkpoint-<step>.<random>.tmp/` and tells the others its name;
 2. every rank calls `save_sharded(<tmp>/<name>)` of each sharded entry (DCP:
    each rank writes its own files);
 3. rank 0 writes the replicated entries as `<name>.pt` and the per-rank ones
    as `<name>/rank-XXXXX.pt`;
 4. after a barrier, rank 0 hashes and fsyncs every file, including the ones
-   the other ranks wrote, writes the manifest, renames, rotates.
+   the other ranks wrote, writes the manifest, renames, rotates (within the
+   run's own lineage: lineage.py).
 
 After each turn all ranks meet in `World.barrier_or_raise`: a failure on any
 rank (a full disk, a read-only directory, a state that cannot be pickled) is
@@ -18,7 +19,7 @@ removes the partial `.tmp`, and the previous checkpoints stay as they were.
 Sharded entries need a file system every rank sees (as DCP does).
 
 Loading: rank 0 verifies the checkpoint against its manifest (falling back
-past corrupt ones when choosing the newest); every rank then loads the
+past corrupt ones when choosing the newest written); every rank then loads the
 replicated and per-rank entries (weights_only=True), and then, together,
 the sharded ones.
 """
@@ -37,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from phalanx.errors import CheckpointError, PhalanxError
+from phalanx.ground.safe_files import create_file
 from phalanx.runtime import World
 from phalanx.train.checkpoint.directory import (
     PREFIX,
@@ -44,17 +46,14 @@ from phalanx.train.checkpoint.directory import (
     checkpoint_bytes,
     describe_os_error,
     discard,
-    find_latest_valid,
-    list_checkpoints,
+    linked_checkpoints,
     load_file,
     ranks_saved,
     read_manifest,
-    rotate_checkpoints,
-    seal,
-    staging_dir,
     verify_checkpoint,
     write_file,
 )
+from phalanx.train.checkpoint.lineage import Lineage, find_latest_valid, resume_order
 from phalanx.train.checkpoint.stateful import (
     Entry,
     Placement,
@@ -85,12 +84,28 @@ class Saved:
 class Checkpointer:
     """Writes and reads `output_dir/checkpoint-<step>/` for a job; every rank calls each method."""
 
-    def __init__(self, world: World, output_dir: Path, keep: int | None) -> None:
+    def __init__(
+        self,
+        world: World,
+        output_dir: Path,
+        keep: int | None,
+        say: Callable[[str], None] = print,
+    ) -> None:
         self.world = world
         self.output_dir = output_dir
         self.keep = keep
-        self.protect: Path | None = None
+        self.lineage = Lineage(output_dir, keep, say)
+        """Rank 0's: which checkpoints are the run's own (what rotation may delete)."""
+        self.say = say
+
+    @property
+    def protect(self) -> Path | None:
         """A checkpoint rotation keeps whatever its age (load_best_model_at_end's best)."""
+        return self.lineage.protect
+
+    @protect.setter
+    def protect(self, path: Path | None) -> None:
+        self.lineage.protect = path
 
     # ------------------------------------------------------------------ save
     def save(
@@ -113,8 +128,7 @@ class Checkpointer:
             for name, entry in states.items()
             if placements[name] == "per_rank"
         }
-        tmp = staging_dir(self.output_dir, step)
-        self._turn(tmp, step, partial(begin, self.output_dir, step), everyone=False)
+        tmp = self._begin(step)
         for name, entry in states.items():
             if placements[name] == "sharded":
                 save = partial(_sharded(name, entry).save_sharded, tmp / name)
@@ -136,20 +150,26 @@ class Checkpointer:
                 derived(tmp, placements)
 
         self._turn(tmp, step, write_on_main, everyone=False)
-        sealed: list[Path] = []
+        sizes: list[int] = []
 
         def seal_on_main() -> None:
-            sealed.append(seal(tmp, step, placements, written))
-            rotate_checkpoints(self.output_dir, self.keep, self.protect)
+            sealed = self.lineage.seal(tmp, step, placements, written)
+            sizes.append(checkpoint_bytes(read_manifest(sealed)))  # before anything is deleted
+            self.lineage.rotate()
 
         self._turn(tmp, step, seal_on_main, everyone=False)
-        size = checkpoint_bytes(read_manifest(sealed[0])) if sealed else 0
-        size = int(self.world.broadcast_json(size))
-        return Saved(tmp.with_name(f"{PREFIX}{step}"), size, time.perf_counter() - started)
+        size = int(self.world.broadcast_json(sizes[0] if sizes else 0))
+        return Saved(self.output_dir / f"{PREFIX}{step}", size, time.perf_counter() - started)
+
+    def _begin(self, step: int) -> Path:
+        """Rank 0 makes the staging folder (a random name) and every rank learns it."""
+        made: list[Path] = []
+        self._turn(None, step, lambda: made.append(begin(self.output_dir, step)), everyone=False)
+        return Path(self.world.broadcast_json(str(made[0]) if made else None))
 
     def _turn(
         self,
-        tmp: Path,
+        tmp: Path | None,
         step: int,
         action: Callable[[], object],
         everyone: bool,
@@ -170,14 +190,17 @@ class Checkpointer:
         try:
             self.world.barrier_or_raise(error)
         except PhalanxError:
-            if self.world.is_main:
+            if self.world.is_main and tmp is not None:
                 discard(tmp)  # every rank is past its writes: nothing is still writing here
             raise
 
-    def _write_failure(self, tmp: Path, step: int, exc: BaseException, part: str | None) -> str:
-        existing = [path for _, path in list_checkpoints(self.output_dir)]
+    def _write_failure(
+        self, tmp: Path | None, step: int, exc: BaseException, part: str | None
+    ) -> str:
+        existing = resume_order(self.output_dir)
         kept = f"{existing[0].name} is intact" if existing else "there is no earlier checkpoint"
-        reason, on_disk = _reason(exc, tmp if part is None else tmp / part)
+        where = self.output_dir if tmp is None else tmp if part is None else tmp / part
+        reason, on_disk = _reason(exc, where)
         fix = (
             f"free space or fix permissions in {self.output_dir}"
             if on_disk
@@ -219,7 +242,13 @@ class Checkpointer:
         if resume is not True:
             given = Path(resume)  # type: ignore[arg-type]
             verify_checkpoint(given)
+            self.lineage.continue_from(given)
             return given
+        for link in linked_checkpoints(self.output_dir):
+            self.say(
+                f"{link} is a symbolic link, and phalanx follows no link in output_dir: it is "
+                "not a checkpoint of this run (pass a path to resume from another run's)"
+            )
         path, skipped = find_latest_valid(self.output_dir)
         if path is None and skipped:
             raise CheckpointError(
@@ -233,6 +262,8 @@ class Checkpointer:
                 CheckpointFallbackWarning,
                 stacklevel=5,
             )
+        if path is not None:
+            self.lineage.continue_from(path)
         return path
 
     # ------------------------------------------------------------------ load
@@ -331,17 +362,19 @@ def _reason(exc: BaseException, tmp: Path) -> tuple[str, bool]:
 
 def _probe(directory: Path) -> str | None:
     """Write and sync a small file in `directory`: the reason it fails, or None."""
-    probe = directory / f".phalanx-probe-{os.getpid()}"
+    probe: Path | None = None
     try:
-        with probe.open("wb") as file:
+        probe, file = create_file(directory, ".phalanx-probe")
+        with file:
             file.write(bytes(_PROBE_BYTES))
             file.flush()
             os.fsync(file.fileno())
     except OSError as exc:
         return describe_os_error(OSError(exc.errno, exc.strerror), directory)
     finally:
-        with contextlib.suppress(OSError):
-            probe.unlink()
+        if probe is not None:
+            with contextlib.suppress(OSError):
+                probe.unlink()
     return None
 
 

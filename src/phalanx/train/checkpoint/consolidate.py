@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from phalanx.errors import CheckpointError
+from phalanx.ground.safe_files import create_file
 from phalanx.train.checkpoint import hf_export
 from phalanx.train.checkpoint.directory import (
     MANIFEST,
@@ -34,7 +35,7 @@ from phalanx.train.checkpoint.directory import (
     load_file,
     replicated_file,
     verify_checkpoint,
-    write_file,
+    write_into,
 )
 
 
@@ -123,7 +124,8 @@ def _verified(checkpoint: Path) -> dict[str, Any]:
 
 
 def write_atomically(obj: Any, out: Path) -> None:
-    """torch.save `obj` to a temporary file beside `out`, fsync it, rename it over `out`.
+    """torch.save `obj` to a new file of a random name beside `out`, fsync it, rename it
+    over `out` (a link planted at `out` is replaced, not written through).
 
     `out` is then either what it was before or the whole new file: a full disk
     or a kill never leaves it truncated, nor destroys a good file already there.
@@ -142,14 +144,16 @@ def write_atomically(obj: Any, out: Path) -> None:
             f"cannot create the folder for {out} ({describe_os_error(exc)}) — choose an "
             "output path whose folders are directories you can write"
         ) from None
-    tmp = parent / f".{out.name}.tmp-{os.getpid()}"
+    tmp: Path | None = None
     try:
-        write_file(parent, tmp.name, obj)
+        tmp, file = create_file(parent, f".{out.name}")  # random, O_EXCL|O_NOFOLLOW
+        write_into(file, tmp, obj)
         os.replace(tmp, out)
         fsync_dir(parent)
     except OSError as exc:
-        with contextlib.suppress(OSError):  # e.g. EROFS, even for a file never created
-            tmp.unlink()
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
         if exc.errno == errno.ENOSPC:
             raise CheckpointError(
                 f"the disk is full: cannot write {out} ({describe_os_error(exc)}) — free "

@@ -1,7 +1,7 @@
 """Checkpoint directories written atomically, verified before they are trusted.
 
 A checkpoint is `output_dir/checkpoint-<step>/`, built as
-`checkpoint-<step>.tmp/` and renamed into place only once complete: every
+`checkpoint-<step>.<random>.tmp/` and renamed into place only once complete: every
 file is fsynced (those rank 0 writes here, and those every rank wrote
 through torch.distributed.checkpoint), then `manifest.json` (the SHA-256 and
 size of every file, and each entry's placement) is written last, then the
@@ -10,10 +10,15 @@ point leaves either the old set of checkpoints or the new one, never a torn
 directory under the final name. On load the manifest is checked first, so a
 truncated or corrupted file, or a manifest that is itself malformed, is a
 clear error instead of a confusing unpickling failure, and
-`find_latest_valid` can skip to the previous checkpoint.
+the run can skip to the previous checkpoint.
 
-This module is one process's view of the directory; `checkpointer.py` makes
-the ranks take their turns in it.
+Nothing in output_dir is reached through a symbolic link: a `checkpoint-<step>`
+link is not a checkpoint, and a file of a checkpoint must be a regular file
+under real folders of it (ground/safe_files.py); names made for writing are
+random, so none can be planted in advance.
+
+This module is one process's view of one directory; `lineage.py` says which
+checkpoints are the run's, `checkpointer.py` makes the ranks take their turns.
 """
 
 from __future__ import annotations
@@ -30,10 +35,18 @@ from typing import IO, Any
 import torch
 
 from phalanx.errors import CheckpointError
+from phalanx.ground.safe_files import (
+    create_dir,
+    open_new,
+    open_regular,
+    random_name,
+    regular_inside,
+)
 from phalanx.train.checkpoint.stateful import PLACEMENTS, Placement, per_rank_file, replicated_file
 
 PREFIX = "checkpoint-"
 TMP_SUFFIX = ".tmp"
+OLD_SUFFIX = ".old"
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 2
 """2: entries with placements (sharded ones as DCP directories). 1 (before) had fixed files."""
@@ -92,14 +105,21 @@ def describe_os_error(exc: OSError, path: Path | str | None = None) -> str:
 
 
 def write_file(directory: Path, name: str, obj: Any) -> dict[str, Any]:
-    """torch.save `obj` (or write bytes) to directory/name durably; return its manifest entry.
-
-    A failed write raises OSError naming the file and the system's reason.
-    """
+    """torch.save `obj` (or write bytes) to the new file directory/name durably; return its
+    manifest entry. A failed write raises OSError naming the file and the system's reason."""
     path = directory / name
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("wb") as file:
+        file = open_new(path)  # a new file in a new folder: nothing there to follow
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
+    return write_into(file, path, obj)
+
+
+def write_into(file: IO[bytes], path: Path, obj: Any) -> dict[str, Any]:
+    """write_file's writing, into `file` (open, at `path`), which it closes."""
+    try:
+        with file:
             writer = _HashingWriter(file)
             try:
                 if isinstance(obj, bytes):
@@ -117,17 +137,11 @@ def write_file(directory: Path, name: str, obj: Any) -> dict[str, Any]:
     return {"sha256": writer.sha256.hexdigest(), "bytes": writer.size}
 
 
-def staging_dir(output_dir: Path, step: int) -> Path:
-    return output_dir / f"{PREFIX}{step}{TMP_SUFFIX}"
-
-
 def begin(output_dir: Path, step: int) -> Path:
-    """An empty checkpoint-<step>.tmp/ (a torn leftover of a killed run is removed first)."""
+    """A new, empty checkpoint-<step>.<random>.tmp/: a random name, so that nothing planted
+    under a guessable one (a link) is written through or blocks the save."""
     output_dir.mkdir(parents=True, exist_ok=True)
-    tmp = staging_dir(output_dir, step)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    return tmp
+    return create_dir(output_dir, f"{PREFIX}{step}", TMP_SUFFIX)
 
 
 def discard(tmp: Path) -> None:
@@ -151,8 +165,10 @@ def seal(
     step: int,
     entries: Mapping[str, Placement],
     written: Mapping[str, dict[str, Any]],
+    record: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Manifest every file under `tmp` (hashing those not in `written`), rename into place."""
+    """Manifest every file under `tmp` (hashing those not in `written`), rename into place
+    as checkpoint-<step>; `record`: more manifest fields (the lineage's, lineage.py)."""
     files: dict[str, dict[str, Any]] = {}
     directories = {tmp}
     for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
@@ -162,9 +178,10 @@ def seal(
     for directory in directories:
         fsync_dir(directory)
     manifest = {"format": FORMAT_VERSION, "step": step, "entries": dict(entries), "files": files}
+    manifest.update(record or {})
     write_file(tmp, MANIFEST, json.dumps(manifest, indent=1).encode())
     fsync_dir(tmp)
-    final = tmp.with_name(tmp.name.removesuffix(TMP_SUFFIX))
+    final = tmp.with_name(f"{PREFIX}{step}")
     _replace_dir(tmp, final)
     fsync_dir(tmp.parent)
     return final
@@ -184,54 +201,43 @@ def write_checkpoint(output_dir: Path, step: int, contents: Mapping[str, Any]) -
 
 
 def _replace_dir(src: Path, dst: Path) -> None:
-    """Rename src to dst; an existing dst (the same step saved again) is moved aside first."""
-    if not dst.exists():
+    """Rename src to dst; an existing dst (the run's own step saved again; lineage.py sets
+    anything else aside first) goes to a random `.old` name, then is deleted. A kill
+    between the renames leaves that `.old`: the next start puts it back (leftovers.py)."""
+    if not os.path.lexists(dst):
         os.rename(src, dst)
         return
-    old = dst.with_name(dst.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
+    old = dst.with_name(random_name(dst.name, OLD_SUFFIX))
     os.rename(dst, old)
     os.rename(src, dst)
     shutil.rmtree(old, ignore_errors=True)
 
 
 def list_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
-    """(step, path) of every checkpoint-<step> directory, newest first; .tmp ones excluded."""
+    """(step, path) of every checkpoint-<step> directory, highest step first; staging
+    folders and links (which phalanx never follows) excluded."""
     if not output_dir.is_dir():
         return []
     found = []
-    for entry in output_dir.iterdir():
-        match = _NAME.fullmatch(entry.name)
-        if match and entry.is_dir():
-            found.append((int(match.group(1)), entry))
+    with os.scandir(output_dir) as entries:
+        for entry in entries:
+            match = _NAME.fullmatch(entry.name)
+            if match and entry.is_dir(follow_symlinks=False):
+                found.append((int(match.group(1)), Path(entry.path)))
     return sorted(found, reverse=True)
 
 
-def remove_torn(output_dir: Path) -> list[Path]:
-    """Delete checkpoint-*.tmp directories: by construction they never finished."""
+def linked_checkpoints(output_dir: Path) -> list[Path]:
+    """The `checkpoint-<step>` names in output_dir that are symbolic links (never followed)."""
     if not output_dir.is_dir():
         return []
-    torn = [p for p in output_dir.glob(f"{PREFIX}*{TMP_SUFFIX}") if p.is_dir()]
-    for path in torn:
-        shutil.rmtree(path, ignore_errors=True)
-    return torn
-
-
-def rotate_checkpoints(
-    output_dir: Path, keep: int | None, protect: Path | None = None
-) -> list[Path]:
-    """Delete all but the newest `keep` checkpoints (and `protect`); return what was deleted."""
-    if keep is None:
-        return []
-    doomed = [path for _, path in list_checkpoints(output_dir)[keep:] if path != protect]
-    for path in doomed:
-        shutil.rmtree(path, ignore_errors=True)
-    return doomed
+    with os.scandir(output_dir) as entries:
+        return sorted(Path(e.path) for e in entries if _NAME.fullmatch(e.name) and e.is_symlink())
 
 
 def _sha256_of(path: Path) -> str:
     digest = hashlib.sha256()
-    with path.open("rb") as file:
+    with open_regular(path) as file:
         while chunk := file.read(_READ_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
@@ -239,14 +245,18 @@ def _sha256_of(path: Path) -> str:
 
 def read_manifest(path: Path) -> dict[str, Any]:
     """The parsed manifest, checked for shape; any fault is a CheckpointError (corrupt)."""
-    manifest_path = path / MANIFEST
-    if not manifest_path.is_file():
+    try:
+        regular_inside(path, MANIFEST)
+    except FileNotFoundError:
         raise CheckpointError(
             f"{path} has no {MANIFEST}, so it was never completed (or is not a phalanx "
             "checkpoint) — resume from an earlier checkpoint, or delete it"
-        )
+        ) from None
+    except OSError as exc:
+        raise CheckpointError(f"{describe_os_error(exc)} — {CORRUPT}") from None
     try:
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        with open_regular(path / MANIFEST) as file:
+            manifest = json.loads(file.read().decode("utf-8"))
     except (ValueError, OSError) as exc:
         raise CheckpointError(f"{path}/{MANIFEST} is unreadable ({exc}) — {CORRUPT}") from exc
     problem = _manifest_problem(manifest)
@@ -275,7 +285,21 @@ def _manifest_problem(manifest: Any) -> str | None:
         pure = PurePosixPath(name)
         if pure.is_absolute() or ".." in pure.parts:
             return f"the file name {name!r} points outside the checkpoint"
-    return _entries_problem(manifest.get("entries"), manifest["files"])
+    return _lineage_problem(manifest) or _entries_problem(
+        manifest.get("entries"), manifest["files"]
+    )
+
+
+def _lineage_problem(manifest: dict[str, Any]) -> str | None:
+    """The lineage fields (lineage.py) are optional: a manifest of before them has none."""
+    ident, parent, serial = (manifest.get(k) for k in ("id", "parent", "serial"))
+    if ident is None and parent is None and serial is None:
+        return None
+    if not isinstance(ident, str) or not (parent is None or isinstance(parent, str)):
+        return '"id" or "parent" is not a name'
+    if not isinstance(serial, int) or isinstance(serial, bool) or serial < 1:
+        return f'"serial" is {serial!r}, not a count from 1'
+    return None
 
 
 def _entries_problem(entries: Any, files: dict[str, Any]) -> str | None:
@@ -295,15 +319,22 @@ def _entries_problem(entries: Any, files: dict[str, Any]) -> str | None:
 
 
 def verify_checkpoint(path: Path) -> dict[str, Any]:
-    """Check every file against the manifest; return the manifest, or raise CheckpointError."""
+    """Check every file against the manifest; return the manifest, or raise CheckpointError.
+
+    Every file must be a regular file under real folders of the checkpoint: a link
+    (into another run, say) or a FIFO is refused, never followed or opened.
+    """
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist — check the path")
     manifest = read_manifest(path)
     for name, entry in manifest["files"].items():
         file = path / name
-        if not file.is_file():
-            raise CheckpointError(f"{file} is missing — the checkpoint is incomplete")
-        size = file.stat().st_size
+        try:
+            size = regular_inside(path, name).st_size
+        except FileNotFoundError:
+            raise CheckpointError(f"{file} is missing — the checkpoint is incomplete") from None
+        except OSError as exc:
+            raise CheckpointError(f"{describe_os_error(exc)} — {CORRUPT}") from None
         if size != entry["bytes"]:
             raise CheckpointError(
                 f"{file} has {size} bytes but was written with {entry['bytes']} — it is "
@@ -312,19 +343,6 @@ def verify_checkpoint(path: Path) -> dict[str, Any]:
         if _sha256_of(file) != entry["sha256"]:
             raise CheckpointError(f"{file} does not match its checksum — {CORRUPT}")
     return manifest
-
-
-def find_latest_valid(output_dir: Path) -> tuple[Path | None, list[str]]:
-    """The newest checkpoint that verifies, and why each newer one was skipped."""
-    skipped: list[str] = []
-    for _, path in list_checkpoints(output_dir):
-        try:
-            verify_checkpoint(path)
-        except CheckpointError as exc:
-            skipped.append(str(exc))
-            continue
-        return path, skipped
-    return None, skipped
 
 
 def checkpoint_bytes(manifest: Mapping[str, Any]) -> int:
@@ -348,7 +366,8 @@ def load_file(path: Path, name: str, manifest: Mapping[str, Any] | None = None) 
     if manifest is not None and name not in manifest["files"]:
         raise CheckpointError(f"{path}/{MANIFEST} does not list {name} — {CORRUPT}")
     try:
-        return torch.load(file, map_location="cpu", weights_only=True)
+        with open_regular(file) as opened:  # a link or a FIFO planted after the check: refused
+            return torch.load(opened, map_location="cpu", weights_only=True)
     except FileNotFoundError as exc:
         raise CheckpointError(f"{file} is missing — the checkpoint is incomplete") from exc
     except Exception as exc:  # torch raises many types for a bad zip or a refused object

@@ -37,6 +37,7 @@ from typing import Any, Protocol
 import torch
 
 from phalanx.errors import CheckpointError, ConfigurationError
+from phalanx.ground.safe_files import create_dir
 from phalanx.train.checkpoint.directory import describe_os_error, fsync_dir
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
@@ -232,7 +233,8 @@ def _write_bytes(path: Path, data: bytes | str) -> None:
 
 
 def staging_beside(out: Path) -> Path:
-    """An empty `.<name>.tmp-<pid>/` beside `out` (its folders made); errors in one line."""
+    """A new, empty `.<name>.<random>.tmp/` beside `out` (its folders made): nothing planted
+    under a name that can be guessed blocks it or is written through; errors in one line."""
     if out.exists() and not out.is_dir():
         raise CheckpointError(
             f"{out} is a file, and Hugging Face's format is a directory — give a directory "
@@ -240,16 +242,14 @@ def staging_beside(out: Path) -> Path:
         )
     parent = out.parent
     refuse_a_file_above(out)
-    tmp = parent / f".{out.name}.tmp-{os.getpid()}"
     try:
         parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        return create_dir(parent, f".{out.name}")
     except OSError as exc:
         raise CheckpointError(
-            f"cannot create {tmp} ({describe_os_error(exc)}) — write to a folder you can write"
+            f"cannot create a folder beside {out} ({describe_os_error(exc)}) — write to a "
+            "folder you can write"
         ) from None
-    return tmp
 
 
 def publish(tmp: Path, out: Path) -> None:

@@ -158,8 +158,9 @@ class TrainingArguments(Config):
     save_steps: int = 500
     """Write a checkpoint every this many steps and at the end; 0 never saves."""
     save_total_limit: int | None = None
-    """Keep only the newest this-many checkpoints (and the best one, with
-    load_best_model_at_end); None keeps all of them."""
+    """Keep only the newest this-many checkpoints of the run's own lineage (and the best
+    one, with load_best_model_at_end); another branch's, left by a rollback, are never
+    deleted (docs/trainer.md, "Rollbacks"); None keeps all of them."""
     load_best_model_at_end: bool = False
     """At the end, load the model of the checkpoint whose evaluation was the best by
     metric_for_best_model (saves and evaluations must then fall on the same steps)."""

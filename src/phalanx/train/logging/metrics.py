@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import errno
 import json
 import math
 import os
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any, Literal, NoReturn, Protocol, get_args
 
 from phalanx.errors import ConfigurationError, OutputError
+from phalanx.ground.safe_files import create_file, open_append, open_regular
 from phalanx.train.checkpoint.directory import describe_os_error
 from phalanx.train.logging.trackers import MlflowSink, WandbSink, rewrite_logs
 
@@ -68,7 +70,7 @@ class JsonlSink:
     def __init__(self, path: Path) -> None:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = path.open("a", encoding="utf-8")
+        self._file = open_append(path)  # a link planted as metrics.jsonl is refused
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         clean = {k: (v if math.isfinite(v) else str(v)) for k, v in metrics.items()}
@@ -85,8 +87,8 @@ class CsvSink:
     def __init__(self, path: Path) -> None:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
-        fresh = not path.exists() or path.stat().st_size == 0
-        self._file = path.open("a", encoding="utf-8", newline="")
+        self._file = open_append(path)
+        fresh = os.fstat(self._file.fileno()).st_size == 0
         self._writer = csv.writer(self._file)
         if fresh:
             self._writer.writerow(_CSV_HEADER)
@@ -160,9 +162,14 @@ def close_sinks(sinks: list[MetricsSink]) -> None:
 
 
 def _write_failed(exc: OSError, path: Path | None) -> OutputError:
+    fix = (
+        "remove the link (metric files are written in output_dir itself)"
+        if exc.errno == errno.ELOOP
+        else "free space, or fix the permissions of output_dir"
+    )
     return OutputError(
-        f"could not write {describe_os_error(exc, path)} — free space, or fix the "
-        "permissions of output_dir; the checkpoints written so far are intact"
+        f"could not write {describe_os_error(exc, path)} — {fix}; the checkpoints written "
+        "so far are intact"
     )
 
 
@@ -193,16 +200,25 @@ def _unknown(name: NoReturn) -> NoReturn:
 
 
 def _rewrite_keeping(path: Path, keep: Callable[[str], bool]) -> None:
-    """Rewrite `path` with only the lines `keep` accepts, atomically."""
-    if not path.is_file():
+    """Rewrite `path` with only the lines `keep` accepts, atomically: through a new file
+    of a random name (O_EXCL|O_NOFOLLOW), renamed over it. A link at `path` is refused."""
+    try:
+        with open_regular(path) as file:
+            lines = file.read().decode("utf-8").splitlines(keepends=True)
+    except FileNotFoundError:
         return
-    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
     kept = [line for line in lines if keep(line)]
     if len(kept) == len(lines):
         return
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text("".join(kept), encoding="utf-8")
-    os.replace(partial, path)
+    partial, file = create_file(path.parent, path.name, ".partial")
+    try:
+        with file:
+            file.write("".join(kept).encode("utf-8"))
+        os.replace(partial, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            partial.unlink()
+        raise
 
 
 def _step_of_json(line: str) -> int | None:
