@@ -26,6 +26,7 @@ import torch
 from phalanx.ddp.module import DistributedDataParallel
 from phalanx.errors import ConfigurationError, PeerLost
 from phalanx.ground.live_keys import RESTART_MARK
+from phalanx.ground.safe_files import open_append
 from phalanx.ground.progress_record import PROGRESS_DIR_VAR
 from phalanx.runtime.live import LiveGroup, current_live_group
 from phalanx.runtime.membership import settings_from_env
@@ -187,7 +188,7 @@ class LiveTraining:
         entry = dataclasses.asdict(done)
         entry["seconds"] = round(done.seconds, 3)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("a") as log:
+        with open_append(self.log_path) as log:  # a planted link is refused, not followed
             log.write(json.dumps(entry) + "\n")
 
 
