@@ -26,8 +26,8 @@ import torch
 from phalanx.ddp.module import DistributedDataParallel
 from phalanx.errors import ConfigurationError, PeerLost
 from phalanx.ground.live_keys import RESTART_MARK
-from phalanx.ground.safe_files import open_append
 from phalanx.ground.progress_record import PROGRESS_DIR_VAR
+from phalanx.ground.safe_files import open_append
 from phalanx.runtime.live import LiveGroup, current_live_group
 from phalanx.runtime.membership import settings_from_env
 from phalanx.runtime.recovery import LiveRecovery, Recovered
