@@ -55,12 +55,31 @@ class Strategy:
 
     def prepare(self, model: nn.Module) -> nn.Module:
         """The model on this rank's device, a meta-built one given rank 0's values whole."""
+        self._refuse_sharded(model)
         if self.frees_host_memory():
             return_freed_memory()
         model = prepare_device_model(model, self.args, self.world)
         if has_meta_tensors(model):
             materialize(model, self.world.device, group=self.world.process_group)
         return model.to(self.world.device)
+
+    def _refuse_sharded(self, model: nn.Module) -> None:
+        """A model whose parameters are DTensors already (fully_shard) trains at stage 3 only:
+        DDP and ZeRO-1/2 compute on whole tensors."""
+        from torch.distributed.tensor import DTensor
+
+        if zero3.units(model):
+            raise ConfigurationError(
+                f"the model was sharded with fully_shard, which zero_stage={self.args.zero_stage}"
+                " cannot train — pass zero_stage=3 (it trains the model as you sharded it), or "
+                "give the Trainer the model before fully_shard"
+            )
+        if any(isinstance(p, DTensor) for p in model.parameters()):
+            raise ConfigurationError(
+                "the model's parameters are DTensors (torch's fully_shard, or tensor parallel), "
+                f"which zero_stage={self.args.zero_stage} cannot train — give the Trainer the "
+                "plain model (zero_stage=3 shards it with phalanx's fully_shard)"
+            )
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """phalanx DDP with the arguments' DDP options, or the model itself in a world of one
