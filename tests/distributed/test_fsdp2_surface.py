@@ -29,6 +29,9 @@ the sum instead of after moves the last bit):
   `.to()` swaps a DTensor parameter's contents, and the unit still knows it);
 - ignored: the embedding in `ignored_params` (left whole, its gradient not reduced:
   each rank steps its own);
+- hook: `set_all_reduce_hook` halving the reduced rows of every unit;
+- embed_not_gathered: the embedding as a unit of its own with
+  `set_unshard_in_backward(False)` (its backward gathers nothing);
 - tied: the head's weight is the embedding's, and `fully_shard([model.embed,
   model.lm_head])` holds it (FSDP2's advice for tied weights): the group's
   forward spans the whole model, the first module to the last.
@@ -87,6 +90,8 @@ CASES: dict[str, dict[str, Any]] = {
     "to_between": {"to_between": True},
     "ignored": {"ignored": True},
     "tied": {"tied": True},
+    "hook": {"hook": True},
+    "embed_not_gathered": {"embed_unit": True},
 }
 EXACT = ("force_sum", "hsdp_force_sum")
 
@@ -112,6 +117,8 @@ def _shard(net: TitanLike, impl: str, opts: dict[str, Any], world: int) -> Any:
     kwargs: dict[str, Any] = {"mesh": _mesh(opts, world)}
     if opts.get("bf16"):
         kwargs["mp_policy"] = api.MixedPrecisionPolicy(torch.bfloat16, torch.float32)
+    if opts.get("embed_unit"):
+        api.fully_shard(net.embed, **kwargs)
     for block in net.blocks:
         api.fully_shard(block, **kwargs)
     if opts.get("to_between"):
@@ -137,6 +144,11 @@ def _settings(net: Any, opts: dict[str, Any]) -> None:
             module.set_force_sum_reduction_for_comms(True)
     if opts.get("unused"):
         net.set_reduce_scatter_unused_params(True)
+    if opts.get("hook"):  # on the reduced rows, before they become the sharded gradients
+        for module in [*net.blocks, net.norm, net]:
+            module.set_all_reduce_hook(lambda reduced: reduced.mul_(0.5))
+    if opts.get("embed_unit"):  # an embedding's backward needs no weight values
+        net.embed.set_unshard_in_backward(False)
     if opts.get("knobs"):
         net.set_reshard_after_forward(True, recurse=False)
         with warnings.catch_warnings():
@@ -212,7 +224,11 @@ def train(case: str, impl: str, rank: int, world: int) -> dict[str, Any]:
             net.set_post_optim_event(torch.Event(device="cpu"))  # (no record on the CPU)
     state = get_model_state_dict(net, options=StateDictOptions(full_state_dict=True))
     whole = {k: v.tolist() for k, v in state.items() if isinstance(v, torch.Tensor)}
-    return {"losses": losses, "norms": norms, "state": whole}
+    result = {"losses": losses, "norms": norms, "state": whole}
+    if impl == "phalanx" and opts.get("embed_unit"):  # a gather per forward, none in backward
+        embed = phalanx.zero3.communication(net.embed).collectives
+        assert embed == STEPS * MICRO * 2, f"{embed} collectives: one gather, one reduction each"
+    return result
 
 
 def _gap(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
@@ -244,8 +260,6 @@ def _refused(rank: int) -> dict[str, str]:
         "fully_shard group": lambda: group[0](torch.ones(2, 4)),  # a group as the root
         "set_custom_all_gather": lambda: unit.set_custom_all_gather(None),
         "set_custom_reduce_scatter": lambda: unit.set_custom_reduce_scatter(None),
-        "set_all_reduce_hook": lambda: unit.set_all_reduce_hook(lambda t: None),
-        "set_unshard_in_backward": lambda: unit.set_unshard_in_backward(False),
         "set_allocate_memory_from_process_group_for_comm": (
             lambda: unit.set_allocate_memory_from_process_group_for_comm(True)
         ),

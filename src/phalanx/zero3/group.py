@@ -91,6 +91,9 @@ class ParamGroup:
         self.reduce_group = info.shard_group
         """Where the reduce-scatter runs: the shard group, or one of its own
         (set_separate_reduce_scatter_group)."""
+        self.all_reduce_hook: GradHook | None = None
+        """set_all_reduce_hook: called on the reduced rows (after HSDP's all-reduce), in place,
+        before force-sum's division, as FSDP2 calls it."""
         self._on_grad = on_grad
         self._divide_after: float | None = None
         """force_sum: the factor the reduced sum is divided by, once it has arrived."""
@@ -291,6 +294,8 @@ class ParamGroup:
         """Each rank's rows become (or add to) the gradients of its sharded parameters that
         had one (FSDP2 leaves the others None: an optimizer then skips them)."""
         with torch.no_grad():
+            if self.all_reduce_hook is not None:
+                self.all_reduce_hook(out)
             if self._divide_after is not None and self._divide_after != 1:
                 out.div_(self._divide_after)
             pieces = self.layout.piece_views(out)

@@ -26,7 +26,8 @@ def pre_forward(module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
     unit = unit_of(module)
     assert unit is not None
     if unit.phase is UnitPhase.BACKWARD:  # activation checkpointing recomputes this forward
-        unit.unshard()
+        if unit.unshard_in_backward:
+            unit.unshard()
         return _cast_inputs(unit, args, kwargs)
     if not unit.to_run:  # a pass through the unit's modules begins (FSDP2's group hooks)
         unit.to_run.update(unit.modules)
@@ -92,10 +93,11 @@ def pre_backward(unit: Unit) -> None:
     assert root is not None
     root.queue_end_of_backward()
     unit.phase = UnitPhase.BACKWARD
-    unit.unshard()
+    if unit.unshard_in_backward:  # (FSDP2's set_unshard_in_backward: e.g. an embedding)
+        unit.unshard()
     targets = unit.backward_prefetch
     for target in targets if targets is not None else [root.next_after(unit, -1)]:
-        if target is not None:
+        if target is not None and target.unshard_in_backward:
             target.prefetch()
 
 

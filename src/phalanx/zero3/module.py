@@ -10,9 +10,10 @@ its names and meanings; the few phalanx does not implement raise
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, NoReturn, cast
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -145,8 +146,21 @@ class FSDPModule:
     def set_custom_reduce_scatter(self, comm: Any) -> NoReturn:
         _unsupported("set_custom_reduce_scatter")
 
-    def set_all_reduce_hook(self, hook: Any, *, stream: Any = None) -> NoReturn:
-        _unsupported("set_all_reduce_hook")
+    def set_all_reduce_hook(
+        self, hook: Callable[[torch.Tensor], None], *, stream: Any = None
+    ) -> None:
+        """`hook(reduced)` on this unit's reduced gradient rows, in place, before they become
+        the sharded gradients: after the reduce-scatter, or HSDP's all-reduce (a custom
+        replication of your own on a 1-D mesh goes here). phalanx runs it on the current
+        stream; `stream` is refused under HSDP, as FSDP2 refuses it."""
+        unit = self._unit()
+        if stream is not None and unit.info.replicate_group is not None:
+            raise ConfigurationError(
+                "set_all_reduce_hook(stream=...) under HSDP — drop stream: the hook runs "
+                "after HSDP's own all-reduce"
+            )
+        unit.all_reduce_hook = hook
+        unit.configure_groups()
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """True: the collectives only sum, and the sum is divided afterwards (by the
@@ -191,17 +205,22 @@ class FSDPModule:
         made: dict[tuple[int, ...], dist.ProcessGroup] = {}
         for unit in self._units(recurse):
             if not enable:
-                unit.use_reduce_group(None)
+                unit.reduce_group = None
+                unit.configure_groups()
                 continue
             ranks = tuple(dist.get_process_group_ranks(unit.info.shard_group))
             if ranks not in made:
                 made[ranks] = unit.reduce_group or dist.new_group(
                     list(ranks), use_local_synchronization=True
                 )
-            unit.use_reduce_group(made[ranks])
+            unit.reduce_group = made[ranks]
+            unit.configure_groups()
 
-    def set_unshard_in_backward(self, unshard_in_backward: bool) -> NoReturn:
-        _unsupported("set_unshard_in_backward")
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """False: this unit's parameters are not gathered for its backward (nor prefetched
+        then), for a module whose backward needs none of their values (an embedding: its
+        gradient comes from the indices); its gradients are reduced as ever."""
+        self._unit().unshard_in_backward = bool(unshard_in_backward)
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> NoReturn:
         _unsupported("set_allocate_memory_from_process_group_for_comm")

@@ -19,7 +19,7 @@ from torch import nn
 from phalanx.errors import OffloadError
 from phalanx.offload.agree import raise_on_every_rank
 from phalanx.optim.collectives import ReduceScatterState
-from phalanx.zero3.group import ParamGroup, PendingAllReduce, Reduction
+from phalanx.zero3.group import GradHook, ParamGroup, PendingAllReduce, Reduction
 from phalanx.zero3.mesh import MeshInfo, unit_group
 from phalanx.zero3.params import ShardedParam
 from phalanx.zero3.policies import MixedPrecisionPolicy
@@ -80,6 +80,8 @@ class Unit:
         self.reduce_unused = False  # set_reduce_scatter_unused_params
         self.reduce_buffers = 1  # set_reduce_scatter_max_input_buffers
         self.reduce_group: dist.ProcessGroup | None = None  # set_separate_reduce_scatter_group
+        self.all_reduce_hook: GradHook | None = None  # set_all_reduce_hook
+        self.unshard_in_backward = True  # set_unshard_in_backward
         self.forward_prefetch: list[Unit] | None = None
         self.backward_prefetch: list[Unit] | None = None
         self.arrived = 0
@@ -116,7 +118,7 @@ class Unit:
             ParamGroup(members, self.info, device, dtype, self._on_grad)
             for (device, dtype), members in by_key.items()
         ]
-        self.use_reduce_group(self.reduce_group)
+        self.configure_groups()
         self.record_to(self.timeline)
         self.expected = sum(p.sharded.requires_grad for p in self.params)
         self._stale = False
@@ -126,11 +128,13 @@ class Unit:
         for g in self.groups:
             g.timeline, g.label = timeline, self.name or "root"
 
-    def use_reduce_group(self, group: dist.ProcessGroup | None) -> None:
-        """Reduce-scatter in `group` (None: the shard group, shared with the gathers)."""
-        self.reduce_group = group
+    def configure_groups(self) -> None:
+        """Hand the reduction settings to the groups (again after a regroup): reduce-scatter
+        in `reduce_group` (None: the shard group, shared with the gathers), and call
+        `all_reduce_hook` on the reduced rows."""
         for g in self.groups:
-            g.reduce_group = group or self.info.shard_group
+            g.reduce_group = self.reduce_group or self.info.shard_group
+            g.all_reduce_hook = self.all_reduce_hook
 
     def mark_stale(self) -> None:
         self._stale = True
