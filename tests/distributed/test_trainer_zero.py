@@ -315,3 +315,60 @@ def test_stage3_trains_and_saves_with_an_empty_shard(tmp_path: Path) -> None:
     outs = run_workers(_empty_shards, 2, str(tmp_path), init_pg=False)
     assert [o.value for o in outs] == [4, 4]
     assert (tmp_path / "checkpoint-4").is_dir()
+
+
+def _user_sharded(rank: int, world: int, out_dir: str) -> dict[str, Any]:
+    """docs/trainer.md's route for your own optimizer at stage 3: shard the model yourself,
+    build the optimizer over its parameters, hand both over. The Trainer moves the model to
+    its device (a `.to()`, which swaps each DTensor parameter's contents in place), and the
+    optimizer's parameters must still be the units' own. Against the built-in AdamW."""
+    phalanx.init(backend="gloo")
+    finals: dict[str, Any] = {}
+    for route in ("built-in", "yours"):
+        args = _args(Path(out_dir) / route, zero_stage=3, max_steps=6)
+        model: nn.Module = _Net()
+        optimizer: torch.optim.Optimizer | None = None
+        if route == "yours":
+            zero3.shard_model(model)  # the units the Trainer would pick: each Linear, the root
+            matrices = [p for p in model.parameters() if p.dim() >= 2]
+            vectors = [p for p in model.parameters() if p.dim() < 2]
+            groups: list[dict[str, Any]] = [
+                {"params": matrices, "weight_decay": 0.1},
+                {"params": vectors},
+            ]
+            optimizer = torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.0)
+        trainer = Trainer(
+            model=model, args=args, train_dataset=_data(), loss_fn=_xent, optimizer=optimizer
+        )
+        trainer.train()
+        finals[route] = zero3.full_state_dict(trainer.model, to=0)
+    messages = []
+    for stage in (0, 1):  # a model sharded already, at a stage that trains plain parameters
+        model = zero3.shard_model(_Net())
+        args = _args(Path(out_dir) / f"s{stage}", zero_stage=stage, max_steps=2)
+        try:
+            Trainer(model=model, args=args, train_dataset=_data(), loss_fn=_xent).train()
+            messages.append("trained")
+        except ConfigurationError as exc:
+            messages.append(str(exc))
+    gap = 0.0
+    if rank == 0:
+        ours, builtin = finals["yours"], finals["built-in"]
+        assert ours is not None and builtin is not None and ours.keys() == builtin.keys()
+        gap = max(float((ours[k] - builtin[k]).abs().max()) for k in ours)
+    return {"gap": gap, "refused": messages}
+
+
+@pytest.mark.timeout(120)
+def test_your_optimizer_over_a_model_you_sharded_trains_as_the_built_in_adamw(
+    tmp_path: Path,
+) -> None:
+    """Stage 3 with optimizer=: it was refused (the Trainer's move to the device lost the
+    parameters' sharded mark). And a sharded model at stages 0-2 is refused in one line
+    naming zero_stage=3, on every rank (it raised DTensor's NotImplementedError)."""
+    outs = run_workers(_user_sharded, 2, str(tmp_path), init_pg=False)
+    assert outs[0].value["gap"] <= 1e-6, outs[0].value
+    assert outs[0].value["refused"] == outs[1].value["refused"]
+    for message in outs[0].value["refused"]:
+        assert "sharded with fully_shard" in message and "pass zero_stage=3" in message
+        assert "\n" not in message and " — " in message

@@ -4,7 +4,8 @@ Two scripts written against `torch.distributed.fsdp` (tests/e2e/scripts):
 fsdp2_train.py, structured as FSDP2's tutorial (meta device, mixed precision,
 explicit prefetching, full checkpoints through DCP's state-dict API and
 through the DTensor API), and titan_loop.py, a loop in torchtitan's style
-(a named DeviceMesh, reshard_after_forward per block, accumulation through
+(a named DeviceMesh, reshard_after_forward per block, the final norm and the
+head as one unit with `fully_shard([model.norm, model.head])`, accumulation through
 set_requires_gradient_sync, get_total_norm + clip_grads_with_norm_, sharded
 DCP checkpoints of Stateful wrappers, HSDP with --hsdp). Each runs as it is
 under torchrun (torch's FSDP2: the reference) and, with the one import line
@@ -16,6 +17,7 @@ launch`. Losses, clip norms and checkpoints must agree within 1e-5
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +46,9 @@ def _script(name: str, impl: str, tmp: Path) -> Path:
 def _run(script: Path, launcher: str, world: int, out: Path, *flags: object) -> dict[str, Any]:
     prefix = TORCHRUN if launcher == "torchrun" else LAUNCH
     standalone = "--standalone " if launcher == "torchrun" else ""
-    env = clean_env(OMP_NUM_THREADS="1", PYTHONPATH=str(SCRIPTS))
+    # SCRIPTS first, then whatever PYTHONPATH the tests run under (a worktree's src/).
+    path = os.pathsep.join(p for p in (str(SCRIPTS), os.environ.get("PYTHONPATH")) if p)
+    env = clean_env(OMP_NUM_THREADS="1", PYTHONPATH=path)
     done = launch(
         f"{standalone}--nproc-per-node {world}", script, out, *flags,
         prefix=prefix, env=env, timeout_s=150,

@@ -55,12 +55,31 @@ class Strategy:
 
     def prepare(self, model: nn.Module) -> nn.Module:
         """The model on this rank's device, a meta-built one given rank 0's values whole."""
+        self._refuse_sharded(model)
         if self.frees_host_memory():
             return_freed_memory()
         model = prepare_device_model(model, self.args, self.world)
         if has_meta_tensors(model):
             materialize(model, self.world.device, group=self.world.process_group)
         return model.to(self.world.device)
+
+    def _refuse_sharded(self, model: nn.Module) -> None:
+        """A model whose parameters are DTensors already (fully_shard) trains at stage 3 only:
+        DDP and ZeRO-1/2 compute on whole tensors."""
+        from torch.distributed.tensor import DTensor
+
+        if zero3.units(model):
+            raise ConfigurationError(
+                f"the model was sharded with fully_shard, which zero_stage={self.args.zero_stage}"
+                " cannot train — pass zero_stage=3 (it trains the model as you sharded it), or "
+                "give the Trainer the model before fully_shard"
+            )
+        if any(isinstance(p, DTensor) for p in model.parameters()):
+            raise ConfigurationError(
+                "the model's parameters are DTensors (torch's fully_shard, or tensor parallel), "
+                f"which zero_stage={self.args.zero_stage} cannot train — give the Trainer the "
+                "plain model (zero_stage=3 shards it with phalanx's fully_shard)"
+            )
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """phalanx DDP with the arguments' DDP options, or the model itself in a world of one
@@ -87,9 +106,9 @@ class Strategy:
             offload_optimizer(optimizer, disk) if isinstance(disk, DiskOffloadPolicy) else optimizer
         )
 
-    def check_user_optimizer(self, optimizer: Optimizer) -> None:
-        """Refuse the optimizers the Trainer cannot drive: it builds ZeRO itself, after it
-        wraps the model (stage 2 hooks that wrapper)."""
+    def check_user_optimizer(self, optimizer: Optimizer, model: nn.Module) -> None:
+        """Refuse the optimizers the Trainer cannot drive over `model` (prepared, wrapped):
+        it builds ZeRO itself, after it wraps the model (stage 2 hooks that wrapper)."""
         if isinstance(optimizer, ZeroRedundancyOptimizer):
             raise ConfigurationError(
                 "the Trainer builds ZeroRedundancyOptimizer itself, after it wraps the model "
@@ -144,8 +163,8 @@ class ShardedOptimizer(Strategy):
             **settings,
         )
 
-    def check_user_optimizer(self, optimizer: Optimizer) -> None:
-        super().check_user_optimizer(optimizer)
+    def check_user_optimizer(self, optimizer: Optimizer, model: nn.Module) -> None:
+        super().check_user_optimizer(optimizer, model)
         raise ConfigurationError(
             f"zero_stage={self.args.zero_stage} shards the AdamW the Trainer builds, so it "
             f"cannot take your {type(optimizer).__name__} — drop optimizer= (and set "
@@ -184,7 +203,7 @@ class FullyShard(Strategy):
     def prepare(self, model: nn.Module) -> nn.Module:
         """A meta-built model stays meta until `wrap` has sharded it, so each rank only ever
         holds its shards (zero3/meta_init.py); fully_shard moves the rest to the device."""
-        return_freed_memory()
+        return_freed_memory()  # a model sharded already is this stage's to train
         model = prepare_device_model(model, self.args, self.world)
         return model if has_meta_tensors(model) else model.to(self.world.device)
 
@@ -197,10 +216,13 @@ class FullyShard(Strategy):
             materialize(model, self.world.device, group=self.world.process_group)
         return model
 
-    def check_user_optimizer(self, optimizer: Optimizer) -> None:
-        super().check_user_optimizer(optimizer)
+    def check_user_optimizer(self, optimizer: Optimizer, model: nn.Module) -> None:
+        """Its parameters must be the units' sharded ones, the very objects (a `.to()` swaps
+        their contents in place, so the Trainer's move to the device keeps them)."""
+        super().check_user_optimizer(optimizer, model)
+        sharded = {id(p) for p in zero3.sharded_parameters(model)}
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        if not all(zero3.is_sharded(p) for p in params):
+        if not all(id(p) in sharded for p in params):
             raise ConfigurationError(
                 "zero_stage=3 shards the model, so an optimizer built over its whole "
                 "parameters steps tensors the model no longer uses — shard the model first "

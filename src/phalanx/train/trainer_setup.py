@@ -157,7 +157,7 @@ class TrainerSetup:
         self.comm_state = attach_comm_hook(self.wrapped_model, self.args, self.world)
         """PowerSGD's state (error feedback, warm-start Qs) when ddp_comm_hook="powersgd"."""
         if optimizer is not None:
-            self.strategy.check_user_optimizer(optimizer)
+            self.strategy.check_user_optimizer(optimizer, self.model)
         self.optimizer = (
             optimizer
             if optimizer is not None

@@ -15,7 +15,7 @@ from phalanx.ddp.stats import NO_TRAFFIC, Traffic
 from phalanx.zero3.auto_wrap import Policy, by_class_names, repeated_blocks, shard_model
 from phalanx.zero3.meta_init import Materialized, has_meta_tensors, materialize
 from phalanx.zero3.module import FSDPModule, UnshardHandle, register_fsdp_forward_method
-from phalanx.zero3.params import ShardUseError, is_sharded
+from phalanx.zero3.params import ShardUseError
 from phalanx.zero3.policies import (
     CPUOffloadPolicy,
     DiskOffloadPolicy,
@@ -34,7 +34,7 @@ from phalanx.zero3.state import (
     save_model_sharded,
     save_optimizer_sharded,
 )
-from phalanx.zero3.wrap import fully_shard, units
+from phalanx.zero3.wrap import fully_shard, is_sharded, sharded_parameters, units
 
 __all__ = [
     "CPUOffloadPolicy",
@@ -64,6 +64,7 @@ __all__ = [
     "save_model_sharded",
     "save_optimizer_sharded",
     "shard_model",
+    "sharded_parameters",
     "unit_of",
     "units",
 ]
@@ -73,7 +74,7 @@ def communication(model: nn.Module) -> Traffic:
     """Summed over the model's units (and its root's buffer broadcasts): the collectives,
     bytes and seconds waited of stage 3 so far, on this rank."""
     total = NO_TRAFFIC
-    roots = set()
+    roots = set()  # units() gives each unit once, a group too
     for unit in units(model):
         for group in unit.groups:
             total += group.comm.traffic

@@ -42,6 +42,19 @@ if TYPE_CHECKING:
 GradHook = Callable[[torch.Tensor], None]
 
 
+class Reduction(NamedTuple):
+    """How a unit's gradients are reduced (its FSDPModule settings)."""
+
+    dtype: torch.dtype
+    divisor: float
+    """The sum over ranks is divided by it: the data-parallel size, or
+    set_gradient_divide_factor's."""
+    force_sum: bool = False
+    """set_force_sum_reduction_for_comms: divide after the sum (FSDP2's order), not before."""
+    unused: bool = False
+    """set_reduce_scatter_unused_params: a parameter with no gradient gets one too."""
+
+
 class PendingAllReduce(NamedTuple):
     """HSDP: reduced rows on their way across the replicas."""
 
@@ -75,7 +88,17 @@ class ParamGroup:
             rows=[row_numel(p.shape) or 1 for p in params],
         )
         self.comm = TrafficCounter()
+        self.reduce_group = info.shard_group
+        """Where the reduce-scatter runs: the shard group, or one of its own
+        (set_separate_reduce_scatter_group)."""
+        self.all_reduce_hook: GradHook | None = None
+        """set_all_reduce_hook: called on the reduced rows (after HSDP's all-reduce), in place,
+        before force-sum's division, as FSDP2 calls it."""
         self._on_grad = on_grad
+        self._divide_after: float | None = None
+        """force_sum: the factor the reduced sum is divided by, once it has arrived."""
+        self._with_grad: list[bool] = []
+        """Which parameters had a gradient to reduce (the others keep .grad None)."""
         self._storage: torch.UntypedStorage | None = None
         self._nbytes = 0
         self._writers: list[torch.Tensor] = []
@@ -177,21 +200,31 @@ class ParamGroup:
         return torch.cat(rows, dim=1).reshape(-1)
 
     # ----------------------------------------------------------------- reduce
-    def start_reduce(self, reduce_dtype: torch.dtype, divisor: int) -> ReduceScatterState | None:
+    def start_reduce(self, how: Reduction) -> ReduceScatterState | None:
         """Average the unsharded gradients into this rank's rows: one async reduce-scatter.
 
         The unsharded gradients are freed once laid out. None: no gradient arrived.
         """
-        self.hold_unsynced(reduce_dtype)
+        self.hold_unsynced(how.dtype)
         grads = [_take_grad(p) for p in self.params]
         if all(g is None for g in grads):
             return None
+        with_grad = [g is not None or how.unused for g in grads]
+        if self._partial is not None:  # HSDP: rows summed before, not yet written
+            with_grad = [a or b for a, b in zip(with_grad, self._with_grad)]
+        self._with_grad = with_grad
         with torch.no_grad():
-            flats = [None if g is None else g.reshape(-1).to(reduce_dtype) for g in grads]
-            send = self.layout.reduce_scatter_input(flats, reduce_dtype)
-            scale_to_mean(send, divisor)
+            flats = [None if g is None else g.reshape(-1).to(how.dtype) for g in grads]
+            send = self.layout.reduce_scatter_input(flats, how.dtype)
+            self._divide_after = None
+            if how.force_sum:
+                before, self._divide_after = sum_then_divide(how.dtype, how.divisor)
+                if before is not None:
+                    send.div_(before)
+            else:
+                scale_to_mean(send, how.divisor)  # type: ignore[arg-type]
         out = send.new_empty(self.layout.block)
-        state = start_reduce_scatter(out, send, self.info.shard_group)
+        state = start_reduce_scatter(out, send, self.reduce_group)
         self.comm.add(state.traffic())
         self._record_flight("reduce-scatter", state.work, send)
         return state
@@ -221,9 +254,7 @@ class ParamGroup:
     def finish_reduce(self, state: ReduceScatterState, all_reduce: bool) -> PendingAllReduce | None:
         """Wait for the reduce-scatter. HSDP: start the all-reduce across replicas (returned)
         or, when `all_reduce` is off, keep the rows summed for later. 1-D: write the grads."""
-        out = self._waited(
-            "reduce-scatter", lambda: wait_reduce_scatter(state, self.info.shard_group)
-        )
+        out = self._waited("reduce-scatter", lambda: wait_reduce_scatter(state, self.reduce_group))
         if self.info.replicate_group is None:
             self._write_grads(out)
             return None
@@ -260,12 +291,30 @@ class ParamGroup:
             self.timeline.flight(f"{what} {self.label}", nbytes, future)
 
     def _write_grads(self, out: torch.Tensor) -> None:
-        """Each rank's rows become (or add to) its sharded parameters' gradients."""
+        """Each rank's rows become (or add to) the gradients of its sharded parameters that
+        had one (FSDP2 leaves the others None: an optimizer then skips them)."""
         with torch.no_grad():
-            for p, piece in zip(self.params, self.layout.piece_views(out)):
-                if not p.sharded.requires_grad:
+            if self.all_reduce_hook is not None:
+                self.all_reduce_hook(out)
+            if self._divide_after is not None and self._divide_after != 1:
+                out.div_(self._divide_after)
+            pieces = self.layout.piece_views(out)
+            for p, piece, had in zip(self.params, pieces, self._with_grad, strict=True):
+                if not p.sharded.requires_grad or not had:
                     continue
                 p.set_grad(piece.to(p.sharded.dtype))  # on the device: a view, no copy
+
+
+def sum_then_divide(dtype: torch.dtype, factor: float) -> tuple[float | None, float]:
+    """force_sum's factors, FSDP2's `_get_gradient_divide_factors`: (divide the input by,
+    divide the sum by). fp32 and bf16 divide once, after; a narrower dtype (fp16) divides
+    by a power of two near sqrt(factor) before, against overflow, and by the rest after."""
+    if dtype in (torch.float32, torch.bfloat16):
+        return None, factor
+    before = 1
+    while factor % before == 0 and factor / before > before:
+        before *= 2
+    return before, factor / before
 
 
 def _take_grad(p: ShardedParam) -> torch.Tensor | None:

@@ -26,6 +26,12 @@ def pre_forward(module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
     unit = unit_of(module)
     assert unit is not None
     if unit.phase is UnitPhase.BACKWARD:  # activation checkpointing recomputes this forward
+        if unit.unshard_in_backward:
+            unit.unshard()
+        return _cast_inputs(unit, args, kwargs)
+    if not unit.to_run:  # a pass through the unit's modules begins (FSDP2's group hooks)
+        unit.to_run.update(unit.modules)
+    if unit.phase is UnitPhase.FORWARD:  # a group's next module, in the same pass
         unit.unshard()
         return _cast_inputs(unit, args, kwargs)
     root = unit.root if unit.root is not None else Root(unit)
@@ -42,18 +48,44 @@ def pre_forward(module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
 
 
 def post_forward(module: nn.Module, args: Any, output: Any) -> Any:
+    """The unit's forward ends with its last module's (a group's others only cast their
+    outputs); the root's ends the forward of every group it left incomplete as well."""
     unit = unit_of(module)
     assert unit is not None
-    if unit.phase is UnitPhase.BACKWARD:
+    if unit.phase is UnitPhase.BACKWARD or module not in unit.to_run:
         return _cast_output(unit, output)
+    unit.to_run.discard(module)
+    if unit.to_run:
+        return _cast_output(unit, output)
+    _end_forward(unit, output)
+    root = unit.root
+    if root is not None and unit is root.unit:
+        output = _complete_groups(root, output)
+        root.end_forward()
+    return _cast_output(unit, output)
+
+
+def _end_forward(unit: Unit, output: Any) -> None:
+    """Free as reshard_after_forward says; the backward through `output` gathers again."""
     tracked = [t for t in iter_tensors(output) if t.requires_grad]
     if torch.is_grad_enabled() and tracked:
         register_multi_grad_hook(tracked, lambda _: pre_backward(unit), mode="any")
     unit.after_forward()
     unit.phase = UnitPhase.IDLE
-    if unit.root is not None and unit is unit.root.unit:
-        unit.root.end_forward()
-    return _cast_output(unit, output)
+
+
+def _complete_groups(root: Root, output: Any) -> Any:
+    """FSDP2's `_force_complete_incomplete_states`: a group whose forward ran only some of
+    its modules (chunked loss: the root runs the norm, the head is called per chunk after)
+    ends its forward with the root's, its backward hooked on the root's output; innermost
+    first, each casting the output to its output_dtype, as the unwinding would have."""
+    for unit in reversed(root.units):
+        if unit is root.unit or not unit.to_run:
+            continue
+        _end_forward(unit, output)
+        output = _cast_output(unit, output)
+        unit.to_run.clear()
+    return output
 
 
 def pre_backward(unit: Unit) -> None:
@@ -61,10 +93,11 @@ def pre_backward(unit: Unit) -> None:
     assert root is not None
     root.queue_end_of_backward()
     unit.phase = UnitPhase.BACKWARD
-    unit.unshard()
+    if unit.unshard_in_backward:  # (FSDP2's set_unshard_in_backward: e.g. an embedding)
+        unit.unshard()
     targets = unit.backward_prefetch
     for target in targets if targets is not None else [root.next_after(unit, -1)]:
-        if target is not None:
+        if target is not None and target.unshard_in_backward:
             target.prefetch()
 
 

@@ -10,9 +10,11 @@ its names and meanings; the few phalanx does not implement raise
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, NoReturn, cast
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
 from phalanx.errors import ConfigurationError, NotSupportedError
@@ -54,9 +56,14 @@ class FSDPModule:
         return unit
 
     def _units(self, recurse: bool) -> Iterable[Unit]:
+        """This module's unit (shared by a group's modules), or every unit in it, once each."""
         if not recurse:
             return [self._unit()]
-        return [u for m in cast(nn.Module, self).modules() if (u := unit_of(m)) is not None]
+        found: dict[int, Unit] = {}
+        for m in cast(nn.Module, self).modules():
+            if (u := unit_of(m)) is not None:
+                found.setdefault(id(u), u)
+        return list(found.values())
 
     # ------------------------------------------------------- gather / free
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
@@ -118,7 +125,7 @@ class FSDPModule:
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide the summed gradients by `factor` instead of the number of ranks."""
         for unit in self._units(recurse=False):
-            unit.divisor = factor  # type: ignore[assignment]
+            unit.divisor = factor
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         self.set_gradient_divide_factor(factor)
@@ -139,14 +146,87 @@ class FSDPModule:
     def set_custom_reduce_scatter(self, comm: Any) -> NoReturn:
         _unsupported("set_custom_reduce_scatter")
 
-    def set_all_reduce_hook(self, hook: Any, *, stream: Any = None) -> NoReturn:
-        _unsupported("set_all_reduce_hook")
+    def set_all_reduce_hook(
+        self, hook: Callable[[torch.Tensor], None], *, stream: Any = None
+    ) -> None:
+        """`hook(reduced)` on this unit's reduced gradient rows, in place, before they become
+        the sharded gradients: after the reduce-scatter, or HSDP's all-reduce (a custom
+        replication of your own on a 1-D mesh goes here). phalanx runs it on the current
+        stream; `stream` is refused under HSDP, as FSDP2 refuses it."""
+        unit = self._unit()
+        if stream is not None and unit.info.replicate_group is not None:
+            raise ConfigurationError(
+                "set_all_reduce_hook(stream=...) under HSDP — drop stream: the hook runs "
+                "after HSDP's own all-reduce"
+            )
+        unit.all_reduce_hook = hook
+        unit.configure_groups()
 
-    def set_force_sum_reduction_for_comms(self, enable: bool) -> NoReturn:
-        _unsupported("set_force_sum_reduction_for_comms")
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """True: the collectives only sum, and the sum is divided afterwards (by the
+        divide factor), FSDP2's order (NCCL's zero-copy paths take sums only). This
+        module's unit, not the ones below (as FSDP2)."""
+        for unit in self._units(recurse=False):
+            unit.force_sum = bool(enable)
 
-    def set_unshard_in_backward(self, unshard_in_backward: bool) -> NoReturn:
-        _unsupported("set_unshard_in_backward")
+    def set_reduce_scatter_unused_params(
+        self, reduce_scatter_unused_params: bool, *, recurse: bool = True
+    ) -> None:
+        """True: a parameter that got no gradient this backward gets the reduced one anyway
+        (zeros where no rank used it), as FSDP2 with this on; off, its .grad stays None. A
+        unit's reduce-scatter always spans all its parameters here, so ranks that used
+        different parameters still pair up either way."""
+        for unit in self._units(recurse):
+            unit.reduce_unused = bool(reduce_scatter_unused_params)
+
+    def set_reduce_scatter_max_input_buffers(
+        self, max_input_buffers: int, *, recurse: bool = True
+    ) -> None:
+        """How many units' reduce-scatters may be in flight (1: each launch finishes the one
+        before); more overlaps an exposed reduction with backward, for more memory. The
+        root keeps the largest any unit asks for, as FSDP2 does."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise ConfigurationError(
+                f"set_reduce_scatter_max_input_buffers takes an int, not {max_input_buffers!r}"
+            )
+        if max_input_buffers < 1:
+            raise ConfigurationError(
+                f"set_reduce_scatter_max_input_buffers({max_input_buffers}) — pass 1 or more"
+            )
+        for unit in self._units(recurse):
+            unit.reduce_buffers = max_input_buffers
+
+    def set_separate_reduce_scatter_group(
+        self, enable: bool = True, *, recurse: bool = True
+    ) -> None:
+        """True: reduce-scatters run in a process group of their own over the same ranks, so
+        they progress beside the gathers; False: back in the shard group. Collective: every
+        rank of the mesh calls it (it creates the group, one per set of shard ranks)."""
+        made: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        for unit in self._units(recurse):
+            if not enable:
+                unit.reduce_group = None
+                unit.configure_groups()
+                continue
+            ranks = tuple(dist.get_process_group_ranks(unit.info.shard_group))
+            if ranks not in made:
+                made[ranks] = unit.reduce_group or dist.new_group(
+                    list(ranks), use_local_synchronization=True
+                )
+            unit.reduce_group = made[ranks]
+            unit.configure_groups()
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """False: this unit's parameters are not gathered for its backward (nor prefetched
+        then), for a module whose backward needs none of their values (an embedding: its
+        gradient comes from the indices); its gradients are reduced as ever."""
+        self._unit().unshard_in_backward = bool(unshard_in_backward)
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> NoReturn:
+        _unsupported("set_allocate_memory_from_process_group_for_comm")
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> NoReturn:
+        _unsupported("set_symm_mem_for_comm")
 
     # ------------------------------------------------------- nn.Module parts
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

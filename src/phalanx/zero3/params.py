@@ -16,7 +16,8 @@
   and freed after; what the module holds while it runs, and what autograd
   accumulates gradients into.
 
-A module holds one face or the other (`register`); tied parameters (one
+A module holds one face or the other (`register`); a unit knows its sharded
+parameters by identity (zero3/wrap.py `is_sharded`); tied parameters (one
 parameter registered in several places of a unit) are one `ShardedParam`
 with several owners.
 """
@@ -73,9 +74,11 @@ class ShardedParam:
             local = local.to(info.device)
         local = home.keep(local.contiguous())
         self.spec = _spec(info, param.shape, param.dtype)
-        self.sharded: nn.Parameter = _mark(
-            nn.Parameter(_dtensor(local, self.spec), requires_grad=param.requires_grad)
+        self.sharded: nn.Parameter = nn.Parameter(
+            _dtensor(local, self.spec), requires_grad=param.requires_grad
         )
+        """The object the optimizer steps, known by its identity (`Unit.params` is what marks
+        a parameter sharded: a `.to()` swaps its contents and its __dict__, never the object)."""
         self.unsharded: nn.Parameter | None = None
         """Created by the unit's group at its first gather (on the sharded parameter's device)."""
         self.accumulated_grad: torch.Tensor | None = None
@@ -112,7 +115,10 @@ class ShardedParam:
 
         owner, name = self.owners[0]
         current = owner._parameters.get(name)
-        if current is self.sharded or current is self.unsharded:
+        if current is self.unsharded:
+            return
+        if current is self.sharded:  # swapped in place (`_apply`): perhaps a new dtype
+            self._follow_dtype(current.dtype)
             return
         if not isinstance(current, DTensor) or current.shape != self.shape:
             raise ConfigurationError(
@@ -134,11 +140,14 @@ class ShardedParam:
             current = _dtensor(kept, current._spec)
         if not isinstance(current, nn.Parameter):
             current = nn.Parameter(current, requires_grad=requires_grad)
-        self.sharded = _mark(current)
-        self.spec = _spec(self.info, self.shape, current.dtype)
-        if self.grad_home is not None and self.grad_home.dtype != current.dtype:
-            self.grad_home = None  # the same shape and dtype keep their buffer at home
+        self.sharded = current
+        self._follow_dtype(current.dtype)
         self.register(current)
+
+    def _follow_dtype(self, dtype: torch.dtype) -> None:
+        self.spec = _spec(self.info, self.shape, dtype)
+        if self.grad_home is not None and self.grad_home.dtype != dtype:
+            self.grad_home = None  # the same shape and dtype keep their buffer at home
 
     def sharded_grad(self, local: torch.Tensor) -> DTensor:
         """A gradient for the sharded parameter from its local part (a view, no copy)."""
@@ -159,19 +168,6 @@ class ShardedParam:
                 self.grad_home.copy_(local.view(self.local_shape))
                 local = self.grad_home
         self.sharded.grad = self.sharded_grad(local)
-
-
-_MARK = "_phalanx_sharded"
-
-
-def _mark(param: nn.Parameter) -> nn.Parameter:
-    setattr(param, _MARK, True)
-    return param
-
-
-def is_sharded(param: nn.Parameter) -> bool:
-    """Whether `param` is the sharded face of a fully_shard unit's parameter."""
-    return getattr(param, _MARK, False)
 
 
 def _spec(info: MeshInfo, shape: torch.Size, dtype: torch.dtype) -> DTensorSpec:

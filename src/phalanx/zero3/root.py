@@ -41,23 +41,14 @@ class Root:
     """Order, buffers and the end of backward for every unit under the root module."""
 
     def __init__(self, unit: Unit) -> None:
+        if len(unit.modules) > 1:
+            names = ", ".join(type(m).__name__ for m in unit.modules)
+            raise ConfigurationError(
+                f"the first forward ran through the fully_shard group [{names}]: a root is one "
+                "module — fully_shard the model that contains them last, and run its forward"
+            )
         self.unit = unit
-        self.units: list[Unit] = []
-        for name, module in unit.module.named_modules():
-            u = unit_of(module)
-            if u is None:
-                continue
-            if u.root is not None:
-                raise ConfigurationError(
-                    f"the fully_shard unit '{name}' already ran a forward of its own, before "
-                    f"{type(unit.module).__name__} — run the forward through the root module "
-                    "(the module fully_shard was applied to last) from the first step"
-                )
-            u.root = self
-            u.name = name
-            if u.reshard_after_forward is None:
-                u.reshard_after_forward = u is not unit
-            self.units.append(u)
+        self.units = self._claim_units()
         prefixes = {id(m): n for n, m in unit.module.named_modules(remove_duplicate=False)}
         for u in self.units:
             for p in u.params:  # names relative to the whole model now
@@ -74,15 +65,43 @@ class Root:
         )
         for u in self.units:
             u.record_to(self.timeline)
-        self._in_flight: Unit | None = None
-        """The unit whose reduce-scatter went out last: the next launch waits for it (FSDP2's
-        rule), so one unit's whole-size gradient buffers are alive at a time, not all."""
+        self._in_flight: list[Unit] = []
+        """The units whose reduce-scatters went out last, oldest first: a launch finishes the
+        oldest past `set_reduce_scatter_max_input_buffers` (1: FSDP2's rule), so that many
+        units' whole-size gradient buffers are alive at a time, not all."""
         self._all_reduces: list[tuple[ParamGroup, PendingAllReduce]] = []
         self._forward_span: AbstractContextManager[None] | None = None
         self._backward_start = 0
         # DDP's rule, kept for parity with it: buffers follow rank 0 before the first forward
         # and before any forward that follows a gradient-tracked one.
         self._broadcast_next = True
+
+    def _claim_units(self) -> list[Unit]:
+        """Every unit in the root's module, once each (a group's modules share one, named
+        by all of them), in pre-order; each settles its reshard_after_forward default."""
+        units: list[Unit] = []
+        names_of: dict[int, list[str]] = {}
+        for name, module in self.unit.module.named_modules():
+            u = unit_of(module)
+            if u is None:
+                continue
+            if id(u) in names_of:  # a group's next module
+                names_of[id(u)].append(name)
+                continue
+            if u.root is not None:
+                raise ConfigurationError(
+                    f"the fully_shard unit '{name}' already ran a forward of its own, before "
+                    f"{type(self.unit.module).__name__} — run the forward through the root "
+                    "module (the module fully_shard was applied to last) from the first step"
+                )
+            u.root = self
+            names_of[id(u)] = [name]
+            if u.reshard_after_forward is None:
+                u.reshard_after_forward = u is not self.unit
+            units.append(u)
+        for u in units:
+            u.name = ", ".join(names_of[id(u)])
+        return units
 
     def begin_forward(self, args: Any, kwargs: Any) -> None:
         if self.recording and self.order:
@@ -126,11 +145,14 @@ class Root:
         self._end.queue()
 
     def reduce_launched(self, unit: Unit) -> None:
-        """`unit`'s reduce-scatter is out: finish the one before it, which has had `unit`'s
-        whole backward to arrive (HSDP's all-reduces go on in flight, block-sized)."""
-        previous, self._in_flight = self._in_flight, unit
-        if previous is not None and previous is not unit:
-            self._all_reduces += previous.finish_reduce()
+        """`unit`'s reduce-scatter is out: finish the oldest in flight past the cap, which
+        have had `unit`'s whole backward to arrive (HSDP's all-reduces go on, block-sized).
+        The cap is the largest any unit asks for (FSDP2 keeps one for all units too)."""
+        cap = max(u.reduce_buffers for u in self.units)
+        if unit not in self._in_flight:
+            self._in_flight.append(unit)
+        while len(self._in_flight) > cap:
+            self._all_reduces += self._in_flight.pop(0).finish_reduce()
 
     def end_of_backward(self) -> None:
         """Every unit's gradients reduced into the shards; every unit freed."""
@@ -143,7 +165,7 @@ class Root:
             elif u.arrived and u.reducing is None and not u.reduced:
                 u.launch_reduce()  # a unit some of whose parameters went unused
         pending = self._all_reduces + [entry for u in self.units for entry in u.finish_reduce()]
-        self._all_reduces, self._in_flight = [], None
+        self._all_reduces, self._in_flight = [], []
         for group, all_reduce in pending:
             group.finish_all_reduce(all_reduce)
         for u in self.units:
@@ -157,9 +179,10 @@ class Root:
             u.reducing = None
             u.reduced = False
             u.arrived = 0
+            u.to_run.clear()
         for _, pending in self._all_reduces:
             pending.work.wait()
-        self._all_reduces, self._in_flight = [], None
+        self._all_reduces, self._in_flight = [], []
         for u in self.units:
             u.phase = UnitPhase.IDLE
             u.reshard()

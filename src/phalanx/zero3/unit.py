@@ -19,7 +19,7 @@ from torch import nn
 from phalanx.errors import OffloadError
 from phalanx.offload.agree import raise_on_every_rank
 from phalanx.optim.collectives import ReduceScatterState
-from phalanx.zero3.group import ParamGroup, PendingAllReduce
+from phalanx.zero3.group import GradHook, ParamGroup, PendingAllReduce, Reduction
 from phalanx.zero3.mesh import MeshInfo, unit_group
 from phalanx.zero3.params import ShardedParam
 from phalanx.zero3.policies import MixedPrecisionPolicy
@@ -41,11 +41,12 @@ class UnitPhase(Enum):
 
 
 class Unit:
-    """One fully_shard module: its sharded parameters, grouped for the collectives."""
+    """One fully_shard call: its module (or FSDP2's group of modules, `fully_shard([a, b])`)
+    and their sharded parameters, grouped for the collectives."""
 
     def __init__(
         self,
-        module: nn.Module,
+        modules: tuple[nn.Module, ...],
         params: list[ShardedParam],
         info: MeshInfo,
         policy: MixedPrecisionPolicy,
@@ -53,7 +54,12 @@ class Unit:
         broadcast_buffers: bool,
         post_forward_group: dist.ProcessGroup | None,
     ) -> None:
-        self.module = module
+        self.modules = modules
+        self.module = modules[0]
+        """The first of them: the one module of a unit that is not a group."""
+        self.to_run: set[nn.Module] = set()
+        """A group's modules whose forward has not run yet in this pass through the group
+        (FSDP2's `_modules_to_run_forward`): the group's forward ends with the last."""
         self.params = params
         self.info = info
         self.policy = policy
@@ -68,7 +74,14 @@ class Unit:
         self.requires_gradient_sync = True
         self.requires_all_reduce = True
         self.reshard_after_backward = True
-        self.divisor = info.data_parallel_size
+        self.divisor: float = info.data_parallel_size
+        # FSDPModule's reduction settings (module.py says what each does).
+        self.force_sum = False  # set_force_sum_reduction_for_comms
+        self.reduce_unused = False  # set_reduce_scatter_unused_params
+        self.reduce_buffers = 1  # set_reduce_scatter_max_input_buffers
+        self.reduce_group: dist.ProcessGroup | None = None  # set_separate_reduce_scatter_group
+        self.all_reduce_hook: GradHook | None = None  # set_all_reduce_hook
+        self.unshard_in_backward = True  # set_unshard_in_backward
         self.forward_prefetch: list[Unit] | None = None
         self.backward_prefetch: list[Unit] | None = None
         self.arrived = 0
@@ -105,6 +118,7 @@ class Unit:
             ParamGroup(members, self.info, device, dtype, self._on_grad)
             for (device, dtype), members in by_key.items()
         ]
+        self.configure_groups()
         self.record_to(self.timeline)
         self.expected = sum(p.sharded.requires_grad for p in self.params)
         self._stale = False
@@ -113,6 +127,14 @@ class Unit:
         self.timeline = timeline
         for g in self.groups:
             g.timeline, g.label = timeline, self.name or "root"
+
+    def configure_groups(self) -> None:
+        """Hand the reduction settings to the groups (again after a regroup): reduce-scatter
+        in `reduce_group` (None: the shard group, shared with the gathers), and call
+        `all_reduce_hook` on the reduced rows."""
+        for g in self.groups:
+            g.reduce_group = self.reduce_group or self.info.shard_group
+            g.all_reduce_hook = self.all_reduce_hook
 
     def mark_stale(self) -> None:
         self._stale = True
@@ -174,6 +196,8 @@ class Unit:
 
     # --------------------------------------------------------------- gradients
     def _on_grad(self, _: torch.Tensor) -> None:
+        if self.root is not None:  # a backward that reached no unit's outputs (a group's
+            self.root.queue_end_of_backward()  # module called on its own) ends there too
         self.arrived += 1
         if self.arrived == self.expected:
             self.after_backward()
@@ -200,7 +224,13 @@ class Unit:
             return
         self.reducing = []
         for g in self.groups:
-            state = g.start_reduce(self.policy.gradient_dtype(g.dtype), self.divisor)
+            how = Reduction(
+                self.policy.gradient_dtype(g.dtype),
+                self.divisor,
+                self.force_sum,
+                self.reduce_unused,
+            )
+            state = g.start_reduce(how)
             if state is not None:
                 self.reducing.append((g, state))
         if self.root is not None:
@@ -219,6 +249,7 @@ class Unit:
 
     def end_iteration(self) -> None:
         self.arrived = 0
+        self.to_run.clear()
         self.reduced = False
         self.phase = UnitPhase.IDLE
         if self.reshard_after_backward:

@@ -1,17 +1,17 @@
 """`fully_shard(module)`: ZeRO stage 3 with FSDP2's interface, on phalanx's own runtime.
 
-Apply it to each block, then to the root. Each call makes `module` a unit:
-its parameters (those not already in a unit below it, nor ignored) become
-DTensors sharded on dim 0 over the mesh, registered in place of the originals,
-and the module becomes an `FSDPModule`. Build the optimizer afterwards, over
-`model.parameters()`.
+Apply it to each block, then to the root. Each call makes `module` (or a
+list of modules, FSDP2's group) a unit: its parameters (those not already in
+a unit below it, nor ignored) become DTensors sharded on dim 0 over the mesh,
+registered in place of the originals, and the module becomes an
+`FSDPModule`. Build the optimizer afterwards, over `model.parameters()`.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable
+from typing import Any, overload
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,7 @@ from phalanx.zero3.mesh import (
     unit_group,
 )
 from phalanx.zero3.module import FSDPModule, swap_class
-from phalanx.zero3.params import Owners, ShardedParam, is_sharded
+from phalanx.zero3.params import Owners, ShardedParam
 from phalanx.zero3.policies import mixed_precision, offload
 from phalanx.zero3.root import STATE, unit_of
 from phalanx.zero3.unit import Unit, UnitPhase
@@ -42,8 +42,12 @@ from phalanx.zero3.unit import Unit, UnitPhase
 _TAKEN_BY: dict[int, tuple[weakref.ref[nn.Parameter], str]] = {}
 
 
+@overload
+def fully_shard(module: nn.Module, **kwargs: Any) -> nn.Module: ...
+@overload
+def fully_shard(module: list[nn.Module], **kwargs: Any) -> list[nn.Module]: ...
 def fully_shard(
-    module: nn.Module,
+    module: nn.Module | list[nn.Module],
     *,
     mesh: Any = None,
     reshard_after_forward: bool | int | None = None,
@@ -51,11 +55,14 @@ def fully_shard(
     mp_policy: Any = None,
     offload_policy: Any = None,
     ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: Any = None,
     broadcast_buffers: bool = True,
     **unsupported: Any,
-) -> nn.Module:
+) -> nn.Module | list[nn.Module]:
     """Shard `module`'s parameters across the mesh (ZeRO-3, FSDP2's arguments).
 
+    module: a module, or a list of modules as one unit (FSDP2's group, e.g. `[model.norm,
+        model.head]`: one gather and one reduce-scatter; docs/fsdp2.md).
     mesh: 1-D (FSDP) or 2-D `(replicate, shard)` (HSDP); default: every rank.
     reshard_after_forward: free the parameters after forward (True), keep them (False),
         or keep 1/k of them to gather back within groups of k ranks (an int k); None:
@@ -64,43 +71,74 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy (ours or torch's). offload_policy: OffloadPolicy(),
         CPUOffloadPolicy() (shards in host memory) or DiskOffloadPolicy(path) (in files).
         ignored_params: left whole, never reduced.
+    dp_mesh_dims: None (a DataParallelMeshDims, tensor parallel's, is refused).
     broadcast_buffers: (phalanx's) rank 0's buffers before a forward, DDP's rule.
-    Returns `module`, now an instance of `phalanx.FSDPModule`.
+    Returns `module` (each of them), now an instance of `phalanx.FSDPModule`.
     """
-    _refuse(module, unsupported)
+    modules = _modules_of(module)
+    for m in modules:
+        _refuse(m, unsupported, dp_mesh_dims)
     info = mesh_info(mesh)
     policy = mixed_precision(mp_policy)
     home = home_of(offload(offload_policy, info.device), info.device)
     reshard = check_reshard_size(reshard_after_forward, info)
-    managed = _managed_parameters(module, set(ignored_params or ()))
+    managed, what = _managed_parameters(modules, set(ignored_params or ())), _described(modules)
     _check_placements(managed, shard_placement_fn)
-    _refuse_parameters_of_other_units(module, managed)
-    _move_to_device(module, managed, info)
-    _sync_initial_values(managed, info, _settings(module, info, reshard, policy, ignored_params))
+    _refuse_parameters_of_other_units(what, managed)
+    _move_to_device(modules, managed, info)
+    _sync_initial_values(managed, info, _settings(what, info, reshard, policy, ignored_params))
     params = _shard_parameters(managed, info, home)
-    for sp in params:
-        sp.register(sp.sharded)
     group = post_forward_group(info, reshard) if isinstance(reshard, int) and reshard > 1 else None
-    unit = Unit(module, params, info, policy, reshard, broadcast_buffers, group)
+    unit = Unit(modules, params, info, policy, reshard, broadcast_buffers, group)
     for p, fqn, _ in managed:
-        _TAKEN_BY[id(p)] = (weakref.ref(p), f"{type(module).__name__} (at '{fqn}')")
-    setattr(module, STATE, unit)
+        _TAKEN_BY[id(p)] = (weakref.ref(p), f"{what} (at '{fqn}')")
     # A script written for FSDP2 never calls phalanx.init(), which installs this: without
     # it, a gloo thread freeing a finished gather at interpreter exit can abort a run that
     # succeeded ("terminate called without an active exception", seen 1 run in 10 at 3 ranks).
     register_exit_hook()
+    for m in modules:
+        _hook(m, unit)
+    return module
+
+
+def _hook(module: nn.Module, unit: Unit) -> None:
+    """One module of `unit`: its hooks, and its class made `FSDP<Class>`."""
+    setattr(module, STATE, unit)
     module.register_forward_pre_hook(pre_forward, with_kwargs=True)
     module.register_forward_hook(post_forward)
     module.register_state_dict_pre_hook(lambda *_: _to_sharded(unit))
     module._register_load_state_dict_pre_hook(lambda *_: _to_sharded(unit))
     module.register_load_state_dict_post_hook(lambda *_: _adopt(unit))
     swap_class(module)
-    return module
+
+
+def _modules_of(module: nn.Module | list[nn.Module]) -> tuple[nn.Module, ...]:
+    """The unit's modules: `module`, or a list's modules less those inside another of them
+    (FSDP2's `_get_root_modules`)."""
+    if isinstance(module, nn.Module):
+        return (module,)
+    if not isinstance(module, list | tuple) or not module:
+        raise ConfigurationError(
+            f"fully_shard takes a module or a non-empty list of modules, not {module!r}"
+        )
+    for m in module:
+        if not isinstance(m, nn.Module):
+            raise ConfigurationError(
+                f"fully_shard([...]) takes modules; {type(m).__name__} is not one"
+            )
+    inner = {id(sub) for m in module for sub in m.modules() if sub is not m}
+    return tuple(dict.fromkeys(m for m in module if id(m) not in inner))
+
+
+def _described(modules: tuple[nn.Module, ...]) -> str:
+    names = ", ".join(type(m).__name__ for m in modules)
+    return names if len(modules) == 1 else f"[{names}]"
 
 
 def _shard_parameters(managed: list[Managed], info: MeshInfo, home: Home) -> list[ShardedParam]:
-    """Each parameter's shard, at home; in files, a full disk on any rank is raised on all
-    of them here (offload/agree.py), before the ranks' collectives drift apart."""
+    """Each parameter's shard, at home, registered in its place; in files, a full disk on
+    any rank is raised on all of them here (offload/agree.py), before the ranks'
+    collectives drift apart."""
     failure: OffloadError | None = None
     params: list[ShardedParam] = []
     try:
@@ -111,6 +149,8 @@ def _shard_parameters(managed: list[Managed], info: MeshInfo, home: Home) -> lis
         raise_on_every_rank(failure, unit_group(info))
     elif failure is not None:
         raise failure
+    for sp in params:
+        sp.register(sp.sharded)
     return params
 
 
@@ -124,18 +164,20 @@ def _adopt(unit: Unit) -> None:
     unit.refresh()
 
 
-def _refuse(module: nn.Module, unsupported: dict[str, Any]) -> None:
+def _refuse(module: nn.Module, unsupported: dict[str, Any], dp_mesh_dims: Any) -> None:
     if unsupported:
         name = sorted(unsupported)[0]
         raise NotSupportedError(
             f"fully_shard({name}=...) is not supported by phalanx — drop it (supported: mesh, "
             "reshard_after_forward, shard_placement_fn, mp_policy, offload_policy, "
-            "ignored_params)"
+            "ignored_params, dp_mesh_dims=None, broadcast_buffers)"
         )
-    if isinstance(module, list | tuple):
+    if dp_mesh_dims is not None:
         raise NotSupportedError(
-            "fully_shard([module, ...]) (a group of modules) is not supported by phalanx — "
-            "fully_shard a module that contains them all"
+            "fully_shard(dp_mesh_dims=...) shards DTensor parameters of a full SPMD mesh "
+            "(tensor parallel beside data parallel), which phalanx does not do — pass the "
+            "data-parallel mesh itself (1-D, or 2-D (replicate, shard)) without dp_mesh_dims, "
+            "or use torch.distributed.fsdp.fully_shard"
         )
     if isinstance(module, FSDPModule) or unit_of(module) is not None:
         raise ConfigurationError(
@@ -155,22 +197,52 @@ def _refuse(module: nn.Module, unsupported: dict[str, Any]) -> None:
 Managed = tuple[nn.Parameter, str, Owners]
 
 
-def _managed_parameters(module: nn.Module, ignored: set[nn.Parameter]) -> list[Managed]:
-    """Parameters of `module` not already in a unit below it nor ignored; a tied one once,
-    with every place it is registered."""
-    ignored_ids = {id(p) for p in ignored}
+def _managed_parameters(
+    modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]
+) -> list[Managed]:
+    """Parameters of `modules` not already in a unit below them nor ignored; a tied one
+    once, with every place it is registered. A unit's parameter is known by the object
+    the unit holds (a `.to()` swaps a DTensor parameter's contents, not its identity)."""
+    skip = {id(p) for p in ignored} | {id(p) for m in modules for p in unit_faces(m)}
     first: dict[int, tuple[nn.Parameter, str]] = {}
     owners: dict[int, list[tuple[nn.Module, str]]] = {}
-    for name, sub in module.named_modules(remove_duplicate=False):
-        for pname, p in list(sub._parameters.items()):
-            if p is None or id(p) in ignored_ids or is_sharded(p):
-                continue
-            _refuse_foreign_dtensor(p, f"{name}.{pname}" if name else pname)
-            first.setdefault(id(p), (p, f"{name}.{pname}" if name else pname))
-            places = owners.setdefault(id(p), [])
-            if (sub, pname) not in places:
-                places.append((sub, pname))
+    for i, module in enumerate(modules):
+        for name, sub in module.named_modules(remove_duplicate=False):
+            if len(modules) > 1:
+                name = f"{i}.{name}" if name else str(i)
+            for pname, p in list(sub._parameters.items()):
+                if p is None or id(p) in skip:
+                    continue
+                fqn = f"{name}.{pname}" if name else pname
+                _refuse_foreign_dtensor(p, fqn)
+                first.setdefault(id(p), (p, fqn))
+                places = owners.setdefault(id(p), [])
+                if (sub, pname) not in places:
+                    places.append((sub, pname))
     return [(p, fqn, tuple(owners[key])) for key, (p, fqn) in first.items()]
+
+
+def unit_faces(model: nn.Module) -> list[nn.Parameter]:
+    """Every parameter object the units in `model` hold: sharded faces, and the unsharded
+    ones that exist."""
+    return [
+        face
+        for unit in units(model)
+        for sp in unit.params
+        for face in (sp.sharded, sp.unsharded)
+        if face is not None
+    ]
+
+
+def sharded_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The sharded parameters of the fully_shard units in `model`: what an optimizer of a
+    stage-3 model steps (the same objects as `model.parameters()` yields)."""
+    return [sp.sharded for unit in units(model) for sp in unit.params]
+
+
+def is_sharded(param: nn.Parameter, model: nn.Module) -> bool:
+    """Whether `param` is the sharded face of a parameter of a fully_shard unit in `model`."""
+    return any(p is param for p in sharded_parameters(model))
 
 
 def _refuse_foreign_dtensor(p: nn.Parameter, fqn: str) -> None:
@@ -197,7 +269,7 @@ def _check_placements(managed: list[Managed], placement_fn: Callable[..., Any] |
             )
 
 
-def _refuse_parameters_of_other_units(module: nn.Module, managed: list[Managed]) -> None:
+def _refuse_parameters_of_other_units(what: str, managed: list[Managed]) -> None:
     """A parameter another unit already took, still registered whole here: tied across units."""
     for key, (ref, _) in list(_TAKEN_BY.items()):
         if ref() is None:
@@ -207,30 +279,31 @@ def _refuse_parameters_of_other_units(module: nn.Module, managed: list[Managed])
         other = entry[1] if entry is not None and entry[0]() is p else None
         if other is not None:
             raise ConfigurationError(
-                f"parameter '{fqn}' of {type(module).__name__} is also a parameter of the "
+                f"parameter '{fqn}' of {what} is also a parameter of the "
                 f"fully_shard unit {other} (tied weights) — a tied parameter must live in one "
-                "unit: fully_shard only a module that contains every user of it (e.g. the root)"
+                "unit: fully_shard its users together (fully_shard([a, b])) or only a module "
+                "that contains every user of it (e.g. the root)"
             )
 
 
-def _move_to_device(module: nn.Module, managed: list[Managed], info: MeshInfo) -> None:
+def _move_to_device(modules: tuple[nn.Module, ...], managed: list[Managed], info: MeshInfo) -> None:
     """FSDP2 moves a unit's parameters and buffers to the mesh's device (not from meta)."""
     for p, _, _ in managed:
         if not p.is_meta and p.device != info.device:
             with torch.no_grad():
                 p.data = p.data.to(info.device)
-    for buffers_owner in module.modules():
+    for buffers_owner in (sub for m in modules for sub in m.modules()):
         for name, b in buffers_owner._buffers.items():
             if b is not None and not b.is_meta and b.device != info.device:
                 buffers_owner._buffers[name] = b.to(info.device)
 
 
 def _settings(
-    module: nn.Module, info: MeshInfo, reshard: Any, policy: Any, ignored: Any
+    what: str, info: MeshInfo, reshard: Any, policy: Any, ignored: Any
 ) -> dict[str, object]:
     """What shapes this unit's collectives: every rank must agree (checked at wrap)."""
     return {
-        "wrapper": f"phalanx.fully_shard({type(module).__name__})",
+        "wrapper": f"phalanx.fully_shard({what})",
         "mesh": tuple(info.mesh.shape),
         "reshard_after_forward": reshard,
         "mp_policy": str(policy),
@@ -251,5 +324,11 @@ def _sync_initial_values(
         broadcast_coalesced(values, group)
 
 
-def units(model: nn.Module) -> Iterable[Unit]:
-    return [u for m in model.modules() if (u := unit_of(m)) is not None]
+def units(model: nn.Module) -> list[Unit]:
+    """The units in `model`, each once (a group's modules share one)."""
+    found: dict[int, Unit] = {}
+    for m in model.modules():
+        u = unit_of(m)
+        if u is not None:
+            found.setdefault(id(u), u)
+    return list(found.values())

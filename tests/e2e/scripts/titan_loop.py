@@ -108,6 +108,8 @@ class OptimizerState(Stateful):
 def parallelize(model: Model, mesh: Any, reshard: bool | int) -> Model:
     for block in model.blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+    # torchtitan's line: the final norm and the output head, one unit of two modules.
+    fully_shard([model.norm, model.head], mesh=mesh, reshard_after_forward=False)
     fully_shard(model, mesh=mesh, reshard_after_forward=False)
     return model
 
