@@ -114,6 +114,43 @@ def call_model(model: nn.Module, batch: Any, keyword: bool) -> Any:
     return model(**batch) if keyword else model(batch)
 
 
+_CONVENTION_SLIPS = (TypeError, AttributeError, IndexError, KeyError, ValueError)
+"""What a model or loss_fn written for another calling convention raises at its first call."""
+
+
+def first_loss(
+    model: nn.Module, batch: Any, keyword: bool, loss_fn: LossFn | None
+) -> tuple[Any, Tensor]:
+    """The first micro-batch's outputs and loss, with a slip of convention said in one line
+    (what the Trainer passed, and how) instead of a raw error from inside the step."""
+    call = "model(**batch)" if keyword else "model(batch)"
+    try:
+        outputs = call_model(model, batch, keyword)
+    except _CONVENTION_SLIPS as exc:
+        raise ConfigurationError(
+            f"the first step's {call} failed with {type(exc).__name__}: {_first(exc)} — the "
+            f"Trainer calls {call} with the collated batch ({_describe(batch)}) as its one "
+            "argument (a dict whose keys forward names is spread: model(**batch)); unpack "
+            "the batch inside forward (PHALANX_TRACEBACK=1 shows where it failed)"
+        ) from exc
+    if loss_fn is None:
+        return outputs, require_loss(outputs, batch, None)
+    try:
+        return outputs, require_loss(outputs, batch, loss_fn)
+    except _CONVENTION_SLIPS as exc:
+        raise ConfigurationError(
+            f"the first step's loss_fn(outputs, batch) failed with {type(exc).__name__}: "
+            f"{_first(exc)} — the Trainer calls loss_fn(outputs, batch) with the model's "
+            f"outputs ({_describe(outputs)}) and the whole batch ({_describe(batch)}); take "
+            "the labels from the batch inside loss_fn (PHALANX_TRACEBACK=1 shows where)"
+        ) from exc
+
+
+def _first(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0][:200] if lines else "(no message)"
+
+
 def _returned_loss(outputs: Any) -> Tensor | None:
     if isinstance(outputs, Tensor):
         return outputs if outputs.numel() == 1 else None
@@ -178,4 +215,16 @@ def find_labels(batch: Any) -> Tensor | None:
 def _describe(value: Any) -> str:
     if isinstance(value, Tensor):
         return f"a tensor of shape {tuple(value.shape)}"
+    if isinstance(value, Mapping):
+        keys = ", ".join(repr(k) for k in list(value)[:6])
+        return f"a {type(value).__name__} with keys {keys}"
+    if isinstance(value, (list, tuple)):
+        shown = ", ".join(_short(v) for v in value[:4]) + (", ..." if len(value) > 4 else "")
+        return f"a {type(value).__name__} of {len(value)}: {shown}"
     return f"a {type(value).__name__}"
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, Tensor):
+        return f"tensor{list(value.shape)}"
+    return type(value).__name__

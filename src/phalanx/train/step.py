@@ -26,6 +26,7 @@ from phalanx.train.batches import (
     LossFn,
     batch_size,
     call_model,
+    first_loss,
     loss_weights,
     require_loss,
     takes_keyword_batch,
@@ -186,6 +187,7 @@ class StepRunner:
     def _micro_step(self, batch: Any, weight: float, sync: bool, loss_fn: LossFn | None) -> Tensor:
         """Forward and backward of one micro-batch; its loss times `weight`, detached."""
         batch = to_device(batch, self.world.device)
+        first = self._keyword is None
         if self._keyword is None:
             self._keyword = takes_keyword_batch(self.model, batch)
         wrapped = isinstance(self.wrapped_model, DistributedDataParallel)
@@ -195,8 +197,11 @@ class StepRunner:
         with self.wrapped_model.no_sync() if wrapped and not sync else nullcontext():  # type: ignore[operator]
             forward = timelines.forward_of(timeline, batch_size(batch))
             with autocast_for(self.args, self.world.device), forward:
-                outputs = call_model(self.wrapped_model, batch, self._keyword)
-                loss = require_loss(outputs, batch, loss_fn)
+                if first:  # a slip of convention is one line here, not a raw error
+                    _, loss = first_loss(self.wrapped_model, batch, self._keyword, loss_fn)
+                else:
+                    outputs = call_model(self.wrapped_model, batch, self._keyword)
+                    loss = require_loss(outputs, batch, loss_fn)
             weighted = loss.float() * weight
             scaled = self.scaler.scale(weighted) if self.scaler is not None else weighted
             with timelines.local_backward_of(timeline, sync):
