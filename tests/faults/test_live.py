@@ -110,10 +110,11 @@ def test_no_quorum_stops_with_one_line(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(170)
 def test_a_replacement_that_dies_on_admission_is_dropped(tmp_path: Path) -> None:
-    """j1 is let in and dies before it connects: the members' wait for it ends within the
-    connect bound, it is left out of the next generation, and the run finishes exact."""
+    """j1 is let in (at step 15, whenever it asks: the run waits for it) and dies before it
+    connects: the members' wait for it ends within the connect bound, it is left out of the
+    next generation, and the run finishes exact."""
     code, out = _run(tmp_path, "--max-restarts 1", KILL_MEMBER="r1", KILL_STEP="10",
-                     DIE_ON_ADMISSION="j1")  # fmt: skip
+                     DIE_ON_ADMISSION="j1", ADMIT_AT="15")  # fmt: skip
     assert code == 0, out
     worlds = _check_exact(tmp_path)
     assert worlds[:10] == [3] * 10 and worlds[-1] == 2, worlds
