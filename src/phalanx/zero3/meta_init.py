@@ -127,13 +127,19 @@ def materialize(
         if len(names) < len(temporaries):
             beside_loaded += [f"{qualified}.{n}" if qualified else n for n in names]
         modules += 1
-    if beside_loaded:
+    _say_initialised_beside_loaded(beside_loaded)
+    return Materialized(count, modules, largest)
+
+
+def _say_initialised_beside_loaded(names: list[str]) -> None:
+    """One line for the tensors left on meta in modules whose other tensors were loaded: a
+    checkpoint that lacked them, most likely, which the user may want to know."""
+    if names:
         logger.warning(
             "materialize: %s still on the meta device beside loaded tensors of the same "
             "module: initialised; the loaded tensors keep their values",
-            ", ".join(beside_loaded),
+            ", ".join(names),
         )
-    return Materialized(count, modules, largest)
 
 
 def _own_names(module: nn.Module) -> list[str]:
