@@ -126,6 +126,45 @@ def test_the_other_nodes_say_who_is_missing_and_stop_with_node_0(tmp_path: Path)
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.timeout(RUN_TIMEOUT_S + 30)
+def test_each_restart_calls_the_roll_again(tmp_path: Path) -> None:
+    """Every worker fails on the first attempt: both launchers restart, each restart's store
+    is new, and the roll is called there again before the second attempt's workers start."""
+    port = free_port()
+    env = clean_env(**{REPORT_ENV: REPORT_S})
+    second_try = 'test "$PHALANX_RESTART_COUNT" = 1'
+    nodes = [
+        Lines(
+            [
+                *LAUNCH,
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(rank),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+                "--max-restarts",
+                "1",
+                "--rdzv-timeout",
+                str(RUN_TIMEOUT_S),
+                "--no-python",
+                "sh",
+                "-c",
+                second_try,
+            ],
+            env,
+        )
+        for rank in (0, 1)
+    ]
+    for node in nodes:
+        code, err = node.finish()
+        assert code == 0, err
+        assert "restarting the worker group (restart 1 of 1)" in err
+        assert "starting 1 worker" in err and ", restart 1" in err
+
+
 # --- an unreachable master -----------------------------------------------------------------
 
 # Documentation addresses (RFC 5737), routed inside our namespace only (TEST-NET-1 is this

@@ -205,7 +205,7 @@ class Meeting:
             if hosting:
                 return await_nodes(client, call)
             mark_present(client, cfg.node_rank)
-            return await_all_here(client, call)
+            return await_all_here(client, call, cfg.node_rank)
 
     def _reach_store(self, attempt: int) -> StoreClient | None:
         """A client of the host's store once it serves `attempt`; None when cancelled."""

@@ -8,7 +8,9 @@ says it is here in the attempt's store (`present/<node rank>`); the store's host
 waits until every node is, says every `report_s` which nodes it still waits for, and
 gives up after --rdzv-timeout with one line that names them. Once all are here it
 says so in the store (ALL_HERE_KEY), and the other launchers, who wait for that,
-start their workers too. Each attempt's store is new, so a restart calls the roll
+start their workers too; the host starts its own once each has seen it, since a
+worker of its that failed at once would end the attempt, and close its store,
+before a slower node had looked. Each attempt's store is new, so a restart calls the roll
 again: a node whose launcher ran out of restarts is named, not waited for in silence.
 """
 
@@ -34,6 +36,8 @@ __all__ = [
 
 _PRESENT = "phalanx/present/"
 _COUNT_KEY = f"{_PRESENT}count"
+_SEEN = "/seen"
+_SEEN_COUNT_KEY = f"{_PRESENT}seen"
 ALL_HERE_KEY = f"{_PRESENT}all"
 """Set by the store's host once every node of the attempt is here."""
 _POLL_S = 0.05
@@ -87,9 +91,11 @@ class RollCall:
     say: Callable[[str], None]
     cancelled: Callable[[], bool]
 
-    def missing(self, client: StoreClient) -> list[int]:
-        """The node ranks (1..nnodes-1; node 0 hosts the store) not here yet."""
-        return [r for r in range(1, self.nnodes) if not client.check([f"{_PRESENT}{r}"])]
+    def missing(self, client: StoreClient, stage: str = "") -> list[int]:
+        """The node ranks (1..nnodes-1; node 0 hosts the store) not here yet (`stage`
+        _SEEN: that have not yet seen that all are)."""
+        keys = {r: f"{_PRESENT}{r}{stage}" for r in range(1, self.nnodes)}
+        return [r for r, key in keys.items() if not client.check([key])]
 
     def waiting_line(self, missing: list[int], waited_s: float) -> str:
         of = f"of {self.nnodes}" + (f" at restart {self.attempt}" if self.attempt else "")
@@ -115,20 +121,30 @@ def mark_present(client: StoreClient, node_rank: int) -> None:
 
 
 def await_nodes(client: StoreClient, call: RollCall) -> bool:
-    """The store's host: wait until every other node is here, then tell them all; False when
-    cancelled. Raises `RendezvousError` naming the missing nodes after `call.timeout_s`."""
+    """The store's host: wait until every other node is here, tell them all, and wait until
+    each has seen it (else a worker that fails at once could end the attempt, and its
+    store, before a slower node looked); False when cancelled. Raises `RendezvousError`
+    naming the missing nodes after `call.timeout_s`."""
     if not _wait(client, call, lambda: client.add(_COUNT_KEY, 0) >= call.nnodes - 1):
         return False
     client.set(ALL_HERE_KEY, b"1")
-    return True
+
+    def everyone_saw() -> bool:
+        return client.add(_SEEN_COUNT_KEY, 0) >= call.nnodes - 1
+
+    return _wait(client, call, everyone_saw, _SEEN)
 
 
-def await_all_here(client: StoreClient, call: RollCall) -> bool:
+def await_all_here(client: StoreClient, call: RollCall, node_rank: int) -> bool:
     """Any other launcher: wait until the store's host says every node is here; False when
     cancelled. Raises `RendezvousError` after `call.timeout_s`, or when the store goes
     away first (its host gave up waiting: it says for whom)."""
     try:
-        return _wait(client, call, lambda: client.check([ALL_HERE_KEY]))
+        if not _wait(client, call, lambda: client.check([ALL_HERE_KEY])):
+            return False
+        client.set(f"{_PRESENT}{node_rank}{_SEEN}", b"1")
+        client.add(_SEEN_COUNT_KEY, 1)
+        return True
     except OSError as exc:
         raise RendezvousError(
             f"the store at {call.store} went away while this node waited for the others "
@@ -136,18 +152,19 @@ def await_all_here(client: StoreClient, call: RollCall) -> bool:
         ) from exc
 
 
-def _wait(client: StoreClient, call: RollCall, done: Callable[[], bool]) -> bool:
-    """Poll `done` with a line every `call.report_s`; False when cancelled."""
+def _wait(client: StoreClient, call: RollCall, done: Callable[[], bool], stage: str = "") -> bool:
+    """Poll `done` with a line every `call.report_s` naming the nodes not yet at `stage`;
+    False when cancelled."""
     pacer = Pacer(call.report_s, call.say)
     deadline = time.monotonic() + call.timeout_s
     while not done():
         if call.cancelled():
             return False
         if time.monotonic() >= deadline:
-            raise RendezvousError(call.never_came(call.missing(client)))
+            raise RendezvousError(call.never_came(call.missing(client, stage)))
         if (waited := pacer.due()) is not None:
-            call.say(call.waiting_line(call.missing(client), waited))
+            call.say(call.waiting_line(call.missing(client, stage), waited))
         time.sleep(_POLL_S)
-    if pacer.spoke:
+    if pacer.spoke and not stage:
         call.say(f"all {call.nnodes} nodes are here after {pacer.waited_s:.1f}s")
     return True
