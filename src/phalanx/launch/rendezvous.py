@@ -54,10 +54,9 @@ def _try_store(
         return None
     except TimeoutError:
         note.seen = "it accepted the connection but did not answer the store handshake"
-    except socket.gaierror as exc:  # a name that does not resolve (yet): no answer either
-        note.seen = exc.strerror or str(exc)
-        return None
     except OSError as exc:
+        # Refused or reset; or a name that does not resolve yet (a Kubernetes pod's DNS name
+        # comes with the pod): waited for up to --rdzv-timeout, as a host that is there.
         note.seen = exc.strerror or str(exc)
     note.answered = True
     return None
