@@ -59,6 +59,7 @@ with StoreClient(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), 30) 
 """
 
 
+@pytest.mark.slow  # make test-slow: a guard (it passes on main too)
 @pytest.mark.timeout(90)
 def test_a_survivor_is_still_the_others_going_on(tmp_path: Path) -> None:
     result = launch(

@@ -126,6 +126,7 @@ def test_the_other_nodes_say_who_is_missing_and_stop_with_node_0(tmp_path: Path)
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow  # make test-slow: a guard (it passes on main too), 11 s
 @pytest.mark.timeout(RUN_TIMEOUT_S + 30)
 def test_each_restart_calls_the_roll_again(tmp_path: Path) -> None:
     """Every worker fails on the first attempt: both launchers restart, each restart's store
@@ -225,7 +226,7 @@ def test_an_unreachable_master_is_its_own_error(tmp_path: Path, master: str, see
     with _routed_namespace() as ns:
         # --rdzv-timeout stays long: the connect timeout alone must end the wait.
         result = _launch_in(
-            ns, master, "--rdzv-timeout 600 --rdzv-conf connect_timeout=2", tmp_path
+            ns, master, "--rdzv-timeout 600 --rdzv-conf connect_timeout=1", tmp_path
         )
     assert result.returncode == 1, result.stderr
     last = result.stderr.splitlines()[-1]
