@@ -55,8 +55,10 @@ def _run(out: Path, stage: int, *flags: object) -> tuple[int, str]:
 
 
 def _pid_of(directory: str) -> int:
-    """The owner's pid in a scratch directory's name: phalanx-offload-<host>-<pid>-rank<r>-*."""
-    return int(directory[len(PREFIX) :].split("-")[1])
+    """The owner's pid in a scratch directory's name:
+    phalanx-offload-<host>-<boot id>-<pid namespace>-<pid>-rank<r>-*."""
+    assert directory.startswith(PREFIX), directory
+    return int(directory.split("-rank")[0].rsplit("-", 1)[1])
 
 
 @pytest.fixture(scope="module")

@@ -98,13 +98,14 @@ def _rendezvous(add: Add) -> None:
     )
     add(
         "--rdzv-conf",
-        "KEY=VALUE,... : timeout (as --rdzv-timeout), join_timeout, read_timeout, is_host",
+        "KEY=VALUE,... : timeout (as --rdzv-timeout), join_timeout, read_timeout, "
+        "connect_timeout, is_host",
         metavar="CONF",
     )
     add(
         "--rdzv-timeout",
-        "seconds a node other than the store's host waits for the store; "
-        f"default {DEFAULT_RDZV_TIMEOUT_S:g}",
+        "seconds a node other than the store's host waits for the store, and every "
+        f"launcher for the other nodes; default {DEFAULT_RDZV_TIMEOUT_S:g}",
         type=float,
         default=DEFAULT_RDZV_TIMEOUT_S,
         metavar="S",

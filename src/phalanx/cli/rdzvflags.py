@@ -12,17 +12,25 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 
 from phalanx.errors import ConfigurationError
 from phalanx.ground.netif import is_local_address
-from phalanx.launch.config import DEFAULT_JOIN_TIMEOUT_S, DEFAULT_MULTINODE_PORT, Rendezvous
+from phalanx.launch.config import (
+    DEFAULT_CONNECT_TIMEOUT_S,
+    DEFAULT_JOIN_TIMEOUT_S,
+    DEFAULT_MULTINODE_PORT,
+    DEFAULT_REPORT_S,
+    REPORT_ENV,
+    Rendezvous,
+)
 
 __all__ = ["DEFAULT_C10D_PORT", "StoreSite", "parse_rdzv_conf", "store_site"]
 
 # torchrun's default port for a c10d endpoint given without one.
 DEFAULT_C10D_PORT = 29400
-_TIMEOUT_KEYS = ("timeout", "join_timeout", "read_timeout")
+_TIMEOUT_KEYS = ("timeout", "join_timeout", "read_timeout", "connect_timeout")
 # Keys of torchrun's elastic (changing-membership) rendezvous; a fixed-size job has no use
 # for them, so they are accepted and said to do nothing.
 _ELASTIC_KEYS = (
@@ -58,7 +66,8 @@ def parse_rdzv_conf(text: str | None) -> dict[str, str]:
         if not eq or key not in (*_TIMEOUT_KEYS, "is_host", *_ELASTIC_KEYS):
             raise ConfigurationError(
                 f"--rdzv-conf {item.strip()!r} is not a known KEY=VALUE — use timeout, "
-                "join_timeout, read_timeout or is_host, e.g. --rdzv-conf join_timeout=900"
+                "join_timeout, read_timeout, connect_timeout or is_host, e.g. --rdzv-conf "
+                "join_timeout=900"
             )
         conf[key] = value.strip()
     return conf
@@ -74,6 +83,23 @@ def _seconds(conf: dict[str, str], key: str, default: float) -> float:
     if value <= 0:
         raise ConfigurationError(
             f"--rdzv-conf {key}={conf[key]!r} is not a positive number of seconds — e.g. 600"
+        )
+    return value
+
+
+def _report_s() -> float:
+    """REPORT_ENV: how often a wait for another node speaks (the tests shorten it)."""
+    text = os.environ.get(REPORT_ENV, "").strip()
+    if not text:
+        return DEFAULT_REPORT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ConfigurationError(
+            f"{REPORT_ENV}={text!r} is not a positive number of seconds "
+            f"— unset it (the default is {DEFAULT_REPORT_S:g})"
         )
     return value
 
@@ -112,6 +138,8 @@ def store_site(ns: argparse.Namespace, nnodes: int) -> StoreSite:
     rdzv = Rendezvous(
         join_timeout_s=_seconds(conf, "join_timeout", DEFAULT_JOIN_TIMEOUT_S),
         read_timeout_s=_seconds(conf, "read_timeout", Rendezvous().read_timeout_s),
+        connect_timeout_s=_seconds(conf, "connect_timeout", DEFAULT_CONNECT_TIMEOUT_S),
+        report_s=_report_s(),
     )
     notes = tuple(
         f"--rdzv-conf {key} has no effect: phalanx runs a fixed number of nodes"
@@ -124,7 +152,7 @@ def store_site(ns: argparse.Namespace, nnodes: int) -> StoreSite:
             raise ConfigurationError("--standalone is for one node — drop it or --nnodes")
         if ns.standalone or backend == "c10d":
             addr = "127.0.0.1"
-        site_rdzv = Rendezvous(port_flag=port_flag, read_timeout_s=rdzv.read_timeout_s)
+        site_rdzv = replace(rdzv, port_flag=port_flag)
         return StoreSite(addr or "127.0.0.1", port or 0, 0, site_rdzv, rdzv_timeout, notes)
     if not addr:
         flag = "--rdzv-endpoint" if backend == "c10d" else "--master-addr"
@@ -139,9 +167,8 @@ def store_site(ns: argparse.Namespace, nnodes: int) -> StoreSite:
             addr,
             DEFAULT_C10D_PORT if port is None else port,
             0,
-            Rendezvous(assign_node_rank=True, hosts_store=hosts, host_forced=forced is not None,
-                       port_flag=port_flag, join_timeout_s=rdzv.join_timeout_s,
-                       read_timeout_s=rdzv.read_timeout_s),
+            replace(rdzv, assign_node_rank=True, hosts_store=hosts,
+                    host_forced=forced is not None, port_flag=port_flag),
             rdzv_timeout,
             notes,
         )  # fmt: skip
@@ -150,8 +177,7 @@ def store_site(ns: argparse.Namespace, nnodes: int) -> StoreSite:
         addr,
         DEFAULT_MULTINODE_PORT if port is None else port,
         node_rank,
-        Rendezvous(hosts_store=node_rank == 0, port_flag=port_flag,
-                   read_timeout_s=rdzv.read_timeout_s),
+        replace(rdzv, hosts_store=node_rank == 0, port_flag=port_flag),
         rdzv_timeout,
         notes,
     )  # fmt: skip

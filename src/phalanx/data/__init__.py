@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
+from phalanx.data.lengths import check_same_length
 from phalanx.data.loader import DataLoader
 from phalanx.data.sampler import DistributedSampler
 
-__all__ = ["DataLoader", "DistributedSampler"]
+__all__ = ["DataLoader", "DistributedSampler", "check_same_length"]

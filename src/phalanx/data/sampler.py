@@ -35,6 +35,13 @@ class DistributedSampler(Sampler[int]):
     `num_replicas`/`rank` default to the initialised `torch.distributed` group,
     else to the `WORLD_SIZE`/`RANK` environment a launcher sets, else 1/0.
 
+    Every rank must pass the same dataset: the shard is worked out of
+    `len(dataset)` alone, so ranks given different lengths would read some samples
+    twice and others never, or run different numbers of steps. The sampler does
+    not ask the other ranks (a collective here would hang where a sampler is made
+    on one rank alone); call `phalanx.data.check_same_length(dataset)` on every
+    rank first (the Trainer does).
+
     `pad=False` (keyword only, for evaluation) drops the padding instead: every
     sample is seen exactly once across ranks, ranks differ by at most one
     sample, and `len()` is this rank's true count.

@@ -11,13 +11,14 @@ tested against a real `torch.distributed.TCPStore`.
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import struct
 import time
 from collections.abc import Callable, Sequence
 
-__all__ = ["ATTEMPT_KEY", "NotAStoreError", "StoreClient"]
+__all__ = ["ATTEMPT_KEY", "NotAStoreError", "StoreClient", "Unreachable"]
 
 # Set by the store a launcher hosts to the attempt it serves (runtime/store.py); the other
 # nodes' launchers wait for their own attempt number there before starting workers.
@@ -38,6 +39,38 @@ class NotAStoreError(OSError):
     """Something answered on the port, but not as a torch store does."""
 
 
+class Unreachable(OSError):
+    """No connection reached the host at all (as opposed to one refused: a refusal comes
+    from a host that is there, with nothing listening on the port yet). `kind` says how:
+    "no route to host", "network is unreachable", "refused by a firewall rule", "timed out"."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind)
+        self.kind = kind
+
+
+# The connect errors that mean the host was never reached, in the kernel's words.
+_UNREACHABLE = {
+    errno.EHOSTUNREACH: "no route to host",
+    errno.ENETUNREACH: "network is unreachable",
+    errno.EACCES: "refused by a firewall rule",
+    errno.EPERM: "refused by a firewall rule",
+}
+
+
+def _connect(host: str, port: int, timeout_s: float) -> socket.socket:
+    """A TCP connection, or `Unreachable` when the host itself cannot be reached."""
+    try:
+        return socket.create_connection((host, port), timeout=timeout_s)
+    except TimeoutError as exc:  # no answer at all to the SYN: dropped on the way
+        raise Unreachable("timed out") from exc
+    except OSError as exc:
+        kind = _UNREACHABLE.get(exc.errno or 0)
+        if kind is None:
+            raise
+        raise Unreachable(kind) from exc
+
+
 def _key(key: str) -> bytes:
     # torch's client puts "/" before every key (TCPStore::keyPrefix_); so do we, so that
     # both see one key space.
@@ -48,11 +81,16 @@ def _key(key: str) -> bytes:
 class StoreClient:
     """One validated connection to a TCPStore; every call blocks for at most `timeout_s`."""
 
-    def __init__(self, host: str, port: int, timeout_s: float) -> None:
-        """Connect, validate and ping: raises OSError when nothing answers in time, and
-        `NotAStoreError` when the answer is not a store's."""
+    def __init__(
+        self, host: str, port: int, timeout_s: float, connect_timeout_s: float | None = None
+    ) -> None:
+        """Connect (within `connect_timeout_s`, default `timeout_s`), validate and ping:
+        raises `Unreachable` when the host cannot be reached, another OSError when nothing
+        answers in time (ConnectionRefusedError: nothing listens), and `NotAStoreError`
+        when the answer is not a store's."""
         self.address = f"{host}:{port}"
-        self._sock = socket.create_connection((host, port), timeout=timeout_s)
+        connect_s = timeout_s if connect_timeout_s is None else connect_timeout_s
+        self._sock = _connect(host, port, connect_s)
         try:
             self._sock.settimeout(timeout_s)
             nonce = int.from_bytes(os.urandom(4), "little")

@@ -136,6 +136,8 @@ class Agent:
                 group.stop(_sent_signal(signum or signal.SIGTERM), self.config.grace_s,
                            self.stop_request)  # fmt: skip
                 group.drain_output()
+                if signum is None and (summary := supervisor.summary()) is not None:
+                    self.sink.message(summary)
                 return status if signum is None else self._stopped_by(signum)
             outcome = self._supervise(group)
             if isinstance(outcome, Failure):

@@ -24,6 +24,14 @@ DEFAULT_RDZV_TIMEOUT_S = 900.0
 DEFAULT_GRACE_S = 5.0
 # torchrun's default for --rdzv-conf join_timeout: how long the nodes have to gather.
 DEFAULT_JOIN_TIMEOUT_S = 600.0
+# How long the master's address may go without any answer (no route, no reply to a
+# connection) before that is the error: a host that is up answers at once, if only with a
+# refusal while its launcher has not started yet (which waits --rdzv-timeout).
+DEFAULT_CONNECT_TIMEOUT_S = 60.0
+# How often a wait for another node says who it still waits for.
+DEFAULT_REPORT_S = 30.0
+REPORT_ENV = "PHALANX_RDZV_REPORT_S"
+"""Overrides DEFAULT_REPORT_S (seconds): the tests shorten it instead of waiting 30 s."""
 # torchrun's --signals-to-handle default. A dropped ssh session (SIGHUP) or SIGQUIT stops the
 # job like SIGTERM does, so no worker trains on unsupervised.
 DEFAULT_HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -46,6 +54,13 @@ class Rendezvous:
     """--rdzv-conf read_timeout: how long one answer from the store may take."""
     join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S
     """--rdzv-conf join_timeout: how long the store's host waits for every node to join."""
+    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
+    """--rdzv-conf connect_timeout: how long the master's address may stay unreachable (no
+    route, no answer) before that is a one-line error; a refused connection (the host is up,
+    its launcher not yet) is waited for up to --rdzv-timeout."""
+    report_s: float = DEFAULT_REPORT_S
+    """How often a wait for the master or for missing nodes says what it waits for
+    (REPORT_ENV)."""
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

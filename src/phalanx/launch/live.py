@@ -32,6 +32,7 @@ from phalanx.ground.live_store import LiveStore
 from phalanx.ground.runauth import RunKey
 from phalanx.ground.storeclient import StoreClient
 from phalanx.launch.procgroup import describe_returncode, signal_group
+from phalanx.launch.summary import failure_summary
 from phalanx.launch.workers import Failure, StopRequest, Worker, WorkerGroup
 
 __all__ = ["LiveSupervisor", "Respawn", "report_lost", "take_members"]
@@ -100,6 +101,8 @@ class LiveSupervisor:
     node_rank: int | None = None
     """This node's rank in a run over several nodes: its members are kept in the store."""
     _slots: list[_Slot] = field(default_factory=list)
+    _losses: list[tuple[_Slot, int, str]] = field(default_factory=list)
+    """Each loss in order: the slot, its exit status, why (for the summary)."""
 
     def run(self) -> int:
         """Exit status once every worker (replacements included) has exited, or the signum
@@ -151,32 +154,54 @@ class LiveSupervisor:
     def _lost(self, slot: _Slot, code: int) -> int:
         """Report `slot`'s member lost, start its replacement if one is left; its exit code."""
         why = "fenced" if slot.fenced_after_s is not None else describe_returncode(code)
+        self._losses.append((slot, code, why))
+        lost = f"rank {slot.worker.rank} ({slot.member}) lost ({why})"
         try:
             with StoreClient(*self.store_addr, _STORE_TIMEOUT_S) as client:
                 store = LiveStore(client, self.key)
                 report_lost(store, slot.member, why)
                 if self.replacements <= 0:
-                    self.say(
-                        f"rank {slot.worker.rank} ({slot.member}) lost ({why}); no "
-                        "replacement left (--max-restarts), the others go on"
-                    )
+                    self.say(f"{lost}; no replacement left (--max-restarts), {self._who_goes_on()}")
                     return code
                 self.replacements -= 1
                 member = _next_member(store)
         except OSError as exc:
             host, port = self.store_addr
-            self.say(
-                f"rank {slot.worker.rank} ({slot.member}) lost ({why}), and the job's store "
-                f"at {host}:{port} cannot be reached ({exc}); no replacement"
-            )
+            unreachable = f"the job's store at {host}:{port} cannot be reached ({exc})"
+            self.say(f"{lost}, and {unreachable}; no replacement")
             return code
-        self.say(f"rank {slot.worker.rank} ({slot.member}) lost ({why}); the others go on, "
-                 f"replacement {member} starting")  # fmt: skip
+        self.say(f"{lost}; {self._who_goes_on()}, replacement {member} starting")
         worker = self.respawn(slot.worker.local_rank, member)
         self.group.workers.append(worker)
         self._slots.append(_Slot(worker, member))
         self._publish_members()
         return code
+
+    def _who_goes_on(self) -> str:
+        """'the others go on' only while there are others on this node to go on."""
+        # Not `done` alone: a worker that exited in the same sweep is not marked yet.
+        if any(not slot.done and slot.worker.exit_status() is None for slot in self._slots):
+            return "the others go on"
+        if self.node_rank is not None:
+            return "no worker of this node is left running"
+        return "no other worker is left running"
+
+    def summary(self) -> str | None:
+        """Once every worker of this node has exited and none finished the run: each loss,
+        then who failed first and the end of its stderr, as the launcher reports a failure
+        without live recovery. None otherwise (the run went on, or a signal stopped it)."""
+        if not self._losses or not all(slot.done for slot in self._slots):
+            return None
+        if any(slot.worker.exit_status() == 0 for slot in self._slots):
+            return None
+        each = "; ".join(
+            f"{slot.member} (rank {slot.worker.rank}): {why}" for slot, _code, why in self._losses
+        )
+        first, code, _why = self._losses[0]
+        where = " of this node" if self.node_rank is not None else ""
+        return f"no worker{where} is left running: every one failed ({each})\n" + failure_summary(
+            first.worker, code, self.node_rank or 0
+        )
 
     def _publish_members(self) -> None:
         if self.node_rank is None:

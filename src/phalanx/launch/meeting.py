@@ -16,7 +16,7 @@ import contextlib
 from collections.abc import Callable
 from dataclasses import replace
 
-from phalanx.errors import PortTakenError
+from phalanx.errors import PortTakenError, RendezvousError
 from phalanx.ground.storeclient import StoreClient
 from phalanx.launch.config import LaunchConfig
 from phalanx.launch.lifeline import Lifeline
@@ -27,6 +27,7 @@ from phalanx.launch.rendezvous import (
     wait_for_joiners,
     wait_for_store,
 )
+from phalanx.launch.rollcall import Pacer, RollCall, await_all_here, await_nodes, mark_present
 from phalanx.launch.storehost import StoreHost, bind_store_socket
 
 __all__ = ["Meeting"]
@@ -60,6 +61,12 @@ class Meeting:
         its workers join as replacements (launch/livenodes.py)."""
         self._beat: NodeBeat | None = None
         self._watch: NodeWatch | None = None
+        self._hint = (
+            "start its launcher with the same --rdzv-endpoint, --rdzv-id and --nnodes"
+            if config.rdzv.assign_node_rank
+            else "start its launcher with its --node-rank and the same --nnodes, --master-addr "
+            "and --master-port, and check that it can reach this address"
+        )
 
     def open(self) -> LaunchConfig:
         """Host or reach the store and learn this node's rank: the config the workers get."""
@@ -84,10 +91,13 @@ class Meeting:
                 self._beat_for(cfg.node_rank)
                 return cfg
             node_rank = join_nodes(client, cfg.run_id, cfg.nnodes, cfg.rdzv.join_timeout_s,
-                                   self._cancelled)  # fmt: skip
+                                   self._cancelled, self._pacer())  # fmt: skip
         self._announce(f"rendezvous {cfg.run_id!r}: this is node {node_rank} of {cfg.nnodes}")
         self._beat_for(node_rank)
         return _with_node_rank(cfg, node_rank)
+
+    def _pacer(self) -> Pacer:
+        return Pacer(self.config.rdzv.report_s, self._announce)
 
     def _claim(self, client: StoreClient) -> None:
         cfg = self.config
@@ -149,10 +159,18 @@ class Meeting:
             self._store.address, self.port, max(_OWN_STORE_TIMEOUT_S, cfg.rdzv.read_timeout_s)
         ) as client:
             wait_for_joiners(client, cfg.run_id, cfg.nnodes, cfg.rdzv.join_timeout_s,
-                             self._cancelled)  # fmt: skip
+                             self._cancelled, self._pacer())  # fmt: skip
 
     def begin_attempt(self, attempt: int) -> bool:
-        """Serve (host) or wait for (others) the store of `attempt`; False when cancelled."""
+        """Serve (host) or wait for (others) the store of `attempt`, then wait until every
+        node is here (launch/rollcall.py); False when cancelled."""
+        if not self._serve_or_reach(attempt):
+            return False
+        if self.config.nnodes == 1 or (self.late and attempt == 0):
+            return True  # a late node joins a run under way: the others are long past this
+        return self._roll_call(attempt)
+
+    def _serve_or_reach(self, attempt: int) -> bool:
         if self._store is not None:
             if attempt != self._ready_attempt:
                 self._store.open_attempt(attempt)
@@ -165,6 +183,39 @@ class Meeting:
         client.close()
         return True
 
+    def _roll_call(self, attempt: int) -> bool:
+        cfg = self.config
+        hosting = self._store is not None
+        host = self._store.address if self._store is not None else cfg.master_addr
+        call = RollCall(
+            nnodes=cfg.nnodes,
+            store=f"{host}:{self.port}",
+            attempt=attempt,
+            timeout_s=cfg.rdzv_timeout_s,
+            report_s=cfg.rdzv.report_s,
+            hint=self._hint,
+            say=self._announce,
+            cancelled=self._cancelled,
+        )
+        # The host's own first connection may start the store's helper, which imports torch.
+        wait_s = cfg.rdzv.read_timeout_s
+        try:
+            client = StoreClient(host, self.port, max(wait_s, _OWN_STORE_TIMEOUT_S * hosting))
+        except OSError as exc:
+            why = (
+                "its helper did not start: the 'store:' lines above say why"
+                if hosting
+                else "node 0's launcher gave up or was stopped: its output says why"
+            )
+            raise RendezvousError(
+                f"the store at {call.store} does not answer ({exc}) — {why}"
+            ) from exc
+        with client:
+            if hosting:
+                return await_nodes(client, call)
+            mark_present(client, cfg.node_rank)
+            return await_all_here(client, call, cfg.node_rank)
+
     def _reach_store(self, attempt: int) -> StoreClient | None:
         """A client of the host's store once it serves `attempt`; None when cancelled."""
         cfg = self.config
@@ -175,7 +226,7 @@ class Meeting:
             cfg.rdzv_timeout_s,
             self._announce,
             self._cancelled,
-            cfg.rdzv.read_timeout_s,
+            cfg.rdzv,
         )
 
     def end_attempt(self, last: bool, succeeded: bool) -> None:

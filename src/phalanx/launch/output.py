@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import re
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -25,6 +26,10 @@ from phalanx.launch.terminal import BarSplitter, read_chunks
 _MAX_LINE_BYTES = 1 << 20
 STDERR_TAIL_LINES = 20
 _CLEAR_LINE = b"\r\x1b[K"
+# torch's excepthook tags each traceback line `[rank<N>]: ` with the rank in torch's group,
+# which is not always the launcher's (a live-recovery replacement starts as rank 0 of its
+# own group): any such tag goes, the launcher's `[rank R] ` already says who wrote it.
+_TORCH_TAG = re.compile(rb"\[rank\d+\]: ?")
 
 
 class OutputSink:
@@ -139,8 +144,6 @@ class RankOutput:
     ) -> None:
         self.rank = rank
         self._prefix = f"[rank {rank}] ".encode()
-        # torch's excepthook prefixes each traceback line with this; we already say the rank.
-        self._torch_tag = f"[rank{rank}]:".encode()
         self._sink = sink
         self._targets = targets
         self._owned = owned_files
@@ -156,8 +159,8 @@ class RankOutput:
         # A last line without a newline is still a line: end it so the next
         # line written to the terminal does not run into it.
         line = raw if raw.endswith(b"\n") else raw + b"\n"
-        if line.startswith(self._torch_tag):
-            line = line[len(self._torch_tag) :].removeprefix(b" ")
+        if line.startswith(b"[rank") and (tag := _TORCH_TAG.match(line)) is not None:
+            line = line[tag.end() :]
         if is_stderr:
             self._tail.append(line.decode(errors="replace").rstrip("\r\n"))
         target = self._targets[is_stderr]

@@ -11,9 +11,16 @@ than reads into buffers: docs/zero.md, "Offload".
 
 The directory is scratch: fresh for each process (never reused, so a restart
 cannot read an earlier run's file), removed at a clean exit; one left by a
-killed run is removed by the next run that finds its owner dead. Every file
+killed run is removed by the next run that finds its owner dead. Its name
+carries its owner's pid together with what makes that pid mean one process
+(`owner_key`): the host, the boot, and the PID namespace. A sweep judges only
+the directories of its own key, since a pid read in another namespace (another
+container sharing the directory) or from before a reboot names some other
+process or none: another namespace's live scratch was deleted as dead. Every file
 is allocated whole when created (`posix_fallocate`): a full disk is an error
-at that moment, never a SIGBUS when a page is later written.
+at that moment, never a SIGBUS when a page is later written. A file or the
+directory removed under a running process (a cleanup job) is an `OffloadError`
+when next opened, not a raw FileNotFoundError.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ import torch
 
 from phalanx.errors import OffloadError
 
-__all__ = ["OffloadFiles", "Region", "shared_files", "sweep_dead_runs"]
+__all__ = ["OffloadFiles", "Region", "owner_key", "shared_files", "sweep_dead_runs"]
 
 PAGE = mmap.PAGESIZE
 _MADV_WILLNEED = 3
@@ -50,6 +57,9 @@ _SYNC_FILE_RANGE_WAIT_AFTER = 4
 _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_ZERO_RANGE = 0x10  # Linux 3.15+, ext4 and xfs: zeroes, blocks kept allocated
 _PREFIX = "phalanx-offload"
+# Linux's PID_MAX_LIMIT on 64-bit: no process has a larger pid (a name that says otherwise
+# was not written by a live owner).
+_PID_MAX_LIMIT = 1 << 22
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 # ctypes releases the GIL around these calls: advice runs beside the training thread.
@@ -84,10 +94,8 @@ class OffloadFiles:
         sweep_dead_runs(self.parent)
         try:
             self.parent.mkdir(parents=True, exist_ok=True)
-            host = socket.gethostname().replace("-", "_")
-            self.directory = Path(
-                tempfile.mkdtemp(prefix=f"{_PREFIX}-{host}-{os.getpid()}-rank{rank}-", dir=parent)
-            )
+            prefix = f"{_PREFIX}-{owner_key()}-{os.getpid()}-rank{rank}-"
+            self.directory = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
         except OSError as e:
             raise OffloadError(
                 f"{what}={self.parent}: cannot create the offload directory there "
@@ -110,7 +118,7 @@ class OffloadFiles:
             return torch.zeros(shape, dtype=dtype)
         self._count += 1
         path = self.directory / f"{self._count:06d}.bin"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = self._open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             self._allocate(fd, nbytes, path)
             mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -173,9 +181,14 @@ class OffloadFiles:
         (msync per tensor: measured slower, docs/zero.md "Offload"); nothing here needs them
         durable, only clean, so no journal commit is asked for."""
         regions = self._regions_of(tensors)
-        fds = []
+        fds: list[int] = []
         for region in regions:
-            fd = os.open(region.path, os.O_RDWR)
+            try:
+                fd = self._open(region.path, os.O_RDWR)
+            except OffloadError:
+                for opened in fds:
+                    os.close(opened)
+                raise
             fds.append(fd)
             _libc.sync_file_range(fd, 0, region.nbytes, _SYNC_FILE_RANGE_WRITE)
         for fd, region in zip(fds, regions):
@@ -203,12 +216,28 @@ class OffloadFiles:
         if not self.can_discard:
             return
         for region in self._regions_of(tensors):
-            fd = os.open(region.path, os.O_RDWR)
+            fd = self._open(region.path, os.O_RDWR)
             try:
                 mode = _FALLOC_FL_ZERO_RANGE | _FALLOC_FL_KEEP_SIZE
                 _libc.fallocate(fd, mode, 0, region.nbytes)
             finally:
                 os.close(fd)
+
+    def _open(self, path: Path, flags: int, mode: int = 0o600) -> int:
+        """os.open, with a file or directory removed under the run said in one line."""
+        try:
+            return os.open(path, flags, mode)
+        except FileNotFoundError:
+            gone = (
+                f"the offload directory {self.directory}"
+                if not self.directory.is_dir()
+                else f"offload file {path}"
+            )
+            raise OffloadError(
+                f"{self.what}={self.parent}: {gone} was deleted while the run used it (by a "
+                f"cleanup job?) — keep {self.what} for the whole run, then resume from the last "
+                "checkpoint"
+            ) from None
 
     def _zero_range_works(self) -> bool:
         probe = self.directory / "zero-range-probe"
@@ -266,16 +295,42 @@ def _resident(region: Region) -> int:
     return sum(b & 1 for b in vec.raw) * PAGE
 
 
-def sweep_dead_runs(parent: Path) -> list[Path]:
-    """Remove offload directories under `parent` left by processes of this host that are gone
-    (a killed run's scratch: nothing reads it, it only takes disk). Returns what was removed."""
+def owner_key() -> str:
+    """What makes a pid name one process: `<host>-<boot id>-<PID namespace>`.
+
+    A pid alone is not enough: another PID namespace (a container) sharing the
+    directory numbers its processes from 1 too, and a boot starts the numbering
+    again. The boot id is /proc/sys/kernel/random/boot_id, the namespace the
+    inode of /proc/self/ns/pid; where either cannot be read, "x" (and so two such
+    owners look alike, as before).
+    """
     host = socket.gethostname().replace("-", "_")
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip().replace("-", "")[:16]
+    except OSError:
+        boot = "x"
+    try:
+        namespace = str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        namespace = "x"
+    return f"{host}-{boot or 'x'}-{namespace}"
+
+
+def sweep_dead_runs(parent: Path) -> list[Path]:
+    """Remove offload directories under `parent` left by processes that are gone (a killed
+    run's scratch: nothing reads it, it only takes disk). Returns what was removed.
+
+    Only directories of this process's `owner_key` are judged: their pids are pids
+    here. Another namespace's, another boot's or another host's are left alone,
+    since no pid here says whether their owner lives.
+    """
     removed: list[Path] = []
     if not parent.is_dir():
         return removed
-    for entry in parent.glob(f"{_PREFIX}-{host}-*"):
-        parts = entry.name[len(_PREFIX) + 1 + len(host) + 1 :].split("-")
-        if not parts or not parts[0].isdigit() or _alive(int(parts[0])):
+    mine = f"{_PREFIX}-{owner_key()}-"
+    for entry in parent.glob(f"{mine}*"):
+        pid = entry.name[len(mine) :].split("-")[0]
+        if not pid.isdigit() or _alive(int(pid)):
             continue
         shutil.rmtree(entry, ignore_errors=True)
         removed.append(entry)
@@ -283,6 +338,10 @@ def sweep_dead_runs(parent: Path) -> list[Path]:
 
 
 def _alive(pid: int) -> bool:
+    """Whether process `pid` of this namespace lives; a number no pid can be is nobody's
+    (os.kill would raise OverflowError for it)."""
+    if not 0 < pid < _PID_MAX_LIMIT:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

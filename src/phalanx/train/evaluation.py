@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
+from phalanx.data.lengths import check_same_length
 from phalanx.data.sampler import DistributedSampler
 from phalanx.errors import ConfigurationError
 from phalanx.runtime import World
@@ -145,6 +146,9 @@ def evaluate_model(
     compute_metrics: ComputeMetrics | None,
 ) -> dict[str, float]:
     """eval_loss (when there is a loss), eval_samples, and compute_metrics' results."""
+    if isinstance(dataset, Sized):  # shards of different lengths: samples lost or a hang
+        world = setup.world
+        check_same_length(dataset, world.process_group, "evaluation set", world.device)
     was_training = model.training
     model.eval()
     try:

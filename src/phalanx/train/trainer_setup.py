@@ -13,7 +13,7 @@ import functools
 import math
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sized
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,7 @@ from torch.optim import Optimizer
 from torch.utils.data import Dataset, IterableDataset
 
 from phalanx import zero3
+from phalanx.data.lengths import check_same_length
 from phalanx.data.sampler import DistributedSampler
 from phalanx.ddp.module import DistributedDataParallel
 from phalanx.diagnostics import timeline as timelines
@@ -185,6 +186,10 @@ class TrainerSetup:
 
     def _setup_sampler(self, dataset: Dataset[Any]) -> None:
         args = self.args
+        if isinstance(dataset, Sized):  # else the sampler says it needs a length
+            # Ranks dealt different lengths would repeat and skip samples, or hang (lengths.py).
+            world = self.world
+            check_same_length(dataset, world.process_group, "training set", world.device)
         self.sampler = DistributedSampler(
             dataset,
             num_replicas=self.world.world_size,

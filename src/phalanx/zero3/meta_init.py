@@ -20,10 +20,19 @@ bit for bit for modules initialised by their `reset_parameters()` in
 
 An initialiser that leaves a tensor unset is an error naming it, never
 garbage: temporaries start as NaN (integers: their minimum) and are checked.
+
+Only what is still meta gets values. An initialiser works on a whole module
+(`reset_parameters()` sets a Linear's weight and bias), so a module whose bias
+was left on the meta device while its weight was loaded would have had its
+loaded weight drawn again, silently. Every tensor of such a module gets a
+temporary (a loaded one: a copy of its values, for an initialiser that reads
+it); only the meta ones keep what the initialiser drew, and the loaded ones
+are left as they were, with one logged line naming what was initialised.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -37,6 +46,8 @@ from phalanx.zero3.params import ShardedParam
 from phalanx.zero3.wrap import units
 
 Initializer = Callable[[nn.Module], None]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -99,20 +110,42 @@ def materialize(
     sharded = {id(sp.sharded): sp for unit in units(model) for sp in unit.params}
     done: set[int] = set()
     largest = count = modules = 0
-    for module in model.modules():
+    beside_loaded: list[str] = []
+    for qualified, module in model.named_modules():
         names = meta.get(id(module))
         if not names:
             continue
-        temporaries = _swap_in_temporaries(module, names)
+        # Every own tensor gets a temporary: the initialiser must not reach a loaded one.
+        temporaries = _swap_in_temporaries(module, _own_names(module), set(names))
         largest = max(largest, sum(t.nbytes for t, _ in temporaries.values()))
         try:
             initialize(module)
         finally:
             values = {n: _take_back(module, n, final) for n, (_, final) in temporaries.items()}
-        for name, (_, final) in temporaries.items():
-            count += _keep(module, name, values[name], final, sharded, done)
+        for name in names:
+            count += _keep(module, name, values[name], temporaries[name][1], sharded, done)
+        if len(names) < len(temporaries):
+            beside_loaded += [f"{qualified}.{n}" if qualified else n for n in names]
         modules += 1
+    _say_initialised_beside_loaded(beside_loaded)
     return Materialized(count, modules, largest)
+
+
+def _say_initialised_beside_loaded(names: list[str]) -> None:
+    """One line for the tensors left on meta in modules whose other tensors were loaded: a
+    checkpoint that lacked them, most likely, which the user may want to know."""
+    if names:
+        logger.warning(
+            "materialize: %s still on the meta device beside loaded tensors of the same "
+            "module: initialised; the loaded tensors keep their values",
+            ", ".join(names),
+        )
+
+
+def _own_names(module: nn.Module) -> list[str]:
+    """The names of the module's own parameters and buffers (not its children's)."""
+    own = [*module._parameters.items(), *module._buffers.items()]
+    return [name for name, t in own if t is not None]
 
 
 def _allocate(model: nn.Module, unsharded: torch.device) -> None:
@@ -178,16 +211,20 @@ def _use_rank0_generator(group: dist.ProcessGroup | None) -> None:
 Swapped = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
-def _swap_in_temporaries(module: nn.Module, names: list[str]) -> Swapped:
-    """Full-size CPU temporaries, filled with a value no initialiser leaves, registered in
-    place of `names`; for each name, (temporary, the tensor to restore)."""
+def _swap_in_temporaries(module: nn.Module, names: list[str], meta: set[str]) -> Swapped:
+    """Full-size CPU temporaries registered in place of `names`; for each name, (temporary,
+    the tensor to restore). Those in `meta` start with a value no initialiser leaves; the
+    others (loaded) with their own values where those are whole here, else the same."""
     swapped: Swapped = {}
     for name in names:
         is_param = name in module._parameters
         final = module._parameters[name] if is_param else module._buffers[name]
         assert final is not None
         temporary = torch.empty(final.shape, dtype=final.dtype)
-        _fill_unset(temporary)
+        if name in meta or hasattr(final, "_local_tensor"):  # a shard: not whole here
+            _fill_unset(temporary)
+        else:
+            temporary.copy_(final.detach())
         if is_param:
             module._parameters[name] = nn.Parameter(temporary, requires_grad=final.requires_grad)
         else:
