@@ -297,3 +297,30 @@ def test_monitor_interval_is_how_often_workers_are_checked(tmp_path: Path) -> No
     assert time.monotonic() - started >= 3
     refused = launch("--monitor-interval 0", ENV_DUMP, tmp_path)
     assert refused.returncode == 2 and "--monitor-interval must be positive" in refused.stderr
+
+
+@pytest.mark.timeout(60)
+def test_live_recovery_across_nodes_needs_the_run_secret(tmp_path: Path) -> None:
+    """Several nodes share a secret only by being given it: without one, or with one others
+    can read, the launcher stops in one line before it dials anything."""
+    flags = (
+        f"--nnodes 2 --node-rank 1 --master-addr 127.0.0.1 --master-port {free_port()} "
+        "--nproc-per-node 1 --live-recovery"
+    )
+    script = ENV_DUMP
+    env = clean_env(PHALANX_RUN_SECRET=None)
+    missing = launch(flags, script, env=env)
+    assert missing.returncode != 0
+    assert missing.stderr.strip().splitlines() == [
+        "phalanx launch: error: --live-recovery over several nodes needs the run's secret, the "
+        "same on every node — pass --run-secret-file FILE (chmod 600), or set "
+        "PHALANX_RUN_SECRET on each (make one with: openssl rand -hex 32; docs/launch.md, "
+        "'Multi-node')"
+    ], missing.stderr
+    secret = tmp_path / "run.secret"
+    secret.write_text("0123456789abcdef0123456789abcdef\n")
+    secret.chmod(0o644)
+    readable = launch(f"{flags} --run-secret-file {secret}", script, env=env)
+    assert readable.returncode != 0
+    assert f"--run-secret-file {secret} can be read by others (mode 644)" in readable.stderr
+    assert len(readable.stderr.strip().splitlines()) == 1, readable.stderr

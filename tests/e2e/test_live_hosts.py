@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -87,9 +88,14 @@ def hosts() -> Iterator[Hosts]:
 
 
 def _start(netns: str, node_rank: int, log: Path, ledger: Path) -> subprocess.Popen[bytes]:
+    secret = ledger.parent / "run.secret"  # the run's secret, the same file on every host
+    if not secret.exists():
+        secret.write_text(secrets.token_hex(32))
+        secret.chmod(0o600)
     flags = ["--nnodes", "2", "--node-rank", str(node_rank), "--master-addr", MASTER_IP,
              "--master-port", str(PORT), "--nproc-per-node", "1", "--live-recovery",
-             "--live-stall-timeout", "2", "--rdzv-timeout", "60"]  # fmt: skip
+             "--live-stall-timeout", "2", "--rdzv-timeout", "60",
+             "--run-secret-file", str(secret)]  # fmt: skip
     env = clean_env(LEDGER_DIR=str(ledger), STEPS=str(STEPS), PAUSE_S="0.05",
                     HOLD_STEP=str(HOLD_STEP), HOLD_WORLD="2", OMP_NUM_THREADS="1")  # fmt: skip
     argv = ["ip", "netns", "exec", netns, sys.executable, "-m", "phalanx", "launch", *flags]
