@@ -17,7 +17,6 @@ import torch
 from torch import Tensor, nn
 
 from phalanx import zero3
-from phalanx.offload import shared_files
 from phalanx.train import Trainer
 from tests.checkpoints import record_loss_sums
 from tests.distributed.test_trainer_zero import _args, _data, _xent
@@ -66,7 +65,8 @@ def _sharded_init(rank: int, out_dir: str, disk: bool) -> dict[str, Any]:
     done = zero3.materialize(model)
     in_files = None
     if disk:
-        files = shared_files(f"{out_dir}/offload", rank, "path")
+        assert isinstance(policy, zero3.DiskOffloadPolicy)
+        files = policy.files()  # the one directory the policy owns, which the units filled
         in_files = all(files.holds(cast("DTensor", p)._local_tensor) for p in model.parameters())
     return {
         "full": _lists(zero3.full_state_dict(model, to=0)),

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
+from torch.optim.lr_scheduler import LambdaLR
 
 from phalanx.train import Trainer
 from phalanx.train.callbacks import EarlyStoppingCallback, TrainerCallback
@@ -81,7 +82,7 @@ def _epochs(rank: int, out: Path, save_strategy: str) -> dict[str, Any]:
         warmup_ratio=0.25,
         logging_strategy="epoch",
     )
-    lrs = [1e-2 * trainer.scheduler.lr_lambdas[0](k) for k in range(4)]
+    lrs = [1e-2 * cast(LambdaLR, trainer.scheduler).lr_lambdas[0](k) for k in range(4)]
     trainer.train()
     trainer.close()
     return {

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from phalanx.errors import ConfigurationError
-from phalanx.offload.files import OffloadFiles, shared_files, sweep_dead_runs
+from phalanx.offload.files import OffloadFiles, sweep_dead_runs
 from phalanx.offload.policies import CPUOffloadPolicy, DiskOffloadPolicy, OffloadPolicy
 from phalanx.offload.stream import IOStats, Streamer, stream_optimizer, streamer_of
 
@@ -21,7 +21,6 @@ __all__ = [
     "OffloadPolicy",
     "Streamer",
     "offload_optimizer",
-    "shared_files",
     "stream_optimizer",
     "streamer_of",
     "sweep_dead_runs",
@@ -48,9 +47,7 @@ def offload_optimizer(
         )
     if group is None and dist.is_available() and dist.is_initialized():
         group = _group_of(optimizer)
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    files = shared_files(policy.path, rank, "DiskOffloadPolicy.path")
-    stream_optimizer(optimizer, files, policy.window_bytes, group)
+    stream_optimizer(optimizer, policy.files(), policy.window_bytes, group)
     return optimizer
 
 

@@ -42,7 +42,7 @@ import torch
 
 from phalanx.errors import OffloadError
 
-__all__ = ["OffloadFiles", "Region", "owner_key", "shared_files", "sweep_dead_runs"]
+__all__ = ["OffloadFiles", "Region", "owner_key", "sweep_dead_runs"]
 
 PAGE = mmap.PAGESIZE
 _MADV_WILLNEED = 3
@@ -349,15 +349,3 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-_SHARED: dict[str, OffloadFiles] = {}
-
-
-def shared_files(parent: str | os.PathLike[str], rank: int, what: str) -> OffloadFiles:
-    """This process's one offload directory under `parent` (made at the first call)."""
-    key = os.path.abspath(parent)
-    files = _SHARED.get(key)
-    if files is None or files.closed:
-        files = _SHARED[key] = OffloadFiles(parent, rank, what)
-    return files

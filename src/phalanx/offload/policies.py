@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
 
 from phalanx.errors import ConfigurationError
+from phalanx.offload.files import OffloadFiles
 
 __all__ = ["CPUOffloadPolicy", "DiskOffloadPolicy", "OffloadPolicy"]
 
@@ -41,6 +44,9 @@ class DiskOffloadPolicy(OffloadPolicy):
     path: str = ""
     window_mb: float = 64.0
     params: bool = True
+    _files: OffloadFiles | None = field(default=None, init=False, repr=False, compare=False)
+    """This process's scratch directory for the policy's state: the policy owns it, so the
+    units' shards, their gradients and the optimizer's state given this policy share it."""
 
     def __post_init__(self) -> None:
         if not str(self.path):
@@ -53,6 +59,20 @@ class DiskOffloadPolicy(OffloadPolicy):
                 f"DiskOffloadPolicy(window_mb={self.window_mb}) must be positive — it is how "
                 "much state the optimizer step holds in memory at a time (e.g. 64)"
             )
+
+    def files(self, what: str = "DiskOffloadPolicy.path") -> OffloadFiles:
+        """The scratch directory, made at the first call (`what` names the setting in an
+        error: an unwritable path fails here, before any step)."""
+        if self._files is None or self._files.closed:
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+            self._files = OffloadFiles(self.path, rank, what)
+        return self._files
+
+    def close(self) -> None:
+        """Remove the scratch directory (mappings stay valid until their tensors are freed);
+        one more call of `files` makes a new one."""
+        if self._files is not None:
+            self._files.close()
 
     @property
     def window_bytes(self) -> int:

@@ -44,13 +44,11 @@ class PerRank:
 
 
 def attach_comm_hook(
-    wrapped: nn.Module, args: TrainingArguments, world: World
+    wrapped: DistributedDataParallel, args: TrainingArguments, world: World
 ) -> PowerSGDState | None:
-    """Register `args.ddp_comm_hook` on the DDP wrapper; PowerSGD's state, to checkpoint.
-
-    A world of one has no wrapper and nothing to send: no hook, and no state.
-    """
-    if args.ddp_comm_hook is None or not isinstance(wrapped, DistributedDataParallel):
+    """Register `args.ddp_comm_hook` on the DDP wrapper; PowerSGD's state, to checkpoint
+    (the strategy calls it only where there is a wrapper: a world of one sends nothing)."""
+    if args.ddp_comm_hook is None:
         return None
     options: dict[str, Any] = {}
     if args.ddp_comm_hook == "powersgd":

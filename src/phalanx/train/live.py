@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from phalanx.ddp.module import DistributedDataParallel
 from phalanx.errors import ConfigurationError, PeerLost
 from phalanx.ground.live_keys import RESTART_MARK
 from phalanx.ground.progress_record import PROGRESS_DIR_VAR
@@ -163,10 +162,7 @@ class LiveTraining:
         world = dataclasses.replace(trainer.world, rank=done.rank, world_size=done.world_size)
         for part in trainer.world_holders():
             part.world = world
-        old = trainer.wrapped_model
-        if isinstance(old, DistributedDataParallel):
-            old.reducer.remove_hooks()
-        trainer.rewrap()
+        trainer.rewrap()  # the old wrapper's hooks come off first (Strategy.rewrap)
         sampler = trainer.sampler
         assert sampler is not None
         trainer.state.epoch = data["epoch"]

@@ -10,22 +10,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.optim import SGD, Adagrad, AdamW, Optimizer, RMSprop
+from torch.optim import SGD, Adagrad, AdamW, RMSprop
 from torch.utils.data import DataLoader, Dataset
 
 from phalanx.data.sampler import DistributedSampler
-from phalanx.ddp.module import DistributedDataParallel
 from phalanx.ddp.sync import raise_if_settings_differ
-from phalanx.diagnostics.timeline import Timeline
 from phalanx.errors import ConfigurationError
 from phalanx.offload import (
     CPUOffloadPolicy,
     DiskOffloadPolicy,
     OffloadPolicy,
-    shared_files,
-    streamer_of,
 )
-from phalanx.runtime import World, init, shutdown
+from phalanx.runtime import World, init
 from phalanx.train.config.args import TrainingArguments
 
 
@@ -144,9 +140,9 @@ def offload_policy(args: TrainingArguments) -> OffloadPolicy | None:
     step, in words naming zero_offload_dir), "cpu" FSDP2's CPUOffloadPolicy."""
     if args.zero_offload == "disk":
         path = args.zero_offload_dir or str(Path(args.output_dir) / "offload")
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        shared_files(path, rank, "zero_offload_dir")
-        return DiskOffloadPolicy(path=path, window_mb=args.zero_offload_window_mb)
+        policy = DiskOffloadPolicy(path=path, window_mb=args.zero_offload_window_mb)
+        policy.files("zero_offload_dir")
+        return policy
     if args.zero_offload == "cpu":
         return CPUOffloadPolicy()
     return None
@@ -176,35 +172,3 @@ def train_loader(
             "per_device_train_batch_size or set dataloader_drop_last=False"
         )
     return loader
-
-
-def record_offload_to(optimizer: Optimizer, timeline: Timeline | None) -> None:
-    """Put the offloaded optimizer's reads and writes on the timeline's "io" track."""
-    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's local one
-    streamer = streamer_of(inner) if isinstance(inner, Optimizer) else None
-    if streamer is not None:
-        streamer.timeline = timeline
-
-
-def _release_offload(optimizer: Optimizer | None) -> None:
-    """Finish the offloaded optimizer's writes and remove its scratch directory (the model's
-    offloaded shards stay readable: their files are unlinked, not unmapped)."""
-    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's local one
-    streamer = streamer_of(inner) if isinstance(inner, Optimizer) else None
-    if streamer is not None:
-        streamer.close()
-        streamer.files.close()
-
-
-def release(wrapped: nn.Module | None, owns_group: bool, optimizer: Optimizer | None) -> None:
-    """Unhook DDP from the model, remove the optimizer's offload scratch directory, and
-    destroy the process group if we created it.
-
-    The model outlives the Trainer (`trainer.model`): left hooked, its
-    parameters would keep reporting gradients to a reducer nobody drives.
-    """
-    _release_offload(optimizer)
-    if isinstance(wrapped, DistributedDataParallel):
-        wrapped.reducer.remove_hooks()
-    if owns_group:
-        shutdown()

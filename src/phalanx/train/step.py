@@ -6,6 +6,7 @@ Kept apart from the loop so the loop reads as what happens when; this is how.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -17,10 +18,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from phalanx import zero3
-from phalanx.ddp.module import DistributedDataParallel
 from phalanx.diagnostics import timeline as timelines
-from phalanx.optim.zero import ZeroRedundancyOptimizer
 from phalanx.runtime import World
 from phalanx.train.batches import (
     LossFn,
@@ -37,6 +35,7 @@ from phalanx.train.nonfinite import NonFiniteGuard
 
 if TYPE_CHECKING:
     from phalanx.diagnostics.timeline import Timeline
+    from phalanx.train.strategy import Strategy
     from phalanx.train.trainer_state import TrainState
 
 
@@ -48,28 +47,12 @@ def autocast_for(args: TrainingArguments, device: torch.device) -> AbstractConte
     return torch.autocast(device.type, dtype=dtype)
 
 
-def clip_gradients(model: nn.Module, optimizer: Optimizer, max_norm: float) -> Tensor:
-    """Clip the global gradient norm (after the all-reduce: the same on every rank); the norm
-    before clipping. `max_norm=inf` only measures it."""
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
-        # The norm from the shards (one all-reduce): under stage 2 no rank holds the
-        # whole gradient that torch's clip would read.
-        return optimizer.clip_grad_norm_(max_norm)
-    if zero3.unit_of(model) is not None:  # stage 3: torch's clip over DTensor gradients
-        return zero3.clip_grad_norm_(model, max_norm)
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    if math.isinf(max_norm):
-        return torch.nn.utils.get_total_norm(grads)
-    params = [p for p in model.parameters() if p.grad is not None]
-    return torch.nn.utils.clip_grad_norm_(params, max_norm)
-
-
 StepCheck = Callable[[Tensor], bool]
 """Looks at the step's gradient norm: True to step, False to skip the step (or it raises)."""
 
 
 def optimizer_step(
-    model: nn.Module,
+    clip: Callable[[float], Tensor],
     optimizer: Optimizer,
     scheduler: LRScheduler,
     scaler: torch.amp.GradScaler | None,
@@ -87,7 +70,7 @@ def optimizer_step(
         scaler.unscale_(optimizer)
         check = None
     measure = max_grad_norm > 0 or check is not None
-    grad_norm = clip_gradients(model, optimizer, max_grad_norm or math.inf) if measure else None
+    grad_norm = clip(max_grad_norm or math.inf) if measure else None
     if check is not None and grad_norm is not None and not check(grad_norm):
         optimizer.zero_grad(set_to_none=True)
         return grad_norm, False
@@ -113,7 +96,7 @@ class StepRunner:
     def __init__(
         self,
         model: nn.Module,
-        wrapped_model: nn.Module,
+        strategy: Strategy,
         optimizer: Optimizer,
         scheduler: LRScheduler,
         scaler: torch.amp.GradScaler | None,
@@ -123,7 +106,9 @@ class StepRunner:
         timeline: Timeline | None = None,
     ) -> None:
         self.model = model
-        self.wrapped_model = wrapped_model
+        self.strategy = strategy
+        """Asked what differs between the stages: the wrapper to call, how a micro-batch
+        runs (no_sync), how to clip, who records the timeline."""
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.scaler = scaler
@@ -162,7 +147,7 @@ class StepRunner:
             check = self._agreed(check)
         with timelines.span_of(self.timeline, "optimizer step"):
             grad_norm, stepped = optimizer_step(
-                self.model,
+                functools.partial(self.strategy.clip, self.model, self.optimizer),
                 self.optimizer,
                 self.scheduler,
                 self.scaler,
@@ -190,17 +175,17 @@ class StepRunner:
         first = self._keyword is None
         if self._keyword is None:
             self._keyword = takes_keyword_batch(self.model, batch)
-        wrapped = isinstance(self.wrapped_model, DistributedDataParallel)
+        wrapped = self.strategy.wrapped
+        assert wrapped is not None
         # DDP and a fully_shard root record their own forward, backward and collectives.
-        records_itself = wrapped or zero3.unit_of(self.wrapped_model) is not None
-        timeline = None if records_itself else self.timeline
-        with self.wrapped_model.no_sync() if wrapped and not sync else nullcontext():  # type: ignore[operator]
+        timeline = None if self.strategy.records_own_timeline else self.timeline
+        with self.strategy.micro_step(sync):  # DDP: no all-reduce but the step's last
             forward = timelines.forward_of(timeline, batch_size(batch))
             with autocast_for(self.args, self.world.device), forward:
                 if first:  # a slip of convention is one line here, not a raw error
-                    _, loss = first_loss(self.wrapped_model, batch, self._keyword, loss_fn)
+                    _, loss = first_loss(wrapped, batch, self._keyword, loss_fn)
                 else:
-                    outputs = call_model(self.wrapped_model, batch, self._keyword)
+                    outputs = call_model(wrapped, batch, self._keyword)
                     loss = require_loss(outputs, batch, loss_fn)
             weighted = loss.float() * weight
             scaled = self.scaler.scale(weighted) if self.scaler is not None else weighted

@@ -43,7 +43,6 @@ from phalanx.train.trainer_state import (
     TrainState,
     resume_warning,
 )
-from phalanx.train.uneven import uneven_inputs
 
 
 @dataclass(frozen=True)
@@ -197,7 +196,7 @@ class Trainer(TrainerSetup):
         control = self._callbacks.control
         control._new_epoch()
         self._callbacks.fire("on_epoch_begin")
-        with uneven_inputs(self.wrapped_model, self.args.even_batches) as shadow:
+        with self.strategy.uneven_inputs(self.args.even_batches) as shadow:
             self._stepper.shadow = shadow
             steps = self._epoch_steps()
             while True:

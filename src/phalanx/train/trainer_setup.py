@@ -21,22 +21,22 @@ from typing import Any
 import torch
 from torch import nn
 from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import Dataset, IterableDataset
 
-from phalanx import zero3
 from phalanx.data.lengths import check_same_length
 from phalanx.data.sampler import DistributedSampler
-from phalanx.ddp.module import DistributedDataParallel
 from phalanx.diagnostics import timeline as timelines
 from phalanx.errors import ConfigurationError
 from phalanx.optim.local_sgd import PeriodicSync
+from phalanx.runtime import shutdown
 from phalanx.train.batches import LossFn
 from phalanx.train.callbacks import Callbacks
 from phalanx.train.checkpoint import hf_save
 from phalanx.train.checkpoint.checkpointer import Checkpointer
 from phalanx.train.checkpoint.stateful import Entry
 from phalanx.train.collate import DefaultCollator, forward_columns, one_collator
-from phalanx.train.comm import PerRank, attach_comm_hook, make_periodic_sync
+from phalanx.train.comm import PerRank, make_periodic_sync
 from phalanx.train.config.args import TrainingArguments
 from phalanx.train.evaluation import ComputeMetrics
 from phalanx.train.live import live_training_for
@@ -44,16 +44,10 @@ from phalanx.train.logging.report import RunReport
 from phalanx.train.logging.runlog import RunLog, TrafficSource, continue_from
 from phalanx.train.nonfinite import NonFiniteGuard
 from phalanx.train.schedules import make_scheduler, warmup_steps_for
-from phalanx.train.setup import (
-    check_same_arguments,
-    join_world,
-    record_offload_to,
-    release,
-    train_loader,
-)
+from phalanx.train.setup import check_same_arguments, join_world, train_loader
 from phalanx.train.step import StepRunner, autocast_for
 from phalanx.train.stopping import Stop, StopRequests
-from phalanx.train.strategy import strategy_for
+from phalanx.train.strategy import OptimizerChoice, Strategy, strategy_for
 from phalanx.train.streams import Stream, StreamPosition, is_stream
 from phalanx.train.trainer_state import (
     Counters,
@@ -81,6 +75,8 @@ class TrainerSetup:
         compute_metrics: ComputeMetrics | None = None,
         callbacks: list[Any] | None = None,
         data_collator: Callable[[list[Any]], Any] | None = None,
+        optimizers: tuple[Optimizer | None, LRScheduler | None] | None = None,
+        optimizer_cls_and_kwargs: tuple[type[Optimizer], dict[str, Any]] | None = None,
     ) -> None:
         """Join the world, then prepare the model, optimizer, data and callbacks.
 
@@ -90,8 +86,13 @@ class TrainerSetup:
         train_dataset / eval_dataset: map-style datasets (sharded by a
             DistributedSampler), or for training a streaming IterableDataset.
         loss_fn: `loss_fn(outputs, batch)`; None takes the loss the model returns.
-        optimizer: your own (stage 0, or stage 3 over the sharded parameters);
-            None builds `args.optim` over two weight-decay groups.
+        optimizer: your own, at any stage (stages 1-2 shard its class and groups before
+            its first step; stage 3 needs it over the sharded parameters); None builds
+            `args.optim` over two weight-decay groups.
+        optimizers: Hugging Face's `(optimizer, scheduler)`; the scheduler drives the
+            optimizer the run steps (stages 1-2: the sharded one).
+        optimizer_cls_and_kwargs: Hugging Face's `(cls, kwargs)`: the Trainer builds
+            `cls(groups, **kwargs)` itself, after sharding, over its two groups.
         collate_fn / data_collator: how samples become a batch (one of the two;
             None: Hugging Face's default for dict samples, torch's otherwise).
         compute_metrics: `compute_metrics(EvalPrediction) -> dict` at evaluation.
@@ -116,7 +117,8 @@ class TrainerSetup:
         self._closed = False
         try:
             check_same_arguments(self.args, self.world)  # before any collective of the run
-            self._setup_model(model, optimizer)
+            choice = OptimizerChoice.of(optimizer, optimizers, optimizer_cls_and_kwargs)
+            self._setup_model(model, choice)
             if train_dataset is not None:
                 self._setup_training(train_dataset)
             self._callbacks = self._setup_callbacks(callbacks)
@@ -140,32 +142,21 @@ class TrainerSetup:
         """A streaming train_dataset's part for this rank (streams.py); then no sampler."""
 
     # ------------------------------------------------------------------ setup
-    def _setup_model(self, model: nn.Module, optimizer: Optimizer | None) -> None:
+    def _setup_model(self, model: nn.Module, choice: OptimizerChoice) -> None:
         self._tied = hf_save.tied_copies(model)  # before sharding: ties are identities here
-        self.strategy = strategy_for(self.args, self.world)
-        """How the run is data-parallel (strategy.py): the only reader of zero_stage."""
+        self.strategy = strategy_for(self.args, self.world, choice, self.timeline)
+        """How the run is data-parallel (train/strategy/): the only reader of zero_stage, and
+        the owner of the wrapper, the offload files and what differs between the stages."""
         self.model: nn.Module = self.strategy.prepare(model)
         """The unwrapped module: what you save, export, or evaluate yourself."""
         if self.collate_fn is None:  # Hugging Face's default: needs the model's forward
             columns = forward_columns(self.model) if self.args.remove_unused_columns else None
             self.collate_fn = DefaultCollator(columns)
-        self.wrapped_model: nn.Module = self.strategy.wrap(self.model)
-        """What the loop calls: phalanx DDP with more than one rank, else the model itself."""
-        if isinstance(self.wrapped_model, DistributedDataParallel):
-            self.wrapped_model.timeline = self.timeline
-        for unit in zero3.units(self.wrapped_model):  # stage 3: its gathers and reductions
-            unit.record_to(self.timeline)
-        self.comm_state = attach_comm_hook(self.wrapped_model, self.args, self.world)
+        self.strategy.wrap(self.model)
+        self.comm_state = self.strategy.attach_comm_hook()
         """PowerSGD's state (error feedback, warm-start Qs) when ddp_comm_hook="powersgd"."""
-        if optimizer is not None:
-            self.strategy.check_user_optimizer(optimizer, self.model)
-        self.optimizer = (
-            optimizer
-            if optimizer is not None
-            else self.strategy.build_optimizer(self.model, self.wrapped_model)
-        )
-        """AdamW, or under zero_stage 1/2 a phalanx.ZeroRedundancyOptimizer over AdamW."""
-        record_offload_to(self.optimizer, self.timeline)
+        self.optimizer = self.strategy.build_optimizer(self.model)
+        """AdamW (or yours), or under zero_stage 1/2 a ZeroRedundancyOptimizer over it."""
         self.periodic_sync = make_periodic_sync(self.model, self.optimizer, self.args, self.world)
         """phalanx.LocalSGD or DiLoCo under sync_method "local_sgd" / "diloco", else None."""
         self.scaler = torch.amp.GradScaler("cuda") if self.args.fp16 else None
@@ -219,7 +210,8 @@ class TrainerSetup:
         """What a step needs, whatever the data: the schedule, checkpointer, guard, stepper."""
         args = self.args
         warmup = warmup_steps_for(args.warmup_steps, args.warmup_ratio, self.max_steps)
-        self.scheduler = make_scheduler(
+        given = self.strategy.scheduler_for(self.optimizer)  # optimizers=(..., scheduler)
+        self.scheduler: LRScheduler = given or make_scheduler(
             self.optimizer, args.lr_scheduler_type, warmup, self.max_steps, args.lr_scheduler_kwargs
         )
         self._checkpointer = Checkpointer(
@@ -231,7 +223,7 @@ class TrainerSetup:
         self._stop_requests = StopRequests(self.world)
         self._stepper = StepRunner(
             self.model,
-            self.wrapped_model,
+            self.strategy,
             self.optimizer,
             self.scheduler,
             self.scaler,
@@ -289,6 +281,13 @@ class TrainerSetup:
             )
         self._rng = RngStreams()
 
+    @property
+    def wrapped_model(self) -> nn.Module:
+        """What the loop calls: phalanx DDP with more than one rank, the sharded root at
+        stage 3, else the model itself (the strategy's; the model once closed)."""
+        wrapped = self.strategy.wrapped
+        return wrapped if wrapped is not None else self.model
+
     def checkpoint_states(self) -> dict[str, Entry]:
         """Everything a checkpoint holds, one entry each: new state is one more entry here.
 
@@ -320,18 +319,14 @@ class TrainerSetup:
     def rewrap(self) -> None:
         """Wrap the model again for the current world (live recovery, after the members
         changed): phalanx DDP over the new group, or the model itself in a world of one."""
-        self.wrapped_model = self.strategy.wrap(self.model)
-        if isinstance(self.wrapped_model, DistributedDataParallel):
-            self.wrapped_model.timeline = self.timeline
-        self._stepper.wrapped_model = self.wrapped_model
+        self.strategy.rewrap(self.model)
         if self._runlog is not None:
             self._runlog.traffic = continue_from(self.traffic_source(), self._runlog.traffic())
 
     def traffic_source(self) -> TrafficSource:
         """What the log's traffic figures read: the strategy's sum of whatever sent them
         (the wrapper, the local sync, ZeRO, stage 3's units)."""
-        wrapped, optimizer, local = self.wrapped_model, self.optimizer, self.periodic_sync
-        return functools.partial(self.strategy.traffic, wrapped, optimizer, local)
+        return functools.partial(self.strategy.traffic, self.optimizer, self.periodic_sync)
 
     def epoch_progress(self, per_epoch: int | None = None) -> float:
         """Epochs done, the current one's fraction included (after a live recovery dealt the
@@ -364,14 +359,16 @@ class TrainerSetup:
         if self._closed:
             return
         self._closed = True
-        # A constructor that failed half-way (a bad model) may have no wrapped model yet.
-        wrapped = self.__dict__.get("wrapped_model")
-        if wrapped is not None:
-            self.wrapped_model = self.model
         local: PeriodicSync | None = self.__dict__.get("periodic_sync")
         if local is not None:
             local.close()  # unhook the optimizer, which outlives the Trainer
-        release(wrapped, self._owns_group, self.__dict__.get("optimizer"))
+        # A constructor that failed half-way (a bad model) may have no strategy yet.
+        strategy: Strategy | None = self.__dict__.get("strategy")
+        if strategy is not None:
+            strategy.release(self.__dict__.get("optimizer"))
+            strategy.wrapped = None
+        if self._owns_group:
+            shutdown()
 
     def open_runlog(self) -> RunLog:
         """The train() call's log and loss tally, from the loss summed so far."""

@@ -12,8 +12,6 @@ import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from torch import nn
-
 from phalanx.ddp.join import Join, Shadowed
 from phalanx.ddp.module import DistributedDataParallel
 
@@ -22,12 +20,9 @@ Shadow = Callable[[], None]
 
 
 @contextmanager
-def uneven_inputs(wrapped_model: nn.Module, even_batches: bool) -> Iterator[Shadow | None]:
-    """The epoch's context: yields the shadow callable, or None when there is no one to
-    shadow (even batches, or a model that is not phalanx DDP)."""
-    if even_batches or not isinstance(wrapped_model, DistributedDataParallel):
-        yield None
-        return
+def uneven_inputs(wrapped_model: DistributedDataParallel) -> Iterator[Shadow]:
+    """The epoch's context under Join: yields the shadow callable (the strategy decides
+    when there is someone to shadow: train/strategy/base.py)."""
     with Join([wrapped_model]) as join:
         yield functools.partial(_shadow_until_reduced, join)
 

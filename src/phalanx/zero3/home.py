@@ -10,9 +10,8 @@ parameter, made once, so a step allocates nothing there.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from phalanx.offload.files import OffloadFiles, shared_files
+from phalanx.offload.files import OffloadFiles
 from phalanx.zero3.policies import CPUOffloadPolicy, DiskOffloadPolicy, OffloadPolicy
 
 
@@ -77,7 +76,7 @@ def home_of(policy: OffloadPolicy, device: torch.device) -> Home:
     if isinstance(policy, DiskOffloadPolicy):
         if not policy.params:
             return Home()
-        return FileHome(shared_files(policy.path, dist.get_rank(), "DiskOffloadPolicy.path"))
+        return FileHome(policy.files())
     if isinstance(policy, CPUOffloadPolicy):
         return HostHome(device, policy.pin_memory)
     return Home()
