@@ -54,12 +54,14 @@ _WATCH_S = 0.1
 _END_WATCH_S = 5.0
 _ABORT_REASON_BYTES = 400
 
-_CURRENT: list[LiveGroup] = []
-
 
 def current_live_group() -> LiveGroup | None:
-    """The live group this process joined, if it runs under live recovery."""
-    return _CURRENT[0] if _CURRENT else None
+    """The live group this process joined, if it runs under live recovery: the default
+    group itself (`init_process_group` made it), so no table of our own keeps it."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    world = dist.group.WORLD
+    return world if isinstance(world, LiveGroup) else None
 
 
 class _LiveWork(dist._Work):
@@ -159,7 +161,6 @@ class LiveGroup(dist.ProcessGroup):
         self._watcher.start()
         atexit.register(self._end_watch)
         start_heartbeat(self.member)
-        _CURRENT[:] = [self]
 
     # ------------------------------------------------------------ the group
     def rank(self) -> int:

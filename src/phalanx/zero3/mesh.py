@@ -10,6 +10,7 @@ rows, in one all-reduce per unit.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -22,8 +23,15 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Placement
 
-_DEFAULT_MESHES: dict[tuple[str, int], DeviceMesh] = {}
-_POST_FORWARD_GROUPS: dict[tuple[int, int], dist.ProcessGroup] = {}
+# torch's `fully_shard(mesh=None)` names no run object to hold the default mesh, so it is
+# kept per default group here: weakly (it goes with its group) and by the group's size (live
+# recovery forms a group of another size on the same object; a mesh of the old size is stale).
+_DEFAULT_MESHES: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple[str, int], DeviceMesh]]
+_DEFAULT_MESHES = weakref.WeakKeyDictionary()
+
+_POST_FORWARD_GROUPS = "_phalanx_post_forward_groups"
+"""The attribute of a DeviceMesh that holds the groups its units reshard to after forward:
+the mesh owns them, so they go with it (a cache keyed by id(mesh) outlived its mesh)."""
 
 
 @dataclass(frozen=True)
@@ -60,10 +68,13 @@ def default_mesh() -> DeviceMesh:
     from torch.distributed.device_mesh import init_device_mesh
 
     device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
+    world = dist.group.WORLD
+    assert world is not None
+    meshes = _DEFAULT_MESHES.setdefault(world, {})
     key = (device_type, dist.get_world_size())
-    if key not in _DEFAULT_MESHES:
-        _DEFAULT_MESHES[key] = init_device_mesh(device_type, (dist.get_world_size(),))
-    return _DEFAULT_MESHES[key]
+    if key not in meshes:
+        meshes[key] = init_device_mesh(device_type, (dist.get_world_size(),))
+    return meshes[key]
 
 
 def mesh_info(mesh: DeviceMesh | None) -> MeshInfo:
@@ -112,13 +123,13 @@ def mesh_info(mesh: DeviceMesh | None) -> MeshInfo:
 def post_forward_group(info: MeshInfo, size: int) -> dist.ProcessGroup:
     """The group of `size` consecutive shard ranks this rank reshards to after forward
     (`reshard_after_forward=size`); every rank creates every such group, once per mesh."""
-    key = (id(info.mesh), size)
-    if key not in _POST_FORWARD_GROUPS:
+    groups: dict[int, dist.ProcessGroup] = info.mesh.__dict__.setdefault(_POST_FORWARD_GROUPS, {})
+    if size not in groups:
         chunks = [row[i : i + size] for row in info.row_ranks for i in range(0, len(row), size)]
         mine, _ = dist.new_subgroups_by_enumeration(chunks)
         assert mine is not None  # every rank is in one chunk
-        _POST_FORWARD_GROUPS[key] = mine
-    return _POST_FORWARD_GROUPS[key]
+        groups[size] = mine
+    return groups[size]
 
 
 def check_reshard_size(value: bool | int | None, info: MeshInfo) -> bool | int | None:
