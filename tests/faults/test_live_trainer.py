@@ -197,3 +197,18 @@ def test_zero_falls_back_to_a_restart_and_says_so(tmp_path: Path, stage: str) ->
     assert "resumed from checkpoint-4" in out or "resuming" in out, out
     assert "replacement" not in out and "Traceback" not in out, out
     assert _fit(out) == _fit(quiet), out
+
+
+@pytest.mark.timeout(300)
+def test_a_loss_during_the_rebuild_is_one_more_recovery(tmp_path: Path) -> None:
+    """r1 dies at step 10; r2 dies inside the survivors' rebuild (DDP wrapping again, its
+    broadcasts in flight): r0 recovers once more, alone, and the run ends with every step
+    applied once (before, the rebuild sat outside the retry loop: PeerLost killed r0 too)."""
+    out = _train(tmp_path / "run", tmp_path / "ledger", 110, KILL_MEMBER="r1", KILL_STEP="10",
+                 DIE_IN_REBUILD="r2")  # fmt: skip
+    worlds = _check_epochs(tmp_path / "ledger", 110)  # every step once, every sample once
+    assert worlds[:10] == [3] * 10 and 3 not in worlds[10:], worlds
+    log = (tmp_path / "run" / "live_membership.jsonl").read_text().splitlines()
+    last = json.loads(log[-1])  # generation 1 (r0, r2) formed, then lost r2 in its rebuild
+    assert (last["generation"], last["members"], last["step"]) == (2, ["r0"], 10), log
+    assert "Traceback" not in out and "PeerLost" not in out, out

@@ -103,6 +103,21 @@ def hold_for_the_replacement(trainer: Trainer) -> None:
         time.sleep(0.05)
 
 
+def die_in_rebuild(member: str) -> None:
+    """DIE_IN_REBUILD=<member>: that member dies inside its first rebuild after a loss (the
+    survivors' DDP is being wrapped again), a second loss the recovery must absorb."""
+    from phalanx.train import live
+
+    rebuild = live.LiveTraining._rebuild
+
+    def dying(self: live.LiveTraining, done: Any) -> None:
+        if member == os.environ.get("DIE_IN_REBUILD") and done.reason != "joined as a replacement":
+            os.kill(os.getpid(), signal.SIGKILL)
+        rebuild(self, done)
+
+    live.LiveTraining._rebuild = dying  # type: ignore[method-assign]
+
+
 def main() -> None:
     out, max_steps = Path(sys.argv[1]), int(sys.argv[2])
     resume = len(sys.argv) > 3
@@ -121,6 +136,7 @@ def main() -> None:
         sync_method=SYNC, sync_every=4, fault_tolerance=TOLERANCE,
         zero_stage=STAGES[os.environ.get("ZERO_STAGE", "0")],
     )  # fmt: skip
+    die_in_rebuild(member)
     trainer = Trainer(model, args, train_dataset=data, callbacks=[Ledger(model, ledger)])
     model.trainer = trainer
     result = trainer.train(resume_from_checkpoint=True if resume else None)
