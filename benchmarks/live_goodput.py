@@ -3,10 +3,12 @@
 Three ranks train the Trainer script of the live-recovery tests
 (tests/faults/scripts/live_trainer.py: a small model, a fixed pause per step
 standing in for a real model's compute) for a fixed number of steps, saving every
-`--save-every` steps. Three variants take turns, round by round, in a balanced
+`--save-every` steps. Four variants take turns, round by round, in a balanced
 order (interleave.py):
 
 - `none`: no failure, the wall time the others are measured against;
+- `quiet-live`: no failure, under --live-recovery and fault_tolerance="live": what live
+  recovery costs by itself (at zero_stage 1-2, its snapshots passed to the neighbour);
 - `live`: `phalanx launch --live-recovery --max-restarts 3`, fault_tolerance="live";
 - `restart`: `phalanx launch --max-restarts 3`, every rank restarted from the last
   checkpoint (the steps since it are trained again).
@@ -17,6 +19,8 @@ same three steps. Reported: each run's wall time, the lost time (variant minus
 
     python benchmarks/live_goodput.py                 # ~6 minutes on 2 cores
     python benchmarks/live_goodput.py --rounds 1 --steps 90 --kills 20,40,60   # ~1 minute
+    python benchmarks/live_goodput.py --zero-stage 1 --width 512 --depth 4 \
+        --out docs/results/live_goodput_zero1.json    # ZeRO-1: snapshots every 10 steps
 """
 
 from __future__ import annotations
@@ -36,22 +40,24 @@ import interleave
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "faults" / "scripts" / "live_trainer.py"
-VARIANTS = ("none", "live", "restart")
+VARIANTS = ("none", "quiet-live", "live", "restart")
 
 
-def run_once(variant: str, steps: int, kills: str, save_every: int, pause_s: float) -> float:
+def run_once(
+    variant: str, steps: int, kills: str, save_every: int, pause_s: float, extra: dict[str, str]
+) -> float:
     """Wall seconds of one launch to its exit (it must succeed)."""
     work = Path(tempfile.mkdtemp(prefix=f"goodput-{variant}-"))
     ledger = work / "ledger"
     ledger.mkdir()
     env = {**os.environ, "LEDGER_DIR": str(ledger), "OMP_NUM_THREADS": "1",
-           "PAUSE_S": str(pause_s), "SAVE_STEPS": str(save_every)}  # fmt: skip
+           "PAUSE_S": str(pause_s), "SAVE_STEPS": str(save_every), **extra}  # fmt: skip
     flags = ["--nproc-per-node", "3", "--max-restarts", "3"]
-    if variant == "live":
+    if variant in ("live", "quiet-live"):
         flags += ["--live-recovery", "--live-stall-timeout", "2"]
     else:
         env["FAULT_TOLERANCE"] = "restart"
-    if variant != "none":
+    if variant in ("live", "restart"):
         env["KILL_STEPS"] = kills
     argv = [sys.executable, "-m", "phalanx", "launch", *flags, str(SCRIPT), str(work / "out")]
     argv += [str(steps), "resume"]
@@ -73,24 +79,31 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=25)
     parser.add_argument("--pause", type=float, default=0.05, help="seconds of compute per step")
     parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
+    parser.add_argument("--zero-stage", default="0", help="ZeRO stage (1-2: snapshots)")
+    parser.add_argument("--width", default="32", help="hidden width of the model")
+    parser.add_argument("--depth", default="0", help="hidden layers of width x width")
     ns = parser.parse_args()
+    extra = {"ZERO_STAGE": ns.zero_stage, "WIDTH": ns.width, "DEPTH": ns.depth}
     walls: dict[str, list[float]] = {v: [] for v in VARIANTS}
     for round_index in range(ns.rounds):
         for variant in interleave.balanced_order(round_index, VARIANTS):
-            wall = run_once(variant, ns.steps, ns.kills, ns.save_every, ns.pause)
+            wall = run_once(variant, ns.steps, ns.kills, ns.save_every, ns.pause, extra)
             walls[variant].append(wall)
             print(f"round {round_index} {variant:8s} {wall:7.2f} s", flush=True)
     median = {v: statistics.median(w) for v, w in walls.items()}
     lost = {v: median[v] - median["none"] for v in ("live", "restart")}
+    cost = median["quiet-live"] / median["none"]  # live recovery's own price, no failure
     ratio = lost["live"] / lost["restart"] if lost["restart"] > 0 else float("nan")
     print(f"median wall: none {median['none']:.2f} s, live {median['live']:.2f} s, "
           f"restart {median['restart']:.2f} s")  # fmt: skip
     failures = len(ns.kills.split(","))
     print(f"lost to {failures} failures: live {lost['live']:.2f} s, restart "
           f"{lost['restart']:.2f} s; live / restart = {ratio:.3f} (target <= 0.5)")  # fmt: skip
+    print(f"no failure: live recovery's wall / a run without it = {cost:.3f}")
     if ns.out is not None:
         figures = {"settings": vars(ns) | {"out": str(ns.out)}, "walls_s": walls,
-                   "median_s": median, "lost_s": lost, "live_over_restart": ratio}  # fmt: skip
+                   "median_s": median, "lost_s": lost, "live_over_restart": ratio,
+                   "quiet_live_over_none": cost}  # fmt: skip
         ns.out.write_text(json.dumps(figures, indent=1) + "\n")
 
 

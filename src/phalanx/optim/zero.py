@@ -268,6 +268,22 @@ class ZeroRedundancyOptimizer(Optimizer):
             device=device,
         )
 
+    def own_pieces(self) -> dict[str, torch.Tensor]:
+        """This rank's pieces of the parameters and of the state, copied (zero_state.py)."""
+        return zero_state.own_pieces(self.pieces(), self._params)
+
+    @torch.no_grad()
+    def restore_whole(
+        self, bundles: list[dict[str, torch.Tensor]], groups: list[dict[str, Any]]
+    ) -> dict[str, Any]:
+        """Every rank's `own_pieces` (in rank order, from a world of any size): the
+        parameters are written whole, and the state comes back in the plain format, for a
+        ZeroRedundancyOptimizer of the new world to `load_state_dict` (live recovery)."""
+        whole, state = zero_state.whole_from_pieces([p.shape for p in self._params], bundles)
+        for p, value in zip(self._params, whole, strict=True):
+            p.copy_(value.to(p.device))
+        return {"state": state, "param_groups": groups}
+
     def _adopt_groups(self, saved: list[dict[str, Any]]) -> None:
         for mine, group in zip(self.param_groups, saved):
             mine.update({k: v for k, v in group.items() if k != "params"})

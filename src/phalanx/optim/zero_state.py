@@ -160,3 +160,42 @@ def clip_pieces(
         if grads:
             torch._foreach_mul_(grads, coefficient.to(grads[0].dtype))
     return norm
+
+
+def own_pieces(view: PieceOptimizer, params: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This rank's pieces, copied: of each parameter ("p<i>") and of each piece-wise state
+    value ("s<i>.<key>"), with the per-parameter scalars ("s<i>.step"). The state of the
+    run that only this rank holds, for a neighbour to keep (live recovery)."""
+    state = view.optim.state_dict()["state"]
+    out: dict[str, torch.Tensor] = {}
+    for i, (p, piece) in enumerate(zip(params, view.pieces, strict=True)):
+        out[f"p{i}"] = p.detach().reshape(-1)[piece.start : piece.stop].cpu().clone()
+        for key, value in state.get(i, {}).items():
+            if isinstance(value, torch.Tensor):
+                out[f"s{i}.{key}"] = value.detach().cpu().clone()
+    return out
+
+
+def whole_from_pieces(
+    shapes: Sequence[torch.Size], bundles: Sequence[dict[str, torch.Tensor]]
+) -> tuple[list[torch.Tensor], dict[int, dict[str, torch.Tensor]]]:
+    """Every rank's `own_pieces`, in rank order, back into whole tensors: the parameters, and
+    the optimizer state in the plain format (pieces are contiguous and in rank order)."""
+    params = [
+        torch.cat([b[f"p{i}"] for b in bundles]).reshape(shape) for i, shape in enumerate(shapes)
+    ]
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for i, shape in enumerate(shapes):
+        keys = sorted({name.split(".", 1)[1] for b in bundles for name in b if _of(name, i)})
+        for key in keys:
+            values = [b[f"s{i}.{key}"] for b in bundles if f"s{i}.{key}" in b]
+            if key in SCALAR_KEYS or values[0].dim() == 0:
+                whole = values[0]  # the same on every rank
+            else:
+                whole = torch.cat(values).reshape(shape)
+            state.setdefault(i, {})[key] = whole
+    return params, state
+
+
+def _of(name: str, index: int) -> bool:
+    return name.startswith(f"s{index}.")

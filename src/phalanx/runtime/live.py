@@ -210,9 +210,12 @@ class LiveGroup(dist.ProcessGroup):
         collective) reaches our methods above; what it dispatches in C++ (DTensor's functional
         collectives, a DeviceMesh over this group) reaches the current generation's gloo."""
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, inner)
-        name = dist.distributed_c10d._world.pg_names.get(self)
+        world = dist.distributed_c10d._world
+        name = world.pg_names.get(self)
         if name:
             self._set_group_name(name)
+        if self in world.pg_group_ranks:  # the default group: global ranks are its own now
+            world.pg_group_ranks[self] = {r: r for r in range(inner.size())}
 
     def _abandon(self, generation: int, members: list[str], member: str) -> None:
         """`generation` was agreed but could not form (a member died or failed its proof):

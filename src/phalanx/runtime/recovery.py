@@ -39,6 +39,9 @@ __all__ = ["LiveRecovery", "Recovered"]
 
 SaveFn = Callable[[], dict[str, Any]]
 LoadFn = Callable[[dict[str, Any]], None]
+Sync = Callable[[], tuple[int, str, bool]]
+"""Bring every member of the new group to one state: (its step, who provided it, whether
+this member loaded it)."""
 
 
 @dataclass(frozen=True)
@@ -90,8 +93,12 @@ class LiveRecovery:
                 time.sleep(0.05)  # the replay's replacement is still starting
             self.membership.ask_to_grow()
 
-    def recover(self, applied_step: int, reason: str, save: SaveFn, load: LoadFn) -> Recovered:
-        """Agree on the next members, connect to them, and bring everyone to the donor's state."""
+    def recover(
+        self, applied_step: int, reason: str, save: SaveFn, load: LoadFn, sync: Sync | None = None
+    ) -> Recovered:
+        """Agree on the next members, connect to them, and bring everyone to one state: the
+        donor's (the member that applied the most steps), or what `sync` does instead (the
+        sharded stages: train/live_snapshots.py)."""
         start = time.monotonic()
         first_reason = reason
         while True:
@@ -100,25 +107,46 @@ class LiveRecovery:
                 self.group.reform(
                     self.group.generation + 1, members, self.group.member, self._connect
                 )
+                if sync is not None:
+                    return self._recovered(*sync(), start, first_reason)
                 return self._sync(applied_step, save, load, start, first_reason)
             except PeerLost as exc:  # lost another member while forming: once more
                 reason = str(exc)
+
+    def _recovered(
+        self, step: int, donor: str, received: bool, start: float, reason: str
+    ) -> Recovered:
+        group = self.group
+        return Recovered(
+            generation=group.generation,
+            members=list(group.members),
+            rank=group.rank(),
+            world_size=group.size(),
+            step=step,
+            donor=donor,
+            received=received,
+            seconds=time.monotonic() - start,
+            reason=reason,
+        )
 
     def finish(self, step: int) -> None:
         """Call on every member once training ended at `step`: a replacement still waiting
         exits 0 then (Membership.join)."""
         self.membership.finish(step)
 
-    def join(self, member: str, save: SaveFn, load: LoadFn) -> Recovered:
+    def join(self, member: str, save: SaveFn, load: LoadFn, sync: Sync | None = None) -> Recovered:
         """As replacement `member`: wait to be let in, then take the donor's state (or exit 0
         if the run finishes first)."""
         start = time.monotonic()
         generation, members = self.membership.join(member)
+        reason = "joined as a replacement"
         try:
             self.group.reform(generation, members, member, self._connect)
-            return self._sync(-1, save, load, start, "joined as a replacement")
+            if sync is not None:
+                return self._recovered(*sync(), start, reason)
+            return self._sync(-1, save, load, start, reason)
         except PeerLost as exc:  # lost a member while joining: now one of the members
-            return self.recover(-1, f"joined as a replacement; then {exc}", save, load)
+            return self.recover(-1, f"{reason}; then {exc}", save, load, sync)
 
     def _sync(
         self, applied_step: int, save: SaveFn, load: LoadFn, start: float, reason: str
@@ -151,6 +179,20 @@ class LiveRecovery:
             seconds=time.monotonic() - start,
             reason=reason,
         )
+
+    def send_state(self, state: dict[str, Any] | None, donor: int) -> dict[str, Any]:
+        """`state` from group rank `donor` (the others pass None) on every member, carrying
+        the run's tag (checked before it is loaded with weights_only)."""
+        group = self.group
+        mine = _dump(state) if state is not None and group.rank() == donor else b""
+        blob = _broadcast_bytes(group, mine, donor)
+        tag = _broadcast_bytes(group, self._donor_tag(blob), donor)
+        if not hmac.compare_digest(tag, self._donor_tag(blob)):
+            raise NotAMember(
+                f"generation {group.generation}: the state from {group.members[donor]} does "
+                "not carry the run's tag; not loaded"
+            )
+        return _load(blob)
 
     def _donor_tag(self, blob: bytes) -> bytes:
         gen = b"%d" % self.group.generation

@@ -20,7 +20,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_gather_bytes", "all_gather_json", "all_gather_state", "broadcast_json"]
+__all__ = [
+    "all_gather_bytes",
+    "all_gather_json",
+    "all_gather_state",
+    "broadcast_json",
+    "broadcast_tensors",
+    "pack",
+    "pass_to_next",
+    "unpack",
+]
 
 
 def _device(group: dist.ProcessGroup | None) -> torch.device:
@@ -75,3 +84,77 @@ def all_gather_state(obj: Any, group: dist.ProcessGroup | None = None) -> list[A
         torch.load(io.BytesIO(b), weights_only=True)
         for b in all_gather_bytes(buffer.getvalue(), group)
     ]
+
+
+def pack(tensors: dict[str, torch.Tensor]) -> tuple[Any, torch.Tensor]:
+    """Named CPU tensors as (a JSON header, one flat byte tensor): what travels between
+    members (no pickle), and comes back whole with `unpack`."""
+    header, parts, offset = [], [], 0
+    for name, tensor in tensors.items():
+        flat = tensor.detach().contiguous().reshape(-1).cpu().view(torch.uint8)
+        header.append([name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset])
+        parts.append(flat)
+        offset += flat.numel()
+    blob = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)
+    return header, blob
+
+
+def unpack(header: Any, blob: torch.Tensor) -> dict[str, torch.Tensor]:
+    """`pack`'s tensors again (copies, so the blob can go)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, dtype_name, shape, offset in header:
+        dtype = getattr(torch, dtype_name)
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        raw = blob[offset : offset + nbytes].clone()
+        out[name] = raw.view(dtype).reshape(shape)
+    return out
+
+
+def broadcast_tensors(
+    tensors: dict[str, torch.Tensor] | None, src: int, group: dist.ProcessGroup | None = None
+) -> dict[str, torch.Tensor]:
+    """Group rank `src`'s named tensors on every rank (its header as JSON, its bytes as one
+    tensor); the others pass None."""
+    header, blob = pack(tensors) if tensors is not None else (None, None)
+    header = broadcast_json(header, src, group)
+    root = dist.get_global_rank(group, src) if group is not None else src
+    size = torch.tensor([0 if blob is None else blob.numel()], dtype=torch.int64)
+    dist.broadcast(size, src=root, group=group)
+    data = blob if blob is not None else torch.empty(int(size.item()), dtype=torch.uint8)
+    if data.numel():
+        dist.broadcast(data, src=root, group=group)
+    return unpack(header, data)
+
+
+def pass_to_next(
+    tensors: dict[str, torch.Tensor], group: dist.ProcessGroup | None = None
+) -> dict[str, torch.Tensor]:
+    """Around the ring: send `tensors` to the next rank, receive the previous rank's (for
+    keeping a neighbour's copy). Sizes first, then the bytes, each send beside its receive."""
+    world = dist.get_world_size(group)
+    me = dist.get_rank(group)
+    after, before = (me + 1) % world, (me - 1) % world
+    ranks = [dist.get_global_rank(group, r) if group is not None else r for r in (after, before)]
+    header, blob = pack(tensors)
+    data = json.dumps(header).encode()
+    mine = torch.tensor([len(data), blob.numel()], dtype=torch.int64)
+    theirs = torch.zeros(2, dtype=torch.int64)
+    _swap(mine, theirs, ranks, group)
+    header_in = torch.empty(int(theirs[0]), dtype=torch.uint8)
+    _swap(torch.frombuffer(bytearray(data), dtype=torch.uint8), header_in, ranks, group)
+    blob_in = torch.empty(int(theirs[1]), dtype=torch.uint8)
+    _swap(blob, blob_in, ranks, group)
+    return unpack(json.loads(header_in.numpy().tobytes()), blob_in)
+
+
+def _swap(
+    send: torch.Tensor, recv: torch.Tensor, ranks: list[int], group: dist.ProcessGroup | None
+) -> None:
+    """Send to ranks[0] while receiving from ranks[1] (no deadlock around a ring)."""
+    if send.numel() == 0 and recv.numel() == 0:
+        return
+    sent = dist.isend(send, dst=ranks[0], group=group) if send.numel() else None
+    if recv.numel():
+        dist.recv(recv, src=ranks[1], group=group)
+    if sent is not None:
+        sent.wait()

@@ -29,8 +29,9 @@ from phalanx.ground.progress_record import PROGRESS_DIR_VAR
 from phalanx.ground.safe_files import open_append
 from phalanx.runtime.live import LiveGroup, current_live_group
 from phalanx.runtime.membership import settings_from_env
-from phalanx.runtime.recovery import LiveRecovery, Recovered
+from phalanx.runtime.recovery import LiveRecovery, Recovered, Sync
 from phalanx.train.checkpoint.stateful import Stateful
+from phalanx.train.live_sharded import LostShards, ShardedLive
 
 if TYPE_CHECKING:
     from phalanx.train.trainer_setup import TrainerSetup
@@ -45,6 +46,8 @@ REPLAY_ENV = "PHALANX_LIVE_REPLAY"
 _TRANSFERRED = ("trainer", "model", "optimizer", "scheduler", "comm", "scaler")
 """The checkpoint entries a donor sends (not "rng": each member reseeds, below; not the
 data position: sent as the samples all ranks used)."""
+_SHARDED = ("model", "optimizer")
+"""What ZeRO-1/2 send as pieces instead (the parameters and the optimizer state)."""
 
 
 def live_training_for(trainer: TrainerSetup) -> LiveTraining | None:
@@ -89,6 +92,10 @@ class LiveTraining:
         """Rank 0's record of every change of members (what REPLAY_ENV replays)."""
         self._data: dict[str, int] | None = None
         """The donor's data position, when this member took the donor's state."""
+        self.sharded = (
+            ShardedLive(trainer, group, self.recovery) if trainer.strategy.shards_state else None
+        )
+        """ZeRO-1/2: each rank's pieces kept by its neighbour, and the rollback to them."""
 
     @property
     def is_replacement(self) -> bool:
@@ -97,6 +104,8 @@ class LiveTraining:
 
     def boundary(self) -> None:
         self.recovery.boundary(self.trainer.state.global_step)
+        if self.sharded is not None:
+            self.sharded.maybe_snapshot(self._save)
 
     def finish(self) -> None:
         """Training ended: a replacement still starting need not join (it exits 0)."""
@@ -109,19 +118,45 @@ class LiveTraining:
         while True:
             trainer.optimizer.zero_grad(set_to_none=True)
             step = trainer.state.global_step
-            done = self.recovery.recover(step, str(lost), self._save, self._load)
             try:
+                done = self.recovery.recover(step, str(lost), self._save, self._load, self._sync)
                 self._rebuild(done)
                 return
+            except LostShards as gone:
+                raise self._cannot_go_on(gone) from gone
             except PeerLost as again:
                 lost = again
 
     def join(self) -> None:
-        done = self.recovery.join(self.group.member, self._save, self._load)
+        done = self.recovery.join(self.group.member, self._save, self._load, self._sync)
         try:
             self._rebuild(done)
         except PeerLost as lost:
             self.recover(lost)
+
+    @property
+    def _sync(self) -> Sync | None:
+        """The sharded stages' sync (rollback and re-deal), then their replicated state loaded
+        on every member; None: the donor's (stage 0)."""
+        sharded = self.sharded
+        if sharded is None:
+            return None
+
+        def sync() -> tuple[int, str, bool]:
+            result = sharded.sync(self._save)
+            assert sharded.restored is not None
+            self._load(sharded.restored[1])
+            return result
+
+        return sync
+
+    def _cannot_go_on(self, gone: LostShards) -> LostShards:
+        fall_back_to_restart()  # the launcher restarts every rank from the checkpoint
+        return LostShards(
+            f"{gone} — the run restarts from its last checkpoint (--max-restarts); a smaller "
+            "live_snapshot_steps narrows the window, and a ring of more ranks makes losing two "
+            "neighbours at once rarer"
+        )
 
     # ------------------------------------------------------------ the state
     def _used_by_all(self) -> int:
@@ -135,9 +170,11 @@ class LiveTraining:
         return sampler.base + mine * sampler.num_replicas
 
     def _entries(self) -> dict[str, Stateful]:
-        """The transferred checkpoint entries (stage 0: all of them plain Statefuls)."""
+        """The transferred checkpoint entries (plain Statefuls); under ZeRO-1/2 not the model
+        and the optimizer, whose pieces travel apart (live_sharded.py), but the buffers."""
         entries = self.trainer.checkpoint_states()
-        return {n: entries[n] for n in _TRANSFERRED if isinstance(entries.get(n), Stateful)}  # type: ignore[misc]
+        names = [n for n in _TRANSFERRED if self.sharded is None or n not in _SHARDED]
+        return {n: entries[n] for n in names if isinstance(entries.get(n), Stateful)}  # type: ignore[misc]
 
     def _save(self) -> dict[str, Any]:
         trainer = self.trainer
@@ -145,6 +182,9 @@ class LiveTraining:
         state["data"] = {"epoch": trainer.state.epoch, "used_by_all": self._used_by_all()}
         runlog = trainer._runlog or trainer.open_runlog()
         state["loss"] = {"before": runlog.loss_before, "steps": runlog.steps_before}
+        if self.sharded is not None:
+            state["groups"] = trainer.strategy.live_groups(trainer.optimizer)
+            state["buffers"] = {n: b.detach().clone() for n, b in trainer.model.named_buffers()}
         return state
 
     def _load(self, state: dict[str, Any]) -> None:
@@ -153,6 +193,10 @@ class LiveTraining:
         self._data = {k: int(v) for k, v in state["data"].items()}
         runlog = self.trainer._runlog or self.trainer.open_runlog()
         runlog.loss_from(float(state["loss"]["before"]), int(state["loss"]["steps"]))
+        buffers = dict(self.trainer.model.named_buffers())
+        with torch.no_grad():
+            for name, value in state.get("buffers", {}).items():
+                buffers[name].copy_(value)
 
     # ------------------------------------------------------------ the rebuild
     def _rebuild(self, done: Recovered) -> None:
@@ -160,9 +204,11 @@ class LiveTraining:
         data = self._data or {"epoch": trainer.state.epoch, "used_by_all": self._used_by_all()}
         self._data = None
         world = dataclasses.replace(trainer.world, rank=done.rank, world_size=done.world_size)
-        for part in trainer.world_holders():
+        for part in _world_holders(trainer):
             part.world = world
         trainer.rewrap()  # the old wrapper's hooks come off first (Strategy.rewrap)
+        if self.sharded is not None:  # ZeRO of the new world, from every old rank's pieces
+            self.sharded.restore()
         sampler = trainer.sampler
         assert sampler is not None
         trainer.state.epoch = data["epoch"]
@@ -172,6 +218,8 @@ class LiveTraining:
         trainer.fold_loss()
         _reseed(trainer.args.seed, done.generation, done.rank)
         self._record(done)
+        if self.sharded is not None:  # the new ring's first copies, before any step
+            self.sharded.snapshot(self._save)
         who = ", ".join(done.members)
         trainer._report.say(
             f"live recovery: {done.world_size} ranks ({who}) at step {done.step}, "
@@ -186,6 +234,14 @@ class LiveTraining:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open_append(self.log_path) as log:  # a planted link is refused, not followed
             log.write(json.dumps(entry) + "\n")
+
+
+def _world_holders(trainer: TrainerSetup) -> list[Any]:
+    """Everything in the Trainer that keeps the `World` (a recovery hands them a new one)."""
+    parts = [trainer, trainer._report, trainer.strategy, trainer._callbacks, trainer._counters]
+    parts += [trainer.__dict__.get(n) for n in ("_stepper", "_checkpointer", "_guard")]
+    parts += [trainer.__dict__.get("_stop_requests"), trainer._runlog]
+    return [part for part in parts if part is not None]
 
 
 def replayed_admissions() -> list[int] | None:

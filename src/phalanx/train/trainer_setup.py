@@ -309,17 +309,20 @@ class TrainerSetup:
         states["rng"] = self._rng
         return states
 
-    def world_holders(self) -> list[Any]:
-        """Everything that keeps the `World` (live recovery hands them a new one)."""
-        parts = [self, self._report, self.strategy, self._callbacks, self._counters]
-        parts += [self.__dict__.get(n) for n in ("_stepper", "_checkpointer", "_guard")]
-        parts += [self.__dict__.get("_stop_requests"), self._runlog]
-        return [part for part in parts if part is not None]
-
     def rewrap(self) -> None:
         """Wrap the model again for the current world (live recovery, after the members
         changed): phalanx DDP over the new group, or the model itself in a world of one."""
         self.strategy.rewrap(self.model)
+        if self._runlog is not None:
+            self._runlog.traffic = continue_from(self.traffic_source(), self._runlog.traffic())
+
+    def replace_optimizer(self, optimizer: Optimizer) -> None:
+        """Live recovery at ZeRO-1/2 builds the new world's optimizer: everything that steps or
+        reads the optimizer follows it (the scheduler, the step, the callbacks, the log)."""
+        self.optimizer = optimizer
+        self.scheduler.optimizer = optimizer
+        self._stepper.optimizer = optimizer
+        self._callbacks.objects["optimizer"] = optimizer
         if self._runlog is not None:
             self._runlog.traffic = continue_from(self.traffic_source(), self._runlog.traffic())
 

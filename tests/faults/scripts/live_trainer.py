@@ -44,7 +44,11 @@ class Recorder(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Dropout(0.1), nn.Linear(32, 3))
+        width = int(os.environ.get("WIDTH", "32"))  # the benchmarks' bigger model
+        hidden = [m for _ in range(int(os.environ.get("DEPTH", "0"))) for m in
+                  (nn.Linear(width, width), nn.Tanh())]  # fmt: skip
+        self.net = nn.Sequential(nn.Linear(6, width), nn.Tanh(), *hidden, nn.Dropout(0.1),
+                                 nn.Linear(width, 3))  # fmt: skip
         self.pending: list[int] = []
         self.trainer: Trainer | None = None
 
@@ -82,9 +86,10 @@ class Ledger(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         trainer = self.model.trainer
         assert trainer is not None
+        group = current_live_group()
         entry = {"step": state.global_step, "world": trainer.world.world_size,
                  "epoch": trainer.state.epoch, "indices": self.model.pending,
-                 "t": time.time()}  # fmt: skip
+                 "t": time.time(), "gen": -1 if group is None else group.generation}  # fmt: skip
         with self.path.open("a") as out:
             out.write(json.dumps(entry) + "\n")
         time.sleep(PAUSE_S)

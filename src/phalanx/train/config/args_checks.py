@@ -244,6 +244,11 @@ def check_combinations(args: TrainingArguments) -> None:
         'fault_tolerance="restart"',
     )
     require(
+        args.live_snapshot_steps >= 1,
+        f"live_snapshot_steps={args.live_snapshot_steps} must be >= 1 — it is how many steps "
+        "apart live recovery copies each rank's pieces to its neighbour (e.g. 10)",
+    )
+    require(
         args.fault_tolerance != "live" or args.even_batches,
         'fault_tolerance="live" does not work with even_batches=False — the rest of an epoch '
         "is dealt evenly over the survivors; leave even_batches at True",

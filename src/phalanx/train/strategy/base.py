@@ -53,6 +53,10 @@ class Strategy:
     """Why a lost rank's state exists nowhere else (ZeRO's shards), so live recovery must
     fall back to a restart from the checkpoint; None: every rank holds everything."""
 
+    shards_state = False
+    """Whether a rank holds state no other rank has (ZeRO-1/2's pieces): live recovery then
+    keeps each rank's with a neighbour (train/live_snapshots.py) and rolls back to it."""
+
     def __init__(
         self,
         args: TrainingArguments,
@@ -221,6 +225,26 @@ class Strategy:
         if scheduler is not None and scheduler.optimizer is not optimizer:
             scheduler.optimizer = optimizer  # stages 1-2 rebuilt it sharded, same groups
         return scheduler
+
+    # ------------------------------------------------------------------ live recovery
+    def live_pieces(self, optimizer: Optimizer) -> dict[str, Tensor]:
+        """The state only this rank holds, copied (none: every rank holds everything)."""
+        return {}
+
+    def live_groups(self, optimizer: Optimizer) -> list[dict[str, object]]:
+        """The optimizer's hyperparameters per group, to roll back with the pieces."""
+        return []
+
+    def live_restore(
+        self,
+        model: nn.Module,
+        optimizer: Optimizer,
+        bundles: list[dict[str, Tensor]],
+        groups: list[dict[str, object]],
+    ) -> Optimizer:
+        """After a change of members, from every old rank's pieces: the optimizer of the new
+        world (here the same one: nothing was sharded)."""
+        return optimizer
 
     # ------------------------------------------------------------------ the rest
     def checkpoint_entries(self, model: nn.Module, optimizer: Optimizer) -> dict[str, Entry]:

@@ -11,7 +11,7 @@ from torch.optim import Optimizer
 from phalanx.ddp.module import DistributedDataParallel
 from phalanx.ddp.stats import Traffic
 from phalanx.errors import ConfigurationError
-from phalanx.offload import DiskOffloadPolicy
+from phalanx.offload import DiskOffloadPolicy, streamer_of
 from phalanx.optim.local_sgd import PeriodicSync
 from phalanx.optim.zero import ZeroRedundancyOptimizer
 from phalanx.train.strategy.base import Strategy
@@ -32,7 +32,7 @@ class ShardedOptimizer(Strategy):
     pieces, before it has any state.
     """
 
-    lost_rank_note = "a lost rank's optimizer shard exists nowhere else"
+    shards_state = True
 
     shards_gradients = False
     """Stage 2: the reducer reduce-scatters each bucket into the optimizer's shards."""
@@ -56,11 +56,35 @@ class ShardedOptimizer(Strategy):
             **settings,
         )
 
+    def live_pieces(self, optimizer: Optimizer) -> dict[str, Tensor]:
+        return _zero(optimizer).own_pieces()
+
+    def live_groups(self, optimizer: Optimizer) -> list[dict[str, object]]:
+        return _zero(optimizer).pieces().plain_groups()
+
+    def live_restore(
+        self,
+        model: nn.Module,
+        optimizer: Optimizer,
+        bundles: list[dict[str, Tensor]],
+        groups: list[dict[str, object]],
+    ) -> Optimizer:
+        """The parameters whole again from the old world's pieces, and a ZeroRedundancyOptimizer
+        of the new world (over the rewrapped model) loaded with the whole state: each rank
+        keeps its new pieces. The old one's offload streamer is closed (its files stay)."""
+        old = _zero(optimizer)
+        whole = old.restore_whole(bundles, [dict(g) for g in groups])
+        streamer = streamer_of(old.optim)
+        if streamer is not None:
+            streamer.close()
+        fresh = self.build_optimizer(model)
+        fresh.load_state_dict(whole)
+        return fresh
+
     def clip(self, model: nn.Module, optimizer: Optimizer, max_norm: float) -> Tensor:
         """The norm from the shards (one all-reduce): under stage 2 no rank holds the whole
         gradient that torch's clip would read."""
-        assert isinstance(optimizer, ZeroRedundancyOptimizer)
-        return optimizer.clip_grad_norm_(max_norm)
+        return _zero(optimizer).clip_grad_norm_(max_norm)
 
     def traffic(self, optimizer: Optimizer, periodic_sync: PeriodicSync | None) -> Traffic:
         """The reducer's (stage 2: its reduce-scatters) and the optimizer's parameter
@@ -76,6 +100,11 @@ class ShardedGradients(ShardedOptimizer):
     gradients too."""
 
     shards_gradients = True
+
+
+def _zero(optimizer: Optimizer) -> ZeroRedundancyOptimizer:
+    assert isinstance(optimizer, ZeroRedundancyOptimizer)
+    return optimizer
 
 
 def _fresh_groups(optimizer: Optimizer) -> list[dict[str, object]]:

@@ -1,0 +1,137 @@
+"""Live recovery for sharded state (ZeRO-1/2): each rank's pieces kept by its neighbour.
+
+At zero_stage 1 and 2 a rank's optimizer pieces exist nowhere else, so a lost
+rank would take them with it. Every `live_snapshot_steps` steps, at a step
+boundary, each member copies what only it holds (its pieces of the parameters
+and of the optimizer state) and the run's small replicated state (counters,
+scheduler, data position, loss tally, hyperparameters) into host memory, and
+passes its pieces to the next member around the ring, which keeps them. Each
+member keeps its last two snapshots and its predecessor's last two.
+
+After a change of members, every member says which snapshots it holds, and all
+choose the same one: the newest (ring, step) for which each member of that ring
+is covered, by itself or by the member that kept its pieces. When no member
+was lost (a replacement joins) the "snapshot" is the present, taken on the
+spot, and nothing rolls back. Otherwise everyone rolls back to it: at most
+`live_snapshot_steps` steps are trained again, on the new world, with the
+data re-dealt from where that snapshot stood. Two neighbours lost together
+take a ring's pieces with them: then nothing covers them, and the run falls
+back to a restart from its checkpoint, saying so. Design and costs:
+docs/reliability.md, "Sharded live recovery".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor
+
+__all__ = ["Choice", "Snapshot", "Snapshots", "choose"]
+
+KEPT = 2
+"""Snapshots kept per owner: the newest may be incomplete when a loss cuts its exchange."""
+
+Ring = tuple[str, ...]
+
+
+@dataclass
+class Snapshot:
+    """One member's state at a step boundary, as the members of `ring` were dealt."""
+
+    ring: Ring
+    step: int
+    pieces: dict[str, Tensor]
+    """What only its owner held (ZeRO's pieces): parameters and optimizer state."""
+    replicated: dict[str, Any] = field(default_factory=dict)
+    """The state every member holds alike (only in the owner's own snapshots)."""
+
+    @property
+    def key(self) -> tuple[Ring, int]:
+        return self.ring, self.step
+
+
+@dataclass
+class Snapshots:
+    """This member's own snapshots and the ones it keeps for its predecessor, newest last."""
+
+    every: int
+    own: list[Snapshot] = field(default_factory=list)
+    kept: list[tuple[str, Snapshot]] = field(default_factory=list)
+    """(whose, snapshot): the previous member's pieces around each snapshot's ring."""
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and step % self.every == 0
+
+    def add(self, own: Snapshot, kept: Snapshot, kept_from: str) -> None:
+        self.own = [*[s for s in self.own if s.key != own.key][-(KEPT - 1) :], own]
+        older = [(m, s) for m, s in self.kept if s.key != kept.key][-(KEPT - 1) :]
+        self.kept = [*older, (kept_from, kept)]
+
+    def held(self) -> dict[str, Any]:
+        """What this member can provide, for `choose` (JSON)."""
+        return {
+            "own": [[list(s.ring), s.step] for s in self.own],
+            "kept": [[m, list(s.ring), s.step] for m, s in self.kept],
+        }
+
+    def own_at(self, key: tuple[Ring, int]) -> Snapshot | None:
+        return next((s for s in self.own if s.key == key), None)
+
+    def kept_at(self, whose: str, key: tuple[Ring, int]) -> Snapshot | None:
+        return next((s for m, s in self.kept if m == whose and s.key == key), None)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The snapshot every member restores from, and who provides each old rank's pieces."""
+
+    ring: Ring
+    step: int
+    providers: list[tuple[str, bool]]
+    """For each member of `ring`, in order: who provides its pieces, and whether from what
+    it kept (True) or from its own snapshot (False)."""
+    replicated_from: str
+    """A member holding the replicated state at `step` (its own snapshot)."""
+    rolls_back: bool
+
+
+def choose(held: Mapping[str, dict[str, Any] | None]) -> Choice | None:
+    """The newest snapshot every member of its ring is covered at (None: none is).
+
+    `held`: each new member's `Snapshots.held()` with the ring its pieces are dealt over now
+    and the step it applied ("ring", "applied"), or None for a replacement, which holds
+    nothing. When every member of that ring is here and applied the same step, the present
+    is the snapshot: each provides its pieces on the spot, and nothing rolls back.
+    """
+    nows = {(tuple(i["ring"]), i["applied"]) for i in held.values() if i is not None}
+    if len(nows) == 1:
+        ring, step = nows.pop()
+        if ring and all(held.get(member) is not None for member in ring):
+            return Choice(ring, step, [(m, False) for m in ring], ring[0], rolls_back=False)
+    candidates = {
+        (tuple(r), s) for info in held.values() if info is not None for r, s in info["own"]
+    }
+    for key in sorted(candidates, key=lambda key: -key[1]):
+        providers = _providers(held, *key)
+        if providers is not None:
+            source = next(m for m, from_kept in providers if not from_kept)
+            return Choice(key[0], key[1], providers, source, rolls_back=True)
+    return None
+
+
+def _providers(
+    held: Mapping[str, dict[str, Any] | None], ring: Ring, step: int
+) -> list[tuple[str, bool]] | None:
+    out = []
+    for i, member in enumerate(ring):
+        mine, keeper = held.get(member), ring[(i + 1) % len(ring)]
+        theirs = held.get(keeper)
+        if mine is not None and [list(ring), step] in mine["own"]:
+            out.append((member, False))
+        elif theirs is not None and [member, list(ring), step] in theirs["kept"]:
+            out.append((keeper, True))
+        else:
+            return None
+    return out

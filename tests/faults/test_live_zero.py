@@ -1,0 +1,65 @@
+"""Live recovery at ZeRO stages 1 and 2 (issue 38): a lost rank's optimizer pieces come back
+from the neighbour that kept them, the survivors roll back to that snapshot and re-deal
+the pieces and the data over the new world, and a replacement joins with its pieces.
+
+tests/faults/scripts/live_trainer.py with zero_stage 1 or 2; snapshots every 10 steps. A
+run that loses r1 at step 13 (rolled back to 10) must end bit-identical to its replay (the
+same membership, recorded in live_membership.jsonl: the loss at step 10, the replacement
+let in at the recorded step), with every sample of each finished epoch trained once and
+no rolled-back step counted. Two neighbours lost together fall back to a restart from
+the checkpoint, saying so.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.faults.test_live_trainer import _check_epochs, _fit, _train
+
+pytestmark = pytest.mark.faults
+
+STEPS = 60
+
+
+def _digests(out: str) -> set[str]:
+    return set(re.findall(r"done step=\d+ loss=\S+ digest=(\S+)", out))
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("stage", ["1", pytest.param("2", marks=pytest.mark.slow)])
+def test_a_loss_rolls_back_to_the_neighbours_copy_and_ends_as_its_replay(
+    tmp_path: Path, stage: str
+) -> None:
+    lost = _train(tmp_path / "lost", tmp_path / "ledger", STEPS, ZERO_STAGE=stage,
+                  KILL_MEMBER="r1", KILL_STEP="13", HOLD_STEP="25", HOLD_WORLD="3")  # fmt: skip
+    worlds = _check_epochs(tmp_path / "ledger", STEPS, tmp_path / "lost")
+    assert worlds[:10] == [3] * 10 and worlds[10] == 2 and worlds[-1] == 3, worlds
+    log = (tmp_path / "lost" / "live_membership.jsonl").read_text().splitlines()
+    first = json.loads(log[0])
+    assert (first["members"], first["step"]) == (["r0", "r2"], 10), log  # rolled back
+    assert "live recovery: 3 ranks (r0, r2, j1)" in lost, lost
+    assert len(_digests(lost)) == 1 and lost.count("done step=") == 3, lost
+    recorded = str(tmp_path / "lost" / "live_membership.jsonl")
+    replay = _train(tmp_path / "replay", tmp_path / "ledger_replay", STEPS, ZERO_STAGE=stage,
+                    KILL_MEMBER="r1", KILL_STEP="10", PHALANX_LIVE_REPLAY=recorded)  # fmt: skip
+    assert _digests(replay) == _digests(lost), (lost, replay)
+    assert _fit(replay) == _fit(lost)
+
+
+@pytest.mark.timeout(400)
+def test_two_neighbours_lost_together_fall_back_to_the_checkpoint(tmp_path: Path) -> None:
+    """r1 dies at step 13, then r2 (which kept r1's pieces) inside the rebuild: r1's pieces
+    exist nowhere. r0 says so in one line and the launcher restarts every rank from the
+    step-10 checkpoint; the run ends where an undisturbed one does."""
+    quiet = _train(tmp_path / "quiet", tmp_path / "ql", 30, 3, "resume", ZERO_STAGE="1",
+                   SAVE_STEPS="5")  # fmt: skip
+    out = _train(tmp_path / "out", tmp_path / "ledger", 30, 3, "resume", ZERO_STAGE="1",
+                 SAVE_STEPS="5", KILL_STEPS="13", DIE_IN_REBUILD="r2")  # fmt: skip
+    said = [line for line in out.splitlines() if "LostShards: " in line and "[rank 0]" in line]
+    assert len(said) == 1 and "exist nowhere (two neighbours lost together" in said[0], out
+    assert "restarting the worker group" in out and "resumed from checkpoint-10" in out, out
+    assert _fit(out) == _fit(quiet), out

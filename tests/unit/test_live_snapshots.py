@@ -1,0 +1,63 @@
+"""Which snapshot every member restores after a change of members (train/live_snapshots.py):
+the present when nobody was lost, else the newest step each old rank is covered at, by
+itself or by the neighbour that kept its pieces; none when two neighbours went together."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from phalanx.train.live_snapshots import Snapshot, Snapshots, choose
+
+RING = ("r0", "r1", "r2")
+
+
+def _held(own: list[int], kept: list[int], whose: str, applied: int = 13) -> dict[str, Any]:
+    return {
+        "own": [[list(RING), s] for s in own],
+        "kept": [[whose, list(RING), s] for s in kept],
+        "ring": list(RING),
+        "applied": applied,
+    }
+
+
+def test_nobody_lost_takes_the_present() -> None:
+    held: dict[str, dict[str, Any] | None] = {
+        m: _held([10], [10], RING[i - 1]) for i, m in enumerate(RING)
+    }
+    held["j1"] = None  # a replacement joining
+    choice = choose(held)
+    assert choice is not None and not choice.rolls_back and choice.step == 13
+    assert choice.providers == [("r0", False), ("r1", False), ("r2", False)]
+
+
+def test_a_loss_takes_the_newest_step_the_neighbour_kept() -> None:
+    # r1 died while the step-20 copies were passed: r2 kept r1's step-10 pieces only.
+    held: dict[str, Any] = {
+        "r0": _held([10, 20], [10, 20], "r2"),
+        "r2": _held([10, 20], [10], "r1"),
+    }
+    choice = choose(held)
+    assert choice is not None and choice.rolls_back and choice.step == 10
+    assert choice.providers == [("r0", False), ("r2", True), ("r2", False)]
+    held["r2"] = _held([10, 20], [10, 20], "r1")
+    assert choose(held).step == 20  # type: ignore[union-attr]
+
+
+def test_members_that_applied_different_steps_roll_back() -> None:
+    held = {m: _held([10], [10], RING[i - 1], applied=13 + (m == "r2")) for i, m in enumerate(RING)}
+    choice = choose(held)
+    assert choice is not None and choice.rolls_back and choice.step == 10
+
+
+def test_two_neighbours_lost_together_leave_nothing() -> None:
+    assert choose({"r0": _held([10], [10], "r2")}) is None  # r1's copy was r2's, gone too
+
+
+def test_a_member_keeps_two_of_its_own_and_two_of_its_neighbours() -> None:
+    snaps = Snapshots(every=5)
+    for step in (0, 5, 10):
+        own, kept = Snapshot(RING, step, {}), Snapshot(RING, step, {})
+        snaps.add(own, kept, "r2")
+    assert snaps.held()["own"] == [[list(RING), 5], [list(RING), 10]]
+    assert snaps.kept_at("r2", (RING, 10)) is not None and snaps.kept_at("r1", (RING, 10)) is None
+    assert snaps.due(10) and not snaps.due(11)
