@@ -165,8 +165,9 @@ def _launch(
     argv = [sys.executable, "-m", "phalanx", "launch", "--nproc-per-node", str(world), *target]
     with log.open("w") as out:
         try:
-            code = subprocess.run(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                  timeout=ns.timeout).returncode  # fmt: skip
+            code = subprocess.run(
+                argv, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=ns.timeout
+            ).returncode
         except subprocess.TimeoutExpired:
             code = -1
     if code != 0:
@@ -202,10 +203,16 @@ def _probe(ns: argparse.Namespace, world: int, result: WorldResult, threads: str
     """All-reduce times of the probe sizes, and the bf16 hook on the step's bytes (what
     compression would cost, conversions included), with nothing else running."""
     out = ns.out / f"probe-w{world}.json"
-    target = ["-m", "phalanx.ddp.allreduce_probe",
-              "--sizes", ",".join(map(str, probe_sizes(result))),
-              "--bf16-hook-bytes", str(result.bytes_per_step),
-              "--out", str(out.resolve())]  # fmt: skip
+    target = [
+        "-m",
+        "phalanx.ddp.allreduce_probe",
+        "--sizes",
+        ",".join(map(str, probe_sizes(result))),
+        "--bf16-hook-bytes",
+        str(result.bytes_per_step),
+        "--out",
+        str(out.resolve()),
+    ]
     env = _env(threads)
     env.pop(_TIMELINE, None)
     _launch(ns, world, target, ns.out / f"probe-w{world}.log", env)

@@ -39,8 +39,9 @@ def plot_breakdown(results: list[WorldResult], path: Path) -> str:
     for x, r in enumerate(results):
         eff = f"\n{r.efficiency:.0%} eff." if r.efficiency is not None else ""
         hidden = f"\nhidden {r.hidden_ms:.1f} ms" if r.world_size > 1 else ""
-        ax.annotate(f"{r.step_ms:.1f} ms{eff}{hidden}", (x, bottom[x]), ha="center",
-                    va="bottom", fontsize=8)  # fmt: skip
+        ax.annotate(
+            f"{r.step_ms:.1f} ms{eff}{hidden}", (x, bottom[x]), ha="center", va="bottom", fontsize=8
+        )
     ax.set_ylabel("ms per step (median)")
     ax.set_ylim(0, max(bottom) * 1.35)  # the bars are the steps: their parts add up
     ax.set_title("phalanx bench: step time by world size", fontsize=10)

@@ -167,11 +167,16 @@ def store_site(ns: argparse.Namespace, nnodes: int) -> StoreSite:
             addr,
             DEFAULT_C10D_PORT if port is None else port,
             0,
-            replace(rdzv, assign_node_rank=True, hosts_store=hosts,
-                    host_forced=forced is not None, port_flag=port_flag),
+            replace(
+                rdzv,
+                assign_node_rank=True,
+                hosts_store=hosts,
+                host_forced=forced is not None,
+                port_flag=port_flag,
+            ),
             rdzv_timeout,
             notes,
-        )  # fmt: skip
+        )
     node_rank = ns.node_rank or 0
     return StoreSite(
         addr,
@@ -180,7 +185,7 @@ def store_site(ns: argparse.Namespace, nnodes: int) -> StoreSite:
         replace(rdzv, hosts_store=node_rank == 0, port_flag=port_flag),
         rdzv_timeout,
         notes,
-    )  # fmt: skip
+    )
 
 
 def _address(ns: argparse.Namespace, backend: str) -> tuple[str | None, int | None, str]:

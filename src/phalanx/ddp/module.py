@@ -160,9 +160,13 @@ class DistributedDataParallel(TorchSurface, nn.Module, JoinableDDP):
         params = self._managed_parameters()
         checked = named_buffers if with_buffers or self.forward_sync_buffers else []
         settings = arguments.collective_settings(
-            self._bucket_caps, self._tune_bucket_size, self.find_unused_parameters,
-            self.gradient_as_bucket_view, self.static_graph, self.forward_sync_buffers,
-        )  # fmt: skip
+            self._bucket_caps,
+            self._tune_bucket_size,
+            self.find_unused_parameters,
+            self.gradient_as_bucket_view,
+            self.static_graph,
+            self.forward_sync_buffers,
+        )
         verify_same_state(params, checked, self.process_group, settings)
         state: list[torch.Tensor] = [p for _, p in params]
         if with_buffers:

@@ -268,9 +268,15 @@ class _Watchdog(threading.Thread):
     def _report(self, idle: float) -> None:
         rec = self._recorder
         where = Position(
-            os.getpid(), rec.rank, 0, rec.step, rec.iteration, rec.collectives, rec.updated,
+            os.getpid(),
+            rec.rank,
+            0,
+            rec.step,
+            rec.iteration,
+            rec.collectives,
+            rec.updated,
             rec.label.decode(errors="replace"),
-        ).where()  # fmt: skip
+        ).where()
         try:
             print(
                 f"[phalanx] rank {rec.rank}: no collective progress for {idle:.0f}s (the "

@@ -127,14 +127,16 @@ class Agent:
         try:
             group = self._spawn(restart, port, extra, plan, lifeline, members)
             if self.config.live is not None:
-                supervisor = self._live_supervisor(group, restart, port, extra, plan, lifeline,
-                                                   progress_dir, members)  # fmt: skip
+                supervisor = self._live_supervisor(
+                    group, restart, port, extra, plan, lifeline, progress_dir, members
+                )
                 status = supervisor.run()
                 if supervisor.fell_back is not None:
                     return self._after_failure(group, supervisor.fell_back, restart, progress_dir)
                 signum = self.stop_request.signum
-                group.stop(_sent_signal(signum or signal.SIGTERM), self.config.grace_s,
-                           self.stop_request)  # fmt: skip
+                group.stop(
+                    _sent_signal(signum or signal.SIGTERM), self.config.grace_s, self.stop_request
+                )
                 group.drain_output()
                 if signum is None and (summary := supervisor.summary()) is not None:
                     self.sink.message(summary)
@@ -143,8 +145,9 @@ class Agent:
             if isinstance(outcome, Failure):
                 return self._after_failure(group, outcome, restart, progress_dir)
             # After a success too: stray children of finished workers would outlive the job.
-            group.stop(_sent_signal(outcome or signal.SIGTERM), self.config.grace_s,
-                       self.stop_request)  # fmt: skip
+            group.stop(
+                _sent_signal(outcome or signal.SIGTERM), self.config.grace_s, self.stop_request
+            )
             group.drain_output()
             return 0 if outcome == 0 else self._stopped_by(outcome)
         finally:
@@ -238,8 +241,9 @@ class Agent:
         assert self.config.live is not None
 
         def respawn(local_rank: int, member: str) -> Worker:
-            return self._spawn_one(local_rank, restart, port, {**extra, MEMBER_ENV: member},
-                                   plan, lifeline)  # fmt: skip
+            return self._spawn_one(
+                local_rank, restart, port, {**extra, MEMBER_ENV: member}, plan, lifeline
+            )
 
         return LiveSupervisor(
             group=group,
@@ -300,8 +304,14 @@ class Agent:
     ) -> Worker:
         cfg = self.config
         argv = worker_argv(cfg, self.python)
-        env = worker_env(cfg, local_rank=local_rank, restart_count=restart,
-                         master_port=port, base=self.environ, extra=extra)  # fmt: skip
+        env = worker_env(
+            cfg,
+            local_rank=local_rank,
+            restart_count=restart,
+            master_port=port,
+            base=self.environ,
+            extra=extra,
+        )
         env[LAUNCH_ID_ENV] = lifeline.launch_id  # the guard's way to find it (lifeline.py)
         rank = cfg.global_rank(local_rank)
         if plan.log_dir is not None and TRACEBACK_FILE_ENV not in env:

@@ -50,8 +50,10 @@ def claim_live_node(
     if client.add(f"phalanx/node_rank/{node_rank}", 0) == 0:
         claim_node_rank(client, node_rank)
         return False
-    announce(f"node {node_rank} is already in the run; waiting until its host is lost, to take "
-             f"its place (up to {timeout_s:g}s)")  # fmt: skip
+    announce(
+        f"node {node_rank} is already in the run; waiting until its host is lost, to take "
+        f"its place (up to {timeout_s:g}s)"
+    )
     store = LiveStore(client, key)
     nonce = secrets.token_hex(8)
     deadline = time.monotonic() + timeout_s
@@ -74,9 +76,12 @@ class _Loop:
     stopped; a store that is away (between two attempts) is dialled again at the next tick."""
 
     def __init__(
-        self, addr: tuple[str, int], period_s: float, name: str,
+        self,
+        addr: tuple[str, int],
+        period_s: float,
+        name: str,
         tick: Callable[[StoreClient], object],
-    ) -> None:  # fmt: skip
+    ) -> None:
         self._addr, self._period_s, self._tick = addr, period_s, tick
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -169,8 +174,10 @@ class NodeWatch:
         for rank, seen in self._seen.items():
             if seen.moved(store.read(node_key(rank, "beat"))):
                 if seen.lost:
-                    self._say(f"node {rank} is back: a new launcher took its place; its workers "
-                              "join the run as replacements")  # fmt: skip
+                    self._say(
+                        f"node {rank} is back: a new launcher took its place; its workers "
+                        "join the run as replacements"
+                    )
                 seen.changed_at, seen.lost = now, False
             elif seen.count > 0 and not seen.lost and now - seen.changed_at > self._stall_s:
                 members = self._report_workers(store, rank)
@@ -200,6 +207,9 @@ class NodeWatch:
             return None
         nodes = ", ".join(str(rank) for rank in self.losses)
         back = [rank for rank in self._seen if self._seen[rank].lost]
-        ending = (f"node {', '.join(map(str, back))} still missing at the end" if back
-                  else "every lost node was taken over by a new host")  # fmt: skip
+        ending = (
+            f"node {', '.join(map(str, back))} still missing at the end"
+            if back
+            else "every lost node was taken over by a new host"
+        )
         return f"nodes lost during the run: {nodes} ({ending})"

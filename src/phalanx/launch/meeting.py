@@ -90,8 +90,14 @@ class Meeting:
                 self._claim(client)
                 self._beat_for(cfg.node_rank)
                 return cfg
-            node_rank = join_nodes(client, cfg.run_id, cfg.nnodes, cfg.rdzv.join_timeout_s,
-                                   self._cancelled, self._pacer())  # fmt: skip
+            node_rank = join_nodes(
+                client,
+                cfg.run_id,
+                cfg.nnodes,
+                cfg.rdzv.join_timeout_s,
+                self._cancelled,
+                self._pacer(),
+            )
         self._announce(f"rendezvous {cfg.run_id!r}: this is node {node_rank} of {cfg.nnodes}")
         self._beat_for(node_rank)
         return _with_node_rank(cfg, node_rank)
@@ -113,8 +119,10 @@ class Meeting:
             self._cancelled,
         )
         if self.late:
-            self._announce(f"taking the place of lost node {cfg.node_rank}: the run is under "
-                           "way, its workers join it as replacements")  # fmt: skip
+            self._announce(
+                f"taking the place of lost node {cfg.node_rank}: the run is under "
+                "way, its workers join it as replacements"
+            )
 
     def _beat_for(self, node_rank: int) -> None:
         """--live-recovery across nodes: tell the store's host this launcher still runs."""
@@ -158,8 +166,14 @@ class Meeting:
         with StoreClient(
             self._store.address, self.port, max(_OWN_STORE_TIMEOUT_S, cfg.rdzv.read_timeout_s)
         ) as client:
-            wait_for_joiners(client, cfg.run_id, cfg.nnodes, cfg.rdzv.join_timeout_s,
-                             self._cancelled, self._pacer())  # fmt: skip
+            wait_for_joiners(
+                client,
+                cfg.run_id,
+                cfg.nnodes,
+                cfg.rdzv.join_timeout_s,
+                self._cancelled,
+                self._pacer(),
+            )
 
     def begin_attempt(self, attempt: int) -> bool:
         """Serve (host) or wait for (others) the store of `attempt`, then wait until every
@@ -256,8 +270,7 @@ class Meeting:
             # Under --live-recovery only the nodes still running: a lost one never leaves.
             others = cfg.nnodes - 1 if self._watch is None else self._watch.alive
             with StoreClient(self._store.address, self.port, cfg.rdzv.read_timeout_s) as client:
-                if not client.wait_for_count(_LEFT_KEY, others, _EXIT_BARRIER_S,
-                                             self._cancelled):  # fmt: skip
+                if not client.wait_for_count(_LEFT_KEY, others, _EXIT_BARRIER_S, self._cancelled):
                     self._announce(
                         f"closing the store although only {client.add(_LEFT_KEY, 0)} of "
                         f"{cfg.nnodes - 1} other nodes finished within {_EXIT_BARRIER_S:g}s"

@@ -94,12 +94,14 @@ class OutputPlan:
                 files.append((self.attempt_dir / str(local_rank) / f"{name}.log").open("wb"))
                 owned.append(files[-1])
             needles = self.routing.duplicate_filters.get(stream, ())
-            made.append(StreamTarget(
-                console=self.routing.to_console(local_rank, stream),
-                files=files,
-                filtered=self.filtered.get(stream),
-                needles=tuple(n.encode() for n in needles),
-            ))  # fmt: skip
+            made.append(
+                StreamTarget(
+                    console=self.routing.to_console(local_rank, stream),
+                    files=files,
+                    filtered=self.filtered.get(stream),
+                    needles=tuple(n.encode() for n in needles),
+                )
+            )
         return owned, made[0], made[1]
 
     def close(self) -> None:

@@ -160,8 +160,12 @@ class Membership:
             step = self.store.read(FINISHED_KEY)
             if step is not None:
                 self.store.put(join_key(member), "finished")
-                print(f"[phalanx] replacement {member}: the run finished (step {step}) before it "
-                      "could join; nothing to do", file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"[phalanx] replacement {member}: the run finished (step {step}) before it "
+                    "could join; nothing to do",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 raise SystemExit(0)
             self.store.first(grow_key(current), member)
             if time.monotonic() - start > self.settings.quorum_timeout_s:
