@@ -149,7 +149,10 @@ class LiveGroup(dist.ProcessGroup):
         if replacement is None:
             self._inner = self._gloo(0, rank, size)
             self._prove(self._inner, 0, self.members, rank, timeout)
-            self._bind(self._inner)
+        else:  # a world of its own until it joins: what it builds before (a mesh) needs one
+            alone = dist.PrefixStore(f"{KEY}alone/{replacement}/", store)
+            self._inner = dist.ProcessGroupGloo(alone, 0, 1, timeout)
+        self._bind(self._inner)
         self._rank, self._size = rank, size
         self._aborted: dict[int, str] = {}
         self._grow_asked: set[int] = set()
@@ -261,7 +264,7 @@ class LiveGroup(dist.ProcessGroup):
     def raise_if_aborted(self, generation: int | None = None) -> None:
         """PeerLost when the generation (the current one by default) was aborted."""
         gen = self.generation if generation is None else generation
-        if gen < 0:
+        if gen < 0 and self._size != 1:
             raise PeerLost(f"{self.member} is a replacement that has not joined the run yet")
         reason = self._aborted.get(gen)
         if reason is not None or gen != self.generation:

@@ -34,7 +34,7 @@ from phalanx.zero3.state import (
     save_model_sharded,
     save_optimizer_sharded,
 )
-from phalanx.zero3.wrap import fully_shard, is_sharded, sharded_parameters, units
+from phalanx.zero3.wrap import fully_shard, is_sharded, redeal, sharded_parameters, units
 
 __all__ = [
     "CPUOffloadPolicy",
@@ -59,6 +59,7 @@ __all__ = [
     "load_optimizer_sharded",
     "materialize",
     "plain_optimizer_state",
+    "redeal",
     "register_fsdp_forward_method",
     "repeated_blocks",
     "save_model_sharded",

@@ -20,7 +20,7 @@ from phalanx.errors import OffloadError
 from phalanx.offload.agree import raise_on_every_rank
 from phalanx.optim.collectives import ReduceScatterState
 from phalanx.zero3.group import GradHook, ParamGroup, PendingAllReduce, Reduction
-from phalanx.zero3.mesh import MeshInfo, unit_group
+from phalanx.zero3.mesh import MeshInfo, post_forward_group, unit_group
 from phalanx.zero3.params import ShardedParam
 from phalanx.zero3.policies import MixedPrecisionPolicy
 
@@ -96,6 +96,22 @@ class Unit:
         self.refresh()
 
     # ------------------------------------------------------------------ groups
+    def redeal(self, info: MeshInfo, wholes: list[torch.Tensor]) -> None:
+        """Deal every parameter again over `info`'s mesh from its whole value (`wholes`, in
+        `params` order): live recovery's new world. Its groups are built again before the
+        next gather."""
+        self.reshard()
+        self.info = info
+        self.divisor = info.data_parallel_size
+        for p, whole in zip(self.params, wholes, strict=True):
+            p.redeal(info, whole)
+        setting = self.reshard_after_forward
+        if isinstance(setting, int) and not isinstance(setting, bool) and setting > 1:
+            self.post_forward_group = post_forward_group(info, setting)
+        self.groups = []
+        self.mark_stale()
+        self.refresh()
+
     def refresh(self) -> None:
         """Follow replaced sharded parameters (load with assign, `_apply`) and regroup."""
         if not self._stale:

@@ -240,6 +240,16 @@ def sharded_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [sp.sharded for unit in units(model) for sp in unit.params]
 
 
+def redeal(model: nn.Module, wholes: list[torch.Tensor], mesh: Any = None) -> None:
+    """Deal every unit of `model` again over `mesh` (default: every rank now) from the whole
+    values of its parameters, in `sharded_parameters` order (live recovery: another world
+    size). The sharded parameters are new objects: build the optimizer again."""
+    info = mesh_info(mesh)
+    values = iter(wholes)
+    for unit in units(model):
+        unit.redeal(info, [next(values) for _ in unit.params])
+
+
 def is_sharded(param: nn.Parameter, model: nn.Module) -> bool:
     """Whether `param` is the sharded face of a parameter of a fully_shard unit in `model`."""
     return any(p is param for p in sharded_parameters(model))

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import inspect
+from typing import Any
+
+import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from phalanx import zero3
 from phalanx.ddp.stats import Traffic
 from phalanx.errors import ConfigurationError
+from phalanx.offload import streamer_of
 from phalanx.optim.local_sgd import PeriodicSync
+from phalanx.optim.sharding import piece_of, row_numel
 from phalanx.runtime.hostmem import return_freed_memory
 from phalanx.train.checkpoint.stateful import Entry
 from phalanx.train.setup import prepare_device_model
@@ -24,8 +30,8 @@ class FullyShard(Strategy):
     too, so checkpoints have one layout whatever the size), and the loop calls it as it is;
     the optimizer steps its DTensor shards."""
 
-    lost_rank_note = "a lost rank's parameter and optimizer shards exist nowhere else"
     sharded_model = True
+    shards_state = True
 
     def frees_host_memory(self) -> bool:
         return True
@@ -74,6 +80,45 @@ class FullyShard(Strategy):
             )
         return optimizer
 
+    # ------------------------------------------------------------------ live recovery
+    def live_pieces(self, optimizer: Optimizer) -> dict[str, Tensor]:
+        """This rank's rows of every parameter ("p<i>", in `sharded_parameters` order) and of
+        its optimizer state ("s<i>.<key>"), copied to host memory."""
+        assert self.wrapped is not None
+        out: dict[str, Tensor] = {}
+        for i, p in enumerate(zero3.sharded_parameters(self.wrapped)):
+            out[f"p{i}"] = _local(p).detach().cpu().clone()
+            for key, value in optimizer.state.get(p, {}).items():
+                if isinstance(value, Tensor):
+                    out[f"s{i}.{key}"] = _local(value).detach().cpu().clone()
+        return out
+
+    def live_groups(self, optimizer: Optimizer) -> list[dict[str, object]]:
+        assert self.wrapped is not None
+        return _plain_groups(optimizer, zero3.sharded_parameters(self.wrapped))
+
+    def live_restore(
+        self,
+        model: nn.Module,
+        optimizer: Optimizer,
+        bundles: list[dict[str, Tensor]],
+        groups: list[dict[str, object]],
+    ) -> Optimizer:
+        """Every unit dealt again over the new world from the old world's rows (zero3.redeal),
+        and the same optimizer class built again over the new shards, loaded with this rank's
+        rows of the whole state. The old one's offload streamer is closed."""
+        old_params = zero3.sharded_parameters(model)
+        shapes = [p.shape for p in old_params]
+        wholes, state = whole_from_rows(shapes, bundles)
+        zero3.redeal(model, wholes)
+        new_params = zero3.sharded_parameters(model)
+        streamer = streamer_of(optimizer)
+        if streamer is not None:
+            streamer.close()
+        fresh = self._offloaded(_rebuilt(optimizer, old_params, new_params))
+        fresh.load_state_dict({"state": _my_rows(state, new_params), "param_groups": groups})
+        return fresh
+
     def clip(self, model: nn.Module, optimizer: Optimizer, max_norm: float) -> Tensor:
         """torch's clip over the DTensor gradients (one all-reduce of the squares)."""
         return zero3.clip_grad_norm_(model, max_norm)
@@ -86,3 +131,81 @@ class FullyShard(Strategy):
         """Every unit's gathers and reduce-scatters, and the root's buffer broadcasts."""
         assert self.wrapped is not None
         return zero3.communication(self.wrapped)
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return getattr(tensor, "_local_tensor", tensor)
+
+
+def whole_from_rows(
+    shapes: list[torch.Size], bundles: list[dict[str, Tensor]]
+) -> tuple[list[Tensor], dict[int, dict[str, Tensor]]]:
+    """Every old rank's rows (`live_pieces`, in rank order) back into whole tensors: the
+    parameters, and the optimizer state per parameter index (rows are dealt in rank order)."""
+    wholes = [torch.cat([b[f"p{i}"] for b in bundles]).reshape(s) for i, s in enumerate(shapes)]
+    state: dict[int, dict[str, Tensor]] = {}
+    for i, shape in enumerate(shapes):
+        keys = sorted({n.split(".", 1)[1] for b in bundles for n in b if n.startswith(f"s{i}.")})
+        for key in keys:
+            values = [b[f"s{i}.{key}"] for b in bundles if f"s{i}.{key}" in b]
+            whole = values[0] if values[0].dim() == 0 else torch.cat(values).reshape(shape)
+            state.setdefault(i, {})[key] = whole
+    return wholes, state
+
+
+def _my_rows(state: dict[int, dict[str, Tensor]], params: list[nn.Parameter]) -> dict[int, Any]:
+    """The whole optimizer state as this rank's DTensor rows of the new shards."""
+    from torch.distributed.tensor import DTensor
+
+    out: dict[int, Any] = {}
+    for i, entry in state.items():
+        p = params[i]
+        assert isinstance(p, DTensor)
+        out[i] = {
+            key: value
+            if value.dim() == 0
+            else DTensor.from_local(
+                _rows_of(value, p), p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+            )
+            for key, value in entry.items()
+        }
+    return out
+
+
+def _rows_of(whole: Tensor, param: Any) -> Tensor:
+    """This rank's rows of `whole`, as `param`'s local shard holds them."""
+    local = param._local_tensor
+    mesh = param.device_mesh
+    rank, size = mesh.get_local_rank(mesh.ndim - 1), mesh.size(mesh.ndim - 1)
+    piece = piece_of(whole.numel(), size, rank, row_numel(whole.shape))
+    row = row_numel(whole.shape) or 1
+    return whole[piece.start // row : piece.stop // row].to(local.device).clone()
+
+
+def _plain_groups(optimizer: Optimizer, params: list[nn.Parameter]) -> list[dict[str, object]]:
+    index = {id(p): i for i, p in enumerate(params)}
+    return [
+        {
+            **{k: v for k, v in g.items() if k != "params"},
+            "params": [index[id(p)] for p in g["params"]],
+        }
+        for g in optimizer.param_groups
+    ]
+
+
+def _rebuilt(optimizer: Optimizer, old: list[nn.Parameter], new: list[nn.Parameter]) -> Optimizer:
+    """The same optimizer class and groups over the new sharded parameters (no state yet; an
+    offloaded one is streamed again by the caller)."""
+    index = {id(p): i for i, p in enumerate(old)}
+    groups = [
+        {
+            **{k: v for k, v in g.items() if k != "params"},
+            "params": [new[index[id(p)]] for p in g["params"]],
+        }
+        for g in optimizer.param_groups
+    ]
+    cls: type[Optimizer] = type(optimizer)
+    if streamer_of(optimizer) is not None:  # Offloaded<Class>: stream_optimizer's subclass
+        cls = cls.__bases__[0]
+    accepted = inspect.signature(cls).parameters
+    return cls(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
