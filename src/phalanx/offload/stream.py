@@ -359,9 +359,7 @@ def stream_optimizer(
     existing = streamer_of(optimizer)
     if existing is not None:
         return existing
-    # Offload is there to use less host memory: what a step frees (windows' temporaries,
-    # stage 3's gathered buffers) goes back to the kernel instead of staying resident.
-    return_freed_memory()
+    return_freed_memory()  # offload is for less host memory: what a step frees goes back
     streamer = Streamer(optimizer, files, window_bytes, group)
     cls = type(optimizer)
     members = {"step": _streamed_step, "zero_grad": _zero_grad_of(cls)}
