@@ -16,8 +16,14 @@ peak, page cache included, and RSS), its step time, and the ratio of the
 whole training state (parameters, gradients, Adam: 16 bytes a parameter) to
 the per-rank cap.
 
+`--route api` trains with docs/zero.md's calls instead of the Trainer
+(`fully_shard(..., offload_policy=policy)`, `offload_optimizer(AdamW(...),
+policy)`, torch's `clip_grad_norm_`, the script's own loop), nothing else:
+what a user who never heard of runtime/hostmem.py gets. `--modes` picks runs.
+
     sudo python benchmarks/offload_cgroup.py                      # 8x: ~5 minutes on 2 cores
     sudo python benchmarks/offload_cgroup.py --layers 6 --cap-mb 500   # a quick look
+    sudo python benchmarks/offload_cgroup.py --route api --modes offload --out /tmp/api.json
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "offload_cgroup.json"
@@ -45,10 +52,8 @@ def worker(args: argparse.Namespace) -> None:
 
     import phalanx
     from phalanx.offload import DiskOffloadPolicy
-    from phalanx.runtime.hostmem import return_freed_memory
 
     torch.set_num_threads(1)
-    return_freed_memory()
     phalanx.init(backend="gloo")
     offload = args.mode == "offload"
     policy = DiskOffloadPolicy(path=args.scratch) if offload else None
@@ -73,6 +78,9 @@ def worker(args: argparse.Namespace) -> None:
     data = TensorDataset(
         torch.randn(64, args.width, generator=gen), torch.randn(64, args.width, generator=gen)
     )
+    if args.route == "api":
+        api_loop(args, model, policy, data)
+        return
     targs = phalanx.TrainingArguments(
         output_dir=str(Path(args.scratch).parent / f"out-{args.mode}"),
         overwrite_output_dir=True,
@@ -139,6 +147,35 @@ def worker(args: argparse.Namespace) -> None:
     trainer.close()
 
 
+def api_loop(args: argparse.Namespace, model: Any, policy: Any, data: Any) -> None:
+    """docs/zero.md's route with the script's own loop: the same batches and steps as the
+    Trainer's run, the optimizer streamed only where the policy offloads."""
+    import torch
+    from torch import nn
+
+    import phalanx
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if policy is not None:
+        opt = phalanx.offload_optimizer(opt, policy)
+    times, loss_sum = [], 0.0
+    for step in range(args.steps):
+        start = time.perf_counter()
+        first = (step * world + rank) * 4  # 4 samples per rank and step, as the Trainer's
+        x, y = data[first : first + 4]
+        loss = nn.functional.mse_loss(model([x]), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        loss_sum += loss.item()
+        times.append(time.perf_counter() - start)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    result = {"rank": rank, "step_times_s": times, "loss_sums": [loss_sum], "peak_rss_mb": peak}
+    print("RESULT " + json.dumps(result), flush=True)
+
+
 # ------------------------------------------------------------------------------ cgroups
 def make_cgroup(name: str, cap_bytes: int | None) -> Path:
     v2 = Path("/sys/fs/cgroup/cgroup.controllers").exists()
@@ -186,6 +223,7 @@ def run(args: argparse.Namespace, mode: str, cap: int | None, scratch: Path) -> 
             "PYTHONPATH": str(ROOT / "src"),
         }
         cmd = [sys.executable, __file__, "--worker", "--mode", mode, "--scratch", str(scratch)]
+        cmd += ["--route", args.route]
         cmd += [
             "--layers",
             str(args.layers),
@@ -240,6 +278,8 @@ def main() -> None:
     parser.add_argument("--cap-mb", type=int, default=600)
     parser.add_argument("--timeout", type=float, default=1200)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--route", choices=("trainer", "api"), default="trainer")
+    parser.add_argument("--modes", default="capped,offload,reference")
     args = parser.parse_args()
     if args.worker:
         worker(args)
@@ -253,10 +293,10 @@ def main() -> None:
         "training_state_mb": 16 * params / 2**20,
         "cap_mb_per_rank": args.cap_mb,
         "state_over_cap": 16 * params / cap,
+        "route": args.route,
         "runs": [
-            run(args, "capped", cap, scratch),
-            run(args, "offload", cap, scratch),
-            run(args, "reference", None, scratch),
+            run(args, mode, None if mode == "reference" else cap, scratch)
+            for mode in args.modes.split(",")
         ],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

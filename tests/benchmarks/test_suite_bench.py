@@ -1,4 +1,5 @@
-"""`make bench`'s suite runs end to end on tiny models and writes what README quotes.
+"""`make bench`'s suite runs end to end on tiny models and writes what docs/performance.md
+quotes.
 
 A subprocess with real gloo ranks, as a user runs it; it checks the files and
 the table's arithmetic, never how fast anything was.

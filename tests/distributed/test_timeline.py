@@ -82,12 +82,16 @@ def _ddp_timeline(rank: int, world: int, out: str) -> dict[str, Any]:
     os.environ[timelines.ENV] = str(Path(out) / "ddp.json")
     on = DistributedDataParallel(nn.Linear(4, 4))
     again = DistributedDataParallel(nn.Linear(4, 4))
-    for model in (off, on):
-        model(torch.randn(3, 4)).sum().backward()
-    with torch.no_grad():
-        on(torch.randn(5, 4))  # not training: no forward span, no step
     timeline = on.timeline
     assert timeline is not None
+    for model in (off, on):
+        model(torch.randn(3, 4)).sum().backward()
+    # A script's own optimizer step is a span; one inside the Trainer's span is not another.
+    torch.optim.SGD(on.parameters(), lr=0.1).step()
+    with timeline.span("optimizer step"):
+        torch.optim.SGD(on.parameters(), lr=0.1).step()
+    with torch.no_grad():
+        on(torch.randn(5, 4))  # not training: no forward span, no step
     return {
         "off": off.timeline is None and off.reducer.timeline is None,
         "shared": again.timeline is timeline and on.reducer.timeline is timeline,
@@ -102,6 +106,7 @@ def test_ddp_picks_the_env_timeline_at_construction_and_only_then(tmp_path: Path
         assert out.value["off"] and out.value["shared"]
         assert out.value["spans"].count("forward") == 1
         assert out.value["spans"].count("backward") == 1
+        assert out.value["spans"].count("optimizer step") == 2  # the script's, the span's
         assert out.value["samples"] == [3]
 
 

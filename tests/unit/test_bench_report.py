@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -17,21 +18,24 @@ def _x(rank: int, tid: int, name: str, ts: float, dur: float, **args: Any) -> di
     return {"name": name, "ph": "X", "pid": rank, "tid": tid, "ts": ts, "dur": dur, "args": args}
 
 
-def _trace(steps: int, period_us: float = 10_000) -> dict[str, Any]:
-    """One rank; each step: forward 2 ms, backward 4 ms (two buckets), wait 1 ms, opt 1 ms."""
+def _trace(steps: int, period_us: float = 10_000, world: int = 2) -> dict[str, Any]:
+    """`world` ranks alike; each step: forward 2 ms, backward 4 ms (two buckets), wait
+    1 ms, opt 1 ms."""
     events, records = [], []
     for k in range(steps):
         t = k * period_us
-        events += [
-            _x(0, 0, "forward", t, 2000, samples=16),
-            _x(0, 0, "backward", t + 2000, 4000),
-            _x(0, 1, "bucket 0", t + 3000, 2000, bytes=MB),  # inside backward
-            _x(0, 1, "bucket 1", t + 4000, 3000, bytes=MB),  # overlaps the first
-            _x(0, 0, "wait for buckets", t + 6000, 1000),
-            _x(0, 0, "optimizer step", t + 7000, 1000),
-        ]
+        for rank in range(world):
+            events += [
+                _x(rank, 0, "forward", t, 2000, samples=16),
+                _x(rank, 0, "backward", t + 2000, 4000),
+                _x(rank, 1, "bucket 0", t + 3000, 2000, bytes=MB),  # inside backward
+                _x(rank, 1, "bucket 1", t + 4000, 3000, bytes=MB),  # overlaps the first
+                _x(rank, 0, "wait for buckets", t + 6000, 1000),
+                _x(rank, 0, "optimizer step", t + 7000, 1000),
+            ]
         records.append({"samples": 16, "hidden_ms": 3.0, "bytes": 2 * MB})
-    return {"traceEvents": events, "phalanx": {"ranks": [0], "steps": {"0": records}}}
+    steps_of = {str(rank): records for rank in range(world)}
+    return {"traceEvents": events, "phalanx": {"ranks": list(range(world)), "steps": steps_of}}
 
 
 def test_a_step_runs_from_one_final_wait_to_the_next_and_splits_into_its_spans() -> None:
@@ -43,7 +47,7 @@ def test_a_step_runs_from_one_final_wait_to_the_next_and_splits_into_its_spans()
     )
     assert result.comm_busy_ms == pytest.approx(4.0)  # union of [3, 5] and [4, 7] ms
     assert result.bucket_bytes == [MB, MB] and result.bytes_per_step == 2 * MB
-    assert result.throughput == pytest.approx(1600.0)  # 16 samples per 10 ms
+    assert result.throughput == pytest.approx(3200.0)  # 16 samples per rank per 10 ms
     assert result.achieved_gbps == pytest.approx(2 * MB / 4.0 / 1e6)
 
 
@@ -200,3 +204,54 @@ def test_an_efficiency_above_100_percent_is_reported_as_a_measurement_problem() 
     text = render(report)
     assert f"warning: {warnings[0]}" in text
     assert "OMP_NUM_THREADS=1 per rank in every world" in text
+
+
+def test_a_world_of_one_reports_no_buckets_and_no_bandwidth() -> None:
+    """One rank sends nothing: its reducer's all-reduce over itself showed 1 bucket,
+    0.10 MB and 35.73 GB/s on the world-1 row."""
+    one = analyze_trace(_trace(5, world=1), warmup=1)
+    assert (one.buckets_per_step, one.bucket_bytes, one.bytes_per_step) == (0, [], 0)
+    assert one.achieved_gbps is None and one.hidden_ms == 0.0
+    assert one.parts_ms["exposed"] == pytest.approx(1.0)  # the wait itself is still time
+    two = analyze_trace(_trace(5), warmup=1)
+    report = {"script": "s.py", "steps": 4, "warmup": 1, "threads_per_rank": "1"}
+    report.update(warnings=[], _results=[one, two], _advice=[])
+    rows = {line.split()[0]: line.split() for line in render(report).splitlines()[3:5]}
+    assert rows["1"][-5:] == ["-"] * 5
+    assert rows["2"][-4:-2] == ["2.00", "2"]  # MB/step, buckets
+
+
+def test_one_world_measured_asks_for_another_instead_of_judging_scaling() -> None:
+    """'scale out freely' from world 1 alone did not follow: nothing there is sent."""
+    advice = recommend([_result(1, 10, 0.5)])
+    assert [a.advice for a in advice] == ["measure more than one world size, e.g. --nproc 1,2"]
+
+
+def test_fewer_threads_are_advised_only_where_there_are_threads_to_take_away() -> None:
+    """With one thread per rank and as many ranks as cores, 'fewer compute threads per
+    rank' could not be followed; with threads to spare the advice names the number."""
+    top = _result(2, 5.0, 2.0, comm_busy_ms=20.0, probe_alone_ms=8.0)
+    none_left = recommend([_result(1, 6, 0), top], threads=1, cores=2)
+    assert not [a for a in none_left if "room" in a.advice]
+    spare = [
+        a for a in recommend([_result(1, 6, 0), top], threads=8, cores=16) if "room" in a.advice
+    ]
+    assert spare[0].advice == "give communication room: OMP_NUM_THREADS=7 per rank"
+    assert "2 ranks of 8 threads fill the 16 cores" in spare[0].reason
+
+
+def test_accumulation_capped_says_it_does_not_reach_its_target() -> None:
+    top = _result(2, 7.0, 4.0)  # compute 3 ms: 4 / (0.05 * 3) -> 27 micro-batches
+    (accumulate,) = [a for a in recommend([_result(1, 6, 0), top]) if "accumulation" in a.advice]
+    assert "gradient_accumulation_steps=8" in accumulate.advice
+    assert "still above 5%: it would take 27" in accumulate.reason
+
+
+def test_contention_prints_the_per_sample_figures_its_ratio_comes_from() -> None:
+    """'1.89x ... (11 vs 6 us)': the rounded figures gave 1.83; one decimal keeps them apart."""
+    results = [_result(1, 10, 0, samples_per_step=1600), _result(2, 10, 0.2, samples_per_step=1600)]
+    (contention,) = [a for a in recommend(results) if "will not help" in a.advice]
+    found = re.search(r"is ([0-9.]+)x .*\(([0-9.]+) vs ([0-9.]+) us\)", contention.reason)
+    assert found, contention.reason
+    ratio, per_top, per_base = found.groups()
+    assert float(per_top) / float(per_base) == pytest.approx(float(ratio), abs=0.01)

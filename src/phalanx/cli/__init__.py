@@ -5,7 +5,8 @@ Imports no torch: `launch` starts the launcher (phalanx.launch),
 when it runs, and `bench` runs its jobs under `phalanx launch`.
 
 Modules (tests/unit/test_layers.py holds this list to the folder):
-- `main`: the console script and `python -m phalanx`, which picks the subcommand;
+- `main`: the console script and `python -m phalanx`, which picks the subcommand
+  (and `--version`); `suggest`: the did-you-mean of a mistyped command or flag;
 - `phalanx launch`: `launch_cmd` (flags -> `LaunchConfig` -> the agent),
   `launch_flags` (the parser, torchrun's flags and their spellings),
   `rdzvflags` (torchrun's rendezvous flags: where the store is, node ranks);

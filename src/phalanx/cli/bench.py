@@ -103,7 +103,8 @@ def bench_main(argv: list[str]) -> int:
 
 def run_bench(ns: argparse.Namespace, worlds: list[int]) -> dict[str, Any]:
     ns.out.mkdir(parents=True, exist_ok=True)
-    threads = threads_per_rank(ns.threads, os.environ, worlds, os.cpu_count() or 1)
+    cores = os.cpu_count() or 1
+    threads = threads_per_rank(ns.threads, os.environ, worlds, cores)
     results = []
     for world in worlds:
         print(f"phalanx bench: world {world}: running {ns.script} ...", flush=True)
@@ -112,7 +113,7 @@ def run_bench(ns: argparse.Namespace, worlds: list[int]) -> dict[str, Any]:
             attach_probe(result, _probe(ns, world, result, threads))
         results.append(result)
     set_efficiency(results)
-    advice = recommend(results)
+    advice = recommend(results, int(threads) if threads.isdigit() else None, cores)
     return {
         "script": ns.script,
         "script_args": ns.script_args,
@@ -238,14 +239,13 @@ def render(report: dict[str, Any]) -> str:
         lines.append(
             f"{r.world_size:>5} {r.step_ms:>8.2f} {r.throughput:>10.1f} {eff:>6}  "
             + " ".join(f"{r.parts_ms[p]:>9.2f}" for p in PARTS)
-            + f" {r.hidden_ms:>7.2f} {r.bytes_per_step / 2**20:>8.2f} {r.buckets_per_step:>7}"
-            f" {_gbps(r.achieved_gbps):>6} {_gbps(r.probe_gbps):>6}"
+            + _comm_cells(r)
         )
     lines += [
         "",
         "exposed: the end of backward waiting for buckets; hidden: bucket flight inside "
         "backward; GB/s: the step's all-reduce bandwidth in training, alone: the same "
-        "all-reduces with nothing else running (probe)",
+        "all-reduces with nothing else running (probe); '-' at world 1: nothing is sent",
         "",
     ]
     lines += [f"warning: {w}" for w in report["warnings"]]
@@ -253,6 +253,16 @@ def render(report: dict[str, Any]) -> str:
     lines += ["recommendations:"]
     lines += [f"- {a.advice}\n    because {a.reason}" for a in advice] or ["- none"]
     return "\n".join(lines)
+
+
+def _comm_cells(r: WorldResult) -> str:
+    """hidden, MB/step, buckets, GB/s and alone: dashes where one rank sends nothing."""
+    if r.world_size == 1:
+        return f" {'-':>7} {'-':>8} {'-':>7} {'-':>6} {'-':>6}"
+    return (
+        f" {r.hidden_ms:>7.2f} {r.bytes_per_step / 2**20:>8.2f} {r.buckets_per_step:>7}"
+        f" {_gbps(r.achieved_gbps):>6} {_gbps(r.probe_gbps):>6}"
+    )
 
 
 def _gbps(value: float | None) -> str:

@@ -28,27 +28,42 @@ MB = 1 << 20
 MAX_ACCUMULATION = 8  # beyond this the batch changes too much to suggest without a reason
 
 
-def recommend(results: list[WorldResult]) -> list[Recommendation]:
-    """What to change, each with the numbers that say so."""
+def recommend(
+    results: list[WorldResult], threads: int | None = None, cores: int | None = None
+) -> list[Recommendation]:
+    """What to change, each with the numbers that say so. `threads`: OMP_NUM_THREADS per
+    rank, `cores`: the machine's (None: unknown), for advice about threads."""
     if not results:
         return []
     top = max(results, key=lambda r: r.world_size)
     base = min(results, key=lambda r: r.world_size)
+    if top.world_size == 1:
+        return [_measure_more_worlds(top)]
     advice: list[Recommendation] = []
     contention = _contention(base, top)
     if contention is not None:
         advice.append(contention)
     exposed = top.parts_ms["exposed"]
     share = exposed / top.step_ms if top.step_ms else 0.0
-    if top.world_size == 1 or share < QUIET:
+    if share < QUIET:
         if contention is None:
             advice.append(_scale_freely(top, share))
         return advice
-    for rule in (_bucket_size, _slow_collective, _comm_hook, _accumulate):
+    for rule in (_bucket_size, _comm_hook, _accumulate):
         found = rule(top, share)
         if found is not None:
             advice.append(found)
-    return advice
+    slow = _slow_collective(top, threads, cores)
+    return advice + ([slow] if slow is not None else [])
+
+
+def _measure_more_worlds(top: WorldResult) -> Recommendation:
+    """One rank sends nothing: its figures say nothing about scaling out."""
+    return Recommendation(
+        "measure more than one world size, e.g. --nproc 1,2",
+        f"world {top.world_size} alone sends nothing to another rank, so its "
+        f"{top.step_ms:.1f} ms step says nothing about communication or scaling",
+    )
 
 
 def _compute_ms(r: WorldResult) -> float:
@@ -75,7 +90,7 @@ def _contention(base: WorldResult, top: WorldResult) -> Recommendation | None:
     return Recommendation(
         "more ranks on this machine will not help: add machines or devices, not processes",
         f"compute per sample is {per_top / per_base:.2f}x at world {top.world_size} what it "
-        f"is at world {base.world_size} ({per_top * 1000:.0f} vs {per_base * 1000:.0f} us): "
+        f"is at world {base.world_size} ({per_top * 1000:.1f} vs {per_base * 1000:.1f} us): "
         "the ranks slow each other down (shared cores or memory bandwidth), whatever DDP does",
     )
 
@@ -110,17 +125,33 @@ def _bucket_size(top: WorldResult, share: float) -> Recommendation | None:
     return None
 
 
-def _slow_collective(top: WorldResult, share: float) -> Recommendation | None:
-    """The buckets took far longer in training than alone: they compete with compute."""
+def _slow_collective(
+    top: WorldResult, threads: int | None, cores: int | None
+) -> Recommendation | None:
+    """The buckets took far longer in training than alone: they compete with compute. With
+    the threads and cores known, a thread count that leaves each rank a core for its
+    collective; none when one thread per rank is already all there is to take away."""
     achieved, alone = top.achieved_gbps, top.probe_gbps
     if achieved is None or alone is None or achieved > 0.6 * alone:
         return None
-    return Recommendation(
-        "give communication room: fewer compute threads per rank than cores "
-        "(OMP_NUM_THREADS), or a device that computes apart from the CPU",
+    why = (
         f"the step's all-reduces ran at {achieved:.2f} GB/s during training against "
         f"{alone:.2f} GB/s alone (probe): {top.comm_busy_ms:.1f} ms in flight instead of "
-        f"{top.probe_alone_ms:.1f} ms, because backward and the collective share the cores",
+        f"{top.probe_alone_ms:.1f} ms, because backward and the collective share the cores"
+    )
+    if threads is None or cores is None:
+        return Recommendation(
+            "give communication room: fewer compute threads per rank (OMP_NUM_THREADS), "
+            "or a device that computes apart from the CPU",
+            why,
+        )
+    fewer = max(1, (cores - top.world_size) // top.world_size)
+    if fewer >= threads:
+        return None  # nothing to take away: the contention advice says what is left
+    return Recommendation(
+        f"give communication room: OMP_NUM_THREADS={fewer} per rank",
+        f"{why}; {top.world_size} ranks of {threads} threads fill the {cores} cores, "
+        f"{fewer} threads per rank leave each rank a core for its collective",
     )
 
 
@@ -159,11 +190,20 @@ def _accumulate(top: WorldResult, share: float) -> Recommendation | None:
     exposed, compute = top.parts_ms["exposed"], _compute_ms(top)
     if share < 2 * QUIET or compute <= 0:
         return None
-    k = min(MAX_ACCUMULATION, max(2, math.ceil(exposed / (QUIET * compute))))
+    needed = max(2, math.ceil(exposed / (QUIET * compute)))
+    k = min(MAX_ACCUMULATION, needed)
+    reason = (
+        f"the exposed {exposed:.1f} ms is paid once per synced step; over {k} micro-batches "
+        f"of {compute:.1f} ms compute it falls to {exposed / k:.1f} ms each "
+        f"({exposed / k / compute:.0%} of compute)"
+    )
+    if needed > MAX_ACCUMULATION:
+        reason += (
+            f", still above {QUIET:.0%}: it would take {needed}, a batch too much larger "
+            "to suggest; communication stays this step's limit"
+        )
     return Recommendation(
         f"gradient accumulation: gradient_accumulation_steps={k} (no_sync() for k-1 of k "
         "micro-batches; the optimizer then sees a k times larger batch: retune the rate)",
-        f"the exposed {exposed:.1f} ms is paid once per synced step; over {k} micro-batches "
-        f"of {compute:.1f} ms compute it falls to {exposed / k:.1f} ms each "
-        f"({exposed / k / compute:.0%} of compute)",
+        reason,
     )

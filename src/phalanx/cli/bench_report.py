@@ -100,16 +100,19 @@ def analyze_trace(trace: dict[str, Any], warmup: int) -> WorldResult:
         raise ValueError("no measured step in the timeline")
     medians = [{k: statistics.median(s[k] for s in steps) for k in steps[0]} for steps in per_rank]
     slowest = max((_median_step(steps) for steps in per_rank), key=lambda s: s["step"])
-    sizes = _bucket_sizes(trace, ranks[0], warmup)
+    # A world of one sends nothing: its reducer's all-reduce over one rank moves no byte
+    # anywhere, and reporting its buckets and bandwidth read as communication.
+    sends = len(ranks) > 1
+    sizes = _bucket_sizes(trace, ranks[0], warmup) if sends else []
     return WorldResult(
         world_size=len(ranks),
         steps=min(len(steps) for steps in per_rank),
         step_ms=slowest["step"],
         samples_per_step=int(sum(m["samples"] for m in medians)),
         parts_ms={p: slowest[p] for p in PARTS},
-        hidden_ms=statistics.mean(m["hidden"] for m in medians),
-        comm_busy_ms=statistics.mean(m["busy"] for m in medians),
-        bytes_per_step=int(medians[0]["bytes"]),
+        hidden_ms=statistics.mean(m["hidden"] for m in medians) if sends else 0.0,
+        comm_busy_ms=statistics.mean(m["busy"] for m in medians) if sends else 0.0,
+        bytes_per_step=int(medians[0]["bytes"]) if sends else 0,
         buckets_per_step=len(sizes),
         bucket_bytes=sizes,
     )

@@ -27,6 +27,7 @@ from phalanx.launch.config import (
     parse_nproc,
     parse_signals,
 )
+from phalanx.launch.devices import cpu_count, gpu_count
 from phalanx.launch.output import OutputSink
 from phalanx.launch.routing import (
     ERR,
@@ -45,11 +46,12 @@ def config_from_args(ns: argparse.Namespace) -> LaunchConfig:
     _refuse_what_needs_torch(ns)
     nnodes = parse_nnodes(ns.nnodes)
     site = store_site(ns, nnodes)
+    nproc = parse_nproc(ns.nproc_per_node)
     return LaunchConfig(
         command=_command(ns),
         use_python=not ns.no_python,
         run_path=ns.run_path,
-        nproc_per_node=parse_nproc(ns.nproc_per_node),
+        nproc_per_node=nproc,
         nnodes=nnodes,
         node_rank=site.node_rank,
         master_addr=site.master_addr,
@@ -68,7 +70,21 @@ def config_from_args(ns: argparse.Namespace) -> LaunchConfig:
         role=ns.role,
         handled_signals=parse_signals(ns.signals_to_handle),
         virtual_local_rank=ns.virtual_local_rank,
-        notes=site.notes,
+        notes=site.notes + _more_workers_than_cores(nproc, gpu_count(), cpu_count()),
+    )
+
+
+def _more_workers_than_cores(nproc: int, gpus: int, cores: int) -> tuple[str, ...]:
+    """A warning (the job still runs) when CPU workers outnumber the cores they may run on:
+    they take turns on them, and their collectives wait for whichever is descheduled, so
+    a step takes longer than with one worker per core. A test may want that; a run for
+    speed does not. With a GPU visible the workers compute there: no warning."""
+    if gpus or nproc <= cores:
+        return ()
+    return (
+        f"warning: --nproc-per-node {nproc} starts more workers than the {cores} cores this "
+        f"launcher may use, and no GPU is visible: they will share the cores — fine for a "
+        f"test; for speed, --nproc-per-node {cores} or fewer",
     )
 
 

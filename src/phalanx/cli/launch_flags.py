@@ -13,6 +13,7 @@ from functools import partial
 from typing import Any, NoReturn
 
 from phalanx.cli.rdzvflags import DEFAULT_C10D_PORT
+from phalanx.cli.suggest import nearest
 from phalanx.errors import UsageError
 from phalanx.launch.config import DEFAULT_GRACE_S, DEFAULT_MULTINODE_PORT, DEFAULT_RDZV_TIMEOUT_S
 
@@ -23,7 +24,16 @@ Add = Callable[..., None]
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
-        raise UsageError(message)
+        raise UsageError(message + self._did_you_mean(message))
+
+    def _did_you_mean(self, message: str) -> str:
+        """' (did you mean --nproc-per-node?)' after a mistyped flag, else nothing."""
+        prefix = "unrecognized arguments: "
+        if not message.startswith(prefix):
+            return ""
+        flags = [w.split("=")[0] for w in message[len(prefix) :].split() if w.startswith("-")]
+        guesses = [g for g in (nearest(f, self._option_string_actions) for f in flags) if g]
+        return f" (did you mean {' and '.join(guesses)}?)" if guesses else ""
 
 
 def _flag(parser: argparse.ArgumentParser, names: str, help: str, **kwargs: Any) -> None:

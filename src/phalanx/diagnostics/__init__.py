@@ -1,5 +1,6 @@
 """What a run can tell about itself: replica checks and timelines.
 
-Below ddp, optim, zero3 and offload (they record into a timeline); the ranks'
+Below ddp, optim, zero3 and offload (they record into a timeline; `optimizer_spans`
+times every optimizer step through torch's global hooks); the ranks'
 progress record, which the torch-free launcher reads, is `phalanx.ground.progress_record`.
 """

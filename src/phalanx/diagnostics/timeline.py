@@ -2,8 +2,9 @@
 
 Turned on by `PHALANX_TIMELINE=path` (or the Trainer's `timeline=`). Each
 rank records spans in memory: forward, backward, each bucket's flight from
-launch to completion (with its bytes), the end-of-backward wait, the
-optimizer step, checkpoint saves, barriers. A bucket's completion time comes
+launch to completion (with its bytes), the end-of-backward wait, every
+optimizer step (the Trainer's, or a script's own through torch's global step
+hooks: optimizer_spans.py), checkpoint saves, barriers. A bucket's completion time comes
 from its collective's own completion callback, on the communication thread,
 not from the moment someone waited for it. At exit each rank writes its spans
 next to `path`, and rank 0 merges every rank's file into `path`: one track
@@ -107,6 +108,7 @@ class Timeline:
         self.dropped_spans = 0
         """Spans past MAX_SPANS: counted, not kept."""
         self._lock = threading.Lock()  # completion callbacks run on the communication thread
+        self._open: dict[str, int] = {}  # spans in progress on the training thread, by name
         self._current: StepRecord | None = None
         self._samples = 0  # samples of the forwards since the last step ended
         # What stage 3's forwards waited for and sent before the step's backward began.
@@ -123,10 +125,16 @@ class Timeline:
     @contextmanager
     def span(self, name: str, track: str = "compute", **args: Any) -> Iterator[None]:
         start = time.perf_counter_ns()
+        self._open[name] = self._open.get(name, 0) + 1
         try:
             yield
         finally:
+            self._open[name] -= 1
             self.add(name, track, start, time.perf_counter_ns(), **args)
+
+    def is_open(self, name: str) -> bool:
+        """Whether a span called `name` is in progress (the optimizer hooks' test)."""
+        return self._open.get(name, 0) > 0
 
     @contextmanager
     def forward(self, samples: int) -> Iterator[None]:
@@ -333,6 +341,11 @@ def start(path: str | Path, rank: int, world_size: int) -> Timeline:
         timeline = Timeline(path, rank, world_size, int(stop) if stop else None)
         _ACTIVE[key] = timeline
         atexit.register(_finish, timeline)
+        # A script's own opt.step() too (the one module here that imports torch, imported
+        # only by a process that records, which has torch already).
+        from phalanx.diagnostics.optimizer_spans import time_optimizer_steps
+
+        time_optimizer_steps(timeline)
     return timeline
 
 

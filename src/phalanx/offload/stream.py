@@ -31,6 +31,7 @@ from phalanx.errors import OffloadError
 from phalanx.offload.agree import raise_on_every_rank
 from phalanx.offload.files import OffloadFiles
 from phalanx.offload.fused import fuse_where_default, local
+from phalanx.runtime.hostmem import return_freed_memory
 
 if TYPE_CHECKING:
     from phalanx.diagnostics.timeline import Timeline
@@ -358,6 +359,7 @@ def stream_optimizer(
     existing = streamer_of(optimizer)
     if existing is not None:
         return existing
+    return_freed_memory()  # offload is for less host memory: what a step frees goes back
     streamer = Streamer(optimizer, files, window_bytes, group)
     cls = type(optimizer)
     members = {"step": _streamed_step, "zero_grad": _zero_grad_of(cls)}

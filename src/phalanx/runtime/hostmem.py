@@ -8,8 +8,12 @@ each, allocated and freed per unit and step) come from the heap instead,
 where freed blocks stay resident and fragment: the process's RSS grows step
 after step above what it holds. Fixing the threshold returns each freed
 block to the kernel; the price is faulting the pages in again each step
-(benchmarks/zero_memory.py measures both). The Trainer turns it on at
-zero_stage=3 and under zero_offload; `fully_shard` users call it themselves.
+(benchmarks/zero_memory.py measures both). Disk offload turns it on by itself
+(a `DiskOffloadPolicy` given to `fully_shard`, every optimizer streamed through
+files: without it, the documented calls' peak RSS was 2x, and a 375M-parameter
+MLP under a 700 MB cap was killed; docs/zero.md, "Offload"), and the Trainer at
+zero_stage=3 too; an in-memory `fully_shard` script may call it before building
+its model.
 """
 
 from __future__ import annotations

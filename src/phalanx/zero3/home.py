@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from phalanx.offload.files import OffloadFiles
+from phalanx.runtime.hostmem import return_freed_memory
 from phalanx.zero3.policies import CPUOffloadPolicy, DiskOffloadPolicy, OffloadPolicy
 
 
@@ -73,7 +74,12 @@ class FileHome(Home):
 
 
 def home_of(policy: OffloadPolicy, device: torch.device) -> Home:
+    """The home `policy` names. Under disk offload, host memory freed from now on goes back to
+    the kernel (runtime/hostmem.py): the point of that policy is less of it, and the units'
+    whole buffers, freed every step, would otherwise stay resident (docs/zero.md, "Offload",
+    measured). CPUOffloadPolicy, FSDP2's, keeps glibc's default, as torch does."""
     if isinstance(policy, DiskOffloadPolicy):
+        return_freed_memory()
         if not policy.params:
             return Home()
         return FileHome(policy.files())

@@ -195,6 +195,9 @@ def write_hf(
         tensors = _unshared(source.read(keys))
         save_file(tensors, str(directory / name), metadata={"format": "pt"})
         del tensors  # before the next file's are read
+        # safetensors writes a temporary file of mode 0600 and renames it: the weights
+        # would be the one file of the export (and of a checkpoint) no one else can read.
+        os.chmod(directory / name, 0o666 & ~_umask())
         _fsync(directory / name)
     if split.is_sharded:
         index = {"metadata": dict(split.metadata), "weight_map": dict(split.tensor_to_filename)}
@@ -215,6 +218,20 @@ def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out[key] = tensor.clone() if ptr in seen and tensor.numel() else tensor.contiguous()
         seen.add(ptr)
     return out
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (Linux's /proc/self/status; elsewhere
+    set and put back at once)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _fsync(path: Path) -> None:
