@@ -125,7 +125,8 @@ class Trainer(ClusterRun):
         if self.state.global_step >= self.max_steps:
             self._rng.restore()
             self._report.say(f"already at max_steps ({self.max_steps}) — nothing to do")
-            return TrainOutput(self.state.global_step, self._mean_loss(), 0.0, 0.0, resumed_from)
+            done = (self.state.global_step, self._mean_loss(), 0.0, 0.0, resumed_from)
+            return TrainOutput(*done, self.world.launcher)
         keep_until = self.state.global_step if resumed_from is not None else 0
         with timelines.span_of(self.timeline, "open run (barrier)"):
             self._report.open(self.max_steps, self.state.global_step, keep_until)
