@@ -39,8 +39,12 @@ class OneRank:
 def configured_logging() -> Iterator[list[logging.LogRecord]]:
     """What Ray Train does on its workers (and a script's basicConfig): INFO to a handler."""
     records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append  # type: ignore[method-assign]
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    handler = Keep()
     root = logging.getLogger()
     level = root.level
     root.addHandler(handler)
