@@ -4,6 +4,8 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 # The CPU build of torch; GPU users install their own torch before `pip install phalanx`.
 TORCH  ?= torch==2.13.0
+# The ray extra at the release tests/e2e/test_ray.py was written against (its wheel brings no torch).
+RAY    ?= ray[train]==2.60.0
 
 .PHONY: venv test test-slow test-all test-faults gpu-check lint bytecode demo bench bench-comm bench-comm-link clean
 
@@ -12,7 +14,7 @@ venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[test,examples,yaml,hf]"
+	$(PY) -m pip install -q -e ".[test,examples,yaml,hf,ray]" "$(RAY)"
 	touch $@
 
 lint: venv

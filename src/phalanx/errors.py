@@ -4,13 +4,23 @@ Every error class lives here, below every layer: the launcher (which imports
 no torch) raises some, and `World.barrier_or_raise` re-raises any of them by
 name on the ranks that did not fail themselves, without importing train/.
 Messages follow "what is wrong — what to do".
+
+Each class also says how a process it ends should exit (`exit_code`), so that a
+scheduler can tell what is worth retrying (docs/clusters.md, "Exit codes"): a
+configuration error fails the same way again (2: do not retry), a failure of
+the machinery around the run (peers, the network, the store) may not (203:
+retry). `ExitCode` names the whole contract.
 """
 
 from __future__ import annotations
 
+import enum
+from typing import ClassVar
+
 __all__ = [
     "CheckpointError",
     "ConfigurationError",
+    "ExitCode",
     "MasterUnreachableError",
     "NoQuorum",
     "NonFiniteError",
@@ -29,12 +39,41 @@ __all__ = [
 ]
 
 
+class ExitCode(enum.IntEnum):
+    """How a phalanx process ends, for a scheduler to act on (docs/clusters.md, "Exit codes").
+
+    Kubeflow's `restartPolicy: ExitCode` restarts a pod that exited 128-255 and fails
+    the job on 1-127 (training-operator's IsRetryableExitCode), so the codes worth a
+    retry sit at 128 and above, and the others below.
+    """
+
+    OK = 0
+    FAILED = 1
+    """Any other failure: an uncaught exception of the script (Python's own 1); not retried,
+    since a bug or a diverged model fails the same way again."""
+    CONFIGURATION = 2
+    """A ConfigurationError (and `phalanx launch`'s bad flags, as argparse): the job's own
+    arguments or environment cannot work; a retry fails the same way."""
+    PREEMPTED = 143
+    """Stopped by SIGTERM after saving (128 + 15, what a shell gives; SIGINT: 130): retry,
+    and the run resumes from that checkpoint."""
+    INFRASTRUCTURE = 203
+    """The machinery around the run failed: a peer died or hung, the network or the store
+    went away, the master could not be reached. 128 + 75, sysexits' EX_TEMPFAIL ("try
+    again later") lifted above every signal's 128 + N (N <= 64): retry."""
+
+
 class PhalanxError(RuntimeError):
     """Base class of every error phalanx raises deliberately."""
+
+    exit_code: ClassVar[int] = ExitCode.FAILED
+    """The status a process that this error ends exits with (runtime/errorhook.py)."""
 
 
 class ConfigurationError(PhalanxError, ValueError):
     """A value the user passed (argument, environment variable) cannot work."""
+
+    exit_code = ExitCode.CONFIGURATION
 
 
 class UsageError(ConfigurationError):
@@ -58,6 +97,8 @@ class NotSupportedError(PhalanxError, NotImplementedError):
     """A torch feature phalanx does not provide on purpose: the message says why, and what
     to use instead (never silently ignored)."""
 
+    exit_code = ExitCode.CONFIGURATION
+
 
 class OffloadError(PhalanxError):
     """Offloaded state cannot be written: its directory is unwritable, or its disk is full.
@@ -67,9 +108,13 @@ class OffloadError(PhalanxError):
 class RendezvousError(PhalanxError):
     """The ranks could not find each other (master unreachable, peers missing)."""
 
+    exit_code = ExitCode.INFRASTRUCTURE
+
 
 class MasterUnreachableError(PhalanxError):
     """A non-master node could not connect to the master's port within --rdzv-timeout."""
+
+    exit_code = ExitCode.INFRASTRUCTURE
 
 
 class CheckpointError(PhalanxError):
@@ -96,9 +141,13 @@ class PeerLost(PhalanxError):
     """Under live recovery, a peer died, stalled or is joining while a collective was in
     flight: the step is abandoned on every member and the group is formed again."""
 
+    exit_code = ExitCode.INFRASTRUCTURE
+
 
 class NoQuorum(PhalanxError):
     """Under live recovery, too few members checked in to form the next group in time."""
+
+    exit_code = ExitCode.INFRASTRUCTURE
 
 
 class StoreTampered(PhalanxError):

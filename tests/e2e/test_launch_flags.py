@@ -107,7 +107,7 @@ def test_rdzv_conf_join_timeout_bounds_the_wait_for_nodes(tmp_path: Path) -> Non
     )
     started = time.monotonic()
     result = launch(flags, ENV_DUMP, tmp_path, timeout_s=80)
-    assert result.returncode == 1
+    assert result.returncode == 203
     assert "only 1 of 2 nodes joined rendezvous 'none' within 3s" in result.stderr
     assert "--rdzv-conf last_call_timeout has no effect" in result.stderr
     assert time.monotonic() - started < 60
@@ -118,7 +118,7 @@ def test_rdzv_conf_join_timeout_bounds_the_wait_for_nodes(tmp_path: Path) -> Non
 def test_rdzv_conf_timeout_bounds_the_wait_for_the_master(tmp_path: Path) -> None:
     flags = f"--nnodes 2 --node-rank 1 --master-addr 127.0.0.1 --master-port {free_port()}"
     result = launch(f"{flags} --rdzv-conf timeout=1", ENV_DUMP, tmp_path)
-    assert result.returncode == 1
+    assert result.returncode == 203
     assert "after 1s (connection refused)" in result.stderr.lower()
 
 

@@ -81,7 +81,7 @@ def test_a_port_that_is_not_a_store_is_not_the_master(tmp_path: Path, impostor: 
     started = time.monotonic()
     result = launch(flags, SCRIPTS / "env_dump.py", tmp_path)
     took = time.monotonic() - started
-    assert result.returncode == 1
+    assert result.returncode == 203  # infrastructure: the master is not there (a retry may find it)
     assert took < 4 + 10, f"took {took:.0f}s with --rdzv-timeout 4"
     if impostor._greeting:
         assert "something other than a torch store answers at 127.0.0.1" in result.stderr

@@ -111,7 +111,7 @@ def test_an_uncaught_phalanx_error_in_a_users_script_is_one_line(tmp_path: Path)
     plain = subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, timeout=50
     )
-    assert plain.returncode == 1
+    assert plain.returncode == 2  # a configuration error's exit code (docs/clusters.md)
     lines = plain.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("ConfigurationError: backend 'no-such-backend'")
     assert "PHALANX_TRACEBACK=1" in lines[0]
@@ -119,7 +119,7 @@ def test_an_uncaught_phalanx_error_in_a_users_script_is_one_line(tmp_path: Path)
     full = subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, timeout=50, env=env
     )
-    assert full.returncode == 1 and "Traceback (most recent call last)" in full.stderr
+    assert full.returncode == 2 and "Traceback (most recent call last)" in full.stderr
 
 
 @pytest.mark.timeout(90)
@@ -164,7 +164,7 @@ def test_ranks_that_disagree_on_world_size_say_so_and_exit(tmp_path: Path) -> No
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE))  # fmt: skip
     outputs = [p.communicate(timeout=60) for p in procs]  # well within ddp's 20 s timeout
     for rank, (proc, (_, err)) in enumerate(zip(procs, outputs, strict=True)):
-        assert proc.returncode == 1, err
+        assert proc.returncode == 2, err  # a configuration error
         lines = err.strip().splitlines()
         assert len(lines) == 1 and "the ranks disagree on WORLD_SIZE" in lines[0], err
         assert f"rank {rank} was started with WORLD_SIZE={2 + rank}" in lines[0], err
@@ -190,7 +190,7 @@ def test_a_hand_set_rank_0_told_a_foreign_master_address_says_so_at_once() -> No
     finally:
         proc.kill()
         proc.wait()
-    assert proc.returncode == 1, err
+    assert proc.returncode == 2, err  # a configuration error
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
     assert lines[0].startswith(

@@ -12,9 +12,10 @@ import shutil
 import sys
 import uuid
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
-from phalanx.cli.launch_flags import build_parser
+from phalanx.cli.launch_flags import build_parser, environment_defaults
 from phalanx.cli.rdzvflags import store_site
 from phalanx.errors import ConfigurationError, PhalanxError, UsageError
 from phalanx.ground.netif import is_local_address
@@ -151,10 +152,15 @@ def _command(ns: argparse.Namespace) -> list[str]:
 
 
 def launch_main(argv: Sequence[str]) -> int:
-    """`phalanx launch`: 0 on success, the failed worker's status, 2 for bad flags."""
+    """`phalanx launch`: 0 on success, the failed worker's status, 2 for bad flags, 203 when
+    the other nodes or the store could not be reached (errors.ExitCode)."""
     try:
-        ns = build_parser().parse_args(list(argv))
+        parser = build_parser()
+        taken = environment_defaults(parser, os.environ)  # torchrun's PET_* variables
+        ns = parser.parse_args(list(argv))
         config = config_from_args(ns)
+        if taken:
+            config = replace(config, notes=(*config.notes, _environment_note(taken)))
     except UsageError as exc:
         return _usage_error(f"{exc} — run 'phalanx launch --help' for the flags")
     except ConfigurationError as exc:
@@ -165,9 +171,16 @@ def launch_main(argv: Sequence[str]) -> int:
         return Agent(config, OutputSink(sys.stdout, sys.stderr)).run()
     except ConfigurationError as exc:
         return _usage_error(str(exc))
-    except PhalanxError as exc:
+    except PhalanxError as exc:  # the master unreachable, a node missing: exit_code 203
         print(f"phalanx launch: error: {exc}", file=sys.stderr, flush=True)
-        return 1
+        return int(exc.exit_code)
+
+
+def _environment_note(taken: list[str]) -> str:
+    return (
+        f"read from the environment, as torchrun does: {', '.join(taken)} (a flag on the "
+        "command line wins over its PET_ variable)"
+    )
 
 
 def _usage_error(message: str) -> int:

@@ -2,13 +2,16 @@
 
 Every flag also answers to its underscore twin (`--nproc_per_node`), as in
 torchrun, so existing launch commands need only the program name changed.
+And, as in torchrun, each of torchrun's flags left off the command line is read
+from `PET_<FLAG>` (PET_NNODES, PET_NODE_RANK, ...): Kubeflow's Trainer and
+PyTorchJob give each pod its part of the job that way (docs/clusters.md).
 What each flag does, and which are refused and why: docs/launch.md.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any, NoReturn
 
@@ -17,7 +20,7 @@ from phalanx.cli.suggest import nearest
 from phalanx.errors import UsageError
 from phalanx.launch.config import DEFAULT_GRACE_S, DEFAULT_MULTINODE_PORT, DEFAULT_RDZV_TIMEOUT_S
 
-__all__ = ["build_parser"]
+__all__ = ["TORCHRUN_ENV", "build_parser", "environment_defaults"]
 
 Add = Callable[..., None]
 
@@ -248,6 +251,77 @@ def _refused(add: Add) -> None:
         "refused: see docs/launch.md",
         choices=("node", "socket", "exclusive", "core-complex"),
     )
+
+
+# torchrun's flags that it reads from PET_<its dest> when they are not given (torch's
+# argparse_util `env` / `check_env` actions), by phalanx's dest: (torchrun's dest, switch).
+_VALUE_FLAGS = [
+    "nnodes",
+    "nproc_per_node",
+    "node_rank",
+    "master_addr",
+    "master_port",
+    "local_addr",
+    "rdzv_backend",
+    "rdzv_endpoint",
+    "rdzv_conf",
+    "max_restarts",
+    "monitor_interval",
+    "start_method",
+    "event_log_handler",
+    "role",
+    "log_dir",
+    "redirects",
+    "tee",
+    "local_ranks_filter",
+    "duplicate_stdout_filters",
+    "duplicate_stderr_filters",
+    "signals_to_handle",
+    "shutdown_timeout",
+]
+_SWITCHES = ["standalone", "module", "no_python", "run_path", "virtual_local_rank"]
+TORCHRUN_ENV: dict[str, tuple[str, bool]] = {
+    **{dest: (dest, False) for dest in _VALUE_FLAGS},
+    "run_id": ("rdzv_id", False),  # phalanx's dest for --rdzv-id
+    **{dest: (dest, True) for dest in _SWITCHES},
+}
+
+
+def environment_defaults(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> list[str]:
+    """Make each PET_<FLAG> in `environ` its flag's default, as torchrun does (a flag on the
+    command line still wins); the ones taken, as 'PET_NNODES=2'."""
+    taken, defaults = [], {}
+    for dest, (torchrun_dest, switch) in TORCHRUN_ENV.items():
+        variable = f"PET_{torchrun_dest.upper()}"
+        raw = environ.get(variable, "")
+        if not raw:  # torchrun's test too: an empty variable is no value
+            continue
+        defaults[dest] = _switch(variable, raw) if switch else _checked(parser, dest, variable, raw)
+        taken.append(f"{variable}={raw}")
+    parser.set_defaults(**defaults)
+    return taken
+
+
+def _switch(variable: str, raw: str) -> bool:
+    """check_env's reading: an integer, true when not 0."""
+    try:
+        return bool(int(raw))
+    except ValueError:
+        raise UsageError(f"{variable}={raw!r} is not 0 or 1 — fix or unset it") from None
+
+
+def _checked(parser: argparse.ArgumentParser, dest: str, variable: str, raw: str) -> Any:
+    """`raw` as its flag's type, or one line naming the variable (argparse would name the
+    flag, which is not on the command line)."""
+    action = next(a for a in parser._actions if a.dest == dest and a.help != argparse.SUPPRESS)
+    try:
+        value = action.type(raw) if callable(action.type) else raw
+    except ValueError:
+        flag = action.option_strings[0]
+        raise UsageError(f"{variable}={raw!r} is not a valid {flag} — fix or unset it") from None
+    if action.choices is not None and value not in action.choices:
+        raise UsageError(f"{variable}={raw!r} is not one of {list(action.choices)} — fix it")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -41,6 +41,8 @@ _ELASTIC_KEYS = (
     "keep_alive_max_attempt",
 )
 _TRUE, _FALSE = ("1", "true", "yes", "y"), ("0", "false", "no", "n")
+# Kubernetes sets it in every container of an Indexed Job's pod (JobSet's jobs are Indexed).
+COMPLETION_INDEX = "JOB_COMPLETION_INDEX"
 
 
 @dataclass(frozen=True)
@@ -177,14 +179,32 @@ def store_site(ns: argparse.Namespace, nnodes: int) -> StoreSite:
             rdzv_timeout,
             notes,
         )
-    node_rank = ns.node_rank or 0
+    node_rank, note = _static_node_rank(ns.node_rank)
     return StoreSite(
         addr,
         DEFAULT_MULTINODE_PORT if port is None else port,
         node_rank,
         replace(rdzv, hosts_store=node_rank == 0, port_flag=port_flag),
         rdzv_timeout,
-        notes,
+        notes + note,
+    )
+
+
+def _static_node_rank(given: int | None) -> tuple[int, tuple[str, ...]]:
+    """--node-rank (or PET_NODE_RANK); else, in a pod of a Kubernetes Indexed Job (a
+    JobSet's, one pod per node), its completion index; else 0, as before."""
+    if given is not None:
+        return given, ()
+    index = os.environ.get(COMPLETION_INDEX, "").strip()
+    if not index:
+        return 0, ()
+    if not index.isdigit():
+        raise ConfigurationError(
+            f"{COMPLETION_INDEX}={index!r} is not a node rank — pass --node-rank"
+        )
+    return int(index), (
+        f"node rank {index} from {COMPLETION_INDEX} (this pod's index in its Indexed Job, "
+        "as JobSet gives it; --node-rank wins)",
     )
 
 

@@ -3,10 +3,13 @@
 Each launcher describes the job in its own variables: torchrun and
 `phalanx launch` export RANK/WORLD_SIZE/LOCAL_RANK/..., SLURM's `srun` exports
 SLURM_PROCID/SLURM_NTASKS/... and a compressed node list, `mpirun` exports
-OMPI_COMM_WORLD_* (or PMI_* under MPICH and Intel MPI). `detect_launch` reads
-whichever is there into one `LaunchInfo`. It is pure (a mapping in, a value
-out) so every launcher can be tested without one, and imports no torch so the
-launcher, which must start fast, can use it too.
+OMPI_COMM_WORLD_* (or PMI_* under MPICH and Intel MPI). Ray Train's TorchTrainer
+exports torchrun's names with NODE_RANK for the node; Kubernetes operators give
+one process per pod RANK/WORLD_SIZE/MASTER_* and say the pod's node in their own
+words (Kubeflow's PET_NNODES/PET_NODE_RANK, an Indexed Job's JOB_COMPLETION_INDEX;
+docs/clusters.md). `detect_launch` reads whichever is there into one `LaunchInfo`.
+It is pure (a mapping in, a value out) so every launcher can be tested without
+one, and imports no torch so the launcher, which must start fast, can use it too.
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ _MPI_VARS = (
     ),
     ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
 )
+# Set by Kubernetes in every container of an Indexed Job's pod (a JobSet's jobs are Indexed).
+_COMPLETION_INDEX = "JOB_COMPLETION_INDEX"
 _RANGE = re.compile(r"(\d+)(?:-(\d+))?")
 _TASKS = re.compile(r"(\d+)(?:\(x(\d+)\))?")
 
@@ -207,11 +212,13 @@ def _from_env_launcher(environ: Mapping[str, str]) -> LaunchInfo:
             f"WORLD_SIZE={world} must be at least 1 — export the number of processes in the job"
         )
     local_world = _opt_int(environ, "LOCAL_WORLD_SIZE")
-    local_world = world if local_world is None else local_world
+    local_world = _pods_local_world(environ, world) if local_world is None else local_world
     if local_world < 1:
         raise ConfigurationError(f"LOCAL_WORLD_SIZE={local_world} must be >= 1 — fix or unset it")
     local_rank = _opt_int(environ, "LOCAL_RANK")
-    node = _opt_int(environ, "GROUP_RANK")
+    # torchrun's and phalanx launch's GROUP_RANK; Ray Train's NODE_RANK; Kubeflow's
+    # PET_NODE_RANK (the pod's index); an Indexed Job's (JobSet's) completion index.
+    node = _opt_int(environ, "GROUP_RANK", "NODE_RANK", "PET_NODE_RANK", _COMPLETION_INDEX)
     addr, port = environ.get("MASTER_ADDR") or None, _opt_int(environ, "MASTER_PORT")
     if world > 1 and (addr is None or port is None):
         raise ConfigurationError(
@@ -221,7 +228,7 @@ def _from_env_launcher(environ: Mapping[str, str]) -> LaunchInfo:
     if addr is None or port is None:
         addr, port = None, None
     return _placed(
-        "env",
+        _env_launcher_name(environ),
         rank,
         world,
         local_world,
@@ -231,6 +238,30 @@ def _from_env_launcher(environ: Mapping[str, str]) -> LaunchInfo:
         port,
         agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
     )
+
+
+def _env_launcher_name(environ: Mapping[str, str]) -> str:
+    """ "ray" in a Ray worker (its raylet's pid is in every worker's environment) that no
+    launcher of ours or torchrun's started; "env" for every other RANK/WORLD_SIZE job."""
+    launched = "TORCHELASTIC_RUN_ID" in environ or "PHALANX_RESTART_COUNT" in environ
+    return "ray" if "RAY_RAYLET_PID" in environ and not launched else "env"
+
+
+def _pods_local_world(environ: Mapping[str, str], world: int) -> int:
+    """Processes on this node when nothing says (no LOCAL_WORLD_SIZE): a Kubernetes
+    operator's pod runs one (PyTorchJob gives PET_NNODES pods WORLD_SIZE ranks; an Indexed
+    Job's pod has its completion index), a hand-started job runs them all on one host."""
+    nodes = _opt_int(environ, "PET_NNODES")
+    per_pod = environ.get("PET_NPROC_PER_NODE", "").strip()  # a number, or "auto": a launcher's
+    if per_pod.isdigit() and int(per_pod) > 1:
+        raise ConfigurationError(
+            f"PET_NPROC_PER_NODE={per_pod} asks for {per_pod} processes in this pod, but this "
+            "one was started alone — make the container's command `phalanx launch train.py` "
+            "(it reads PET_* as torchrun does)"
+        )
+    if nodes is not None and nodes > 0 and world % nodes == 0:
+        return world // nodes
+    return 1 if _COMPLETION_INDEX in environ else world
 
 
 def _slurm_local_world(environ: Mapping[str, str], node: int, world: int) -> int:
@@ -327,11 +358,25 @@ def _validated(info: LaunchInfo) -> LaunchInfo:
     return info
 
 
+def _refuse_unlaunched_pod(environ: Mapping[str, str]) -> None:
+    """Kubeflow's PET_* variables say this pod is one of several nodes, yet nothing started
+    this process as a rank: it would train alone, unnoticed, beside the other pods."""
+    nodes = _opt_int(environ, "PET_NNODES") if environ.get("PET_NNODES", "").isdigit() else None
+    if nodes is not None and nodes > 1:
+        raise ConfigurationError(
+            f"PET_NNODES={nodes} says this pod is one of {nodes} nodes, but nothing started "
+            "this process as a rank (no RANK/WORLD_SIZE) — make the container's command "
+            "`phalanx launch train.py`, which reads PET_* as torchrun does (docs/clusters.md)"
+        )
+
+
 def detect_launch(environ: Mapping[str, str]) -> LaunchInfo:
     """Read the launcher's variables: RANK/WORLD_SIZE first, then SLURM, then MPI."""
     if "RANK" in environ or "WORLD_SIZE" in environ:
         return _validated(_from_env_launcher(environ))
     found = _from_slurm(environ) or _from_mpi(environ)
+    if found is None:
+        _refuse_unlaunched_pod(environ)
     return _validated(found) if found is not None else _single_process()
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Any
 
-from phalanx.errors import TRACEBACK_FILE_ENV, ConfigurationError
+from phalanx.errors import TRACEBACK_FILE_ENV, ConfigurationError, ExitCode
 from phalanx.ground.live_keys import (
     LIVE_ENV,
     MEMBER_ENV,
@@ -205,6 +205,12 @@ class Agent:
             group.drain_output()
             summary = failure_summary(worker, failure.returncode, self.config.node_rank, stall)
             self.sink.message(summary)
+        if failure.exit_code == ExitCode.CONFIGURATION and restart < max_restarts:
+            self.sink.message(  # the same configuration would fail the same way again
+                f"rank {worker.rank} exited with a configuration error (exit code "
+                f"{ExitCode.CONFIGURATION}): not restarting — fix the configuration"
+            )
+            return failure.exit_code
         if restart < max_restarts and not self._cancelled():
             self.sink.message(
                 f"restarting the worker group (restart {restart + 1} of {max_restarts})"

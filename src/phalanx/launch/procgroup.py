@@ -13,6 +13,8 @@ import os
 import signal
 from pathlib import Path
 
+from phalanx.errors import ExitCode
+
 _PROC = Path("/proc")
 
 
@@ -69,10 +71,19 @@ def exit_code_of(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+# What phalanx's own exit codes mean (errors.ExitCode; docs/clusters.md, "Exit codes").
+_MEANINGS: dict[int, str] = {
+    ExitCode.CONFIGURATION: "a configuration error",
+    ExitCode.INFRASTRUCTURE: "a peer, the network or the store failed",
+}
+
+
 def describe_returncode(returncode: int) -> str:
-    """'exit code 3', or 'killed by SIGKILL (signal 9)'."""
+    """'exit code 3', 'exit code 2 (a configuration error)', or 'killed by SIGKILL (signal
+    9)'."""
     if returncode >= 0:
-        return f"exit code {returncode}"
+        meaning = _MEANINGS.get(returncode)
+        return f"exit code {returncode}" + (f" ({meaning})" if meaning else "")
     signum = -returncode
     try:
         name = signal.Signals(signum).name

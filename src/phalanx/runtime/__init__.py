@@ -30,6 +30,7 @@ from phalanx.ground.parent_launch import describe_single_accelerate_process
 from phalanx.runtime.backend import backend_names, claim_device, resolve_backend, select_device
 from phalanx.runtime.errorhook import install_error_hook
 from phalanx.runtime.exit import register_exit_hook, shutdown
+from phalanx.runtime.ignored import SettingIgnoredWarning, warn_ignored
 from phalanx.runtime.live import LIVE_BACKEND, register_live_backend
 from phalanx.runtime.store import make_store
 from phalanx.runtime.world import World, describe_default_group
@@ -37,6 +38,7 @@ from phalanx.runtime.world import World, describe_default_group
 __all__ = [
     "LaunchInfo",
     "RendezvousError",
+    "SettingIgnoredWarning",
     "World",
     "detect_launch",
     "init",
@@ -90,6 +92,36 @@ def _pin_gloo_interface(backend: str, info: LaunchInfo) -> None:
         logger.log(level, "rank %d: %s", info.rank, choice.note)
 
 
+def _group_timeout() -> timedelta | None:
+    """The existing default group's collective timeout, where torch says it."""
+    try:
+        group = dist.group.WORLD
+        assert group is not None
+        return group._get_backend(torch.device("cpu")).options._timeout
+    except Exception:  # no CPU backend (nccl alone), or a torch without these internals
+        return None
+
+
+def _warn_fixed_group(backend: str | None, timeout: timedelta | None, info: LaunchInfo) -> None:
+    """Once, on rank 0: what an existing group cannot take from this call."""
+    by = "Ray Train's TorchConfig" if info.launcher == "ray" else "whoever made it"
+    if backend is not None and backend.strip().lower() != str(dist.get_backend()):
+        warn_ignored(
+            f"backend {backend!r} cannot apply: the process group exists already with "
+            f"backend {dist.get_backend()!r} (made by {by}) — set the backend there "
+            "(Ray: TorchConfig(backend=...)), or drop it here",
+            dist.get_rank(),
+        )
+    fixed = _group_timeout()
+    if timeout is not None and fixed is not None and fixed != timeout:
+        warn_ignored(
+            f"timeout {timeout.total_seconds():g} s cannot apply: the process group exists "
+            f"already with {fixed.total_seconds():g} s (made by {by}) — set it there "
+            "(Ray: TorchConfig(timeout_s=...)), or drop it here",
+            dist.get_rank(),
+        )
+
+
 def _join_group(backend: str, info: LaunchInfo, device: torch.device, wait: timedelta) -> None:
     store = make_store(info, wait)
     rank, world_size = info.rank, info.world_size
@@ -123,25 +155,22 @@ def _join_group(backend: str, info: LaunchInfo, device: torch.device, wait: time
         ) from exc
 
 
-def init(backend: str | None = None, timeout: float | timedelta = DEFAULT_TIMEOUT_S) -> World:
+def init(backend: str | None = None, timeout: float | timedelta | None = None) -> World:
     """Join (or describe) the default process group of the job that started us.
 
     `backend`: None picks nccl with GPUs, gloo without; any name torch accepts
-    is checked against this build. `timeout` (seconds or timedelta) bounds the
-    rendezvous and every collective, so a missing rank fails instead of hanging.
-    Calling `init` again, or after your own `dist.init_process_group`, returns
-    a `World` for the existing group.
+    is checked against this build. `timeout` (seconds or timedelta; None: 1800)
+    bounds the rendezvous and every collective, so a missing rank fails instead
+    of hanging. Calling `init` again, or after your own `dist.init_process_group`
+    (Ray Train makes the group before your function runs), returns a `World` for
+    the existing group; a backend or timeout it cannot have then is warned about
+    once (SettingIgnoredWarning).
     """
     install_error_hook()  # first: a wrong argument below is one line, not a traceback
-    wait = parse_timeout(timeout)
+    wait = parse_timeout(DEFAULT_TIMEOUT_S if timeout is None else timeout)
     info = detect_launch(os.environ)
     if dist.is_initialized():
-        if backend is not None and backend.strip().lower() != str(dist.get_backend()):
-            logger.warning(
-                "init(backend=%r) ignored: the process group already exists with backend %r",
-                backend,
-                dist.get_backend(),
-            )
+        _warn_fixed_group(backend, None if timeout is None else wait, info)
         return describe_default_group(info)
     if info.launcher == "none" and (asked := describe_single_accelerate_process()):
         raise ConfigurationError(asked)

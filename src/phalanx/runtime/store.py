@@ -217,7 +217,7 @@ def _raise_if_other_world(info: LaunchInfo, rank: int, their_size: str) -> None:
     """A hand-set environment where the ranks disagree on WORLD_SIZE: said at once, by
     both sides, instead of a failed connection blamed on the network interface."""
     if their_size != str(info.world_size):
-        raise RendezvousError(
+        raise ConfigurationError(
             f"the ranks disagree on WORLD_SIZE: rank {info.rank} was started with "
             f"WORLD_SIZE={info.world_size}, rank {rank} with WORLD_SIZE={their_size} — "
             "export the same WORLD_SIZE on every rank"

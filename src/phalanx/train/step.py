@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -131,6 +132,7 @@ class StepRunner:
     ) -> StepResult:
         """Train one step on `batches`, this rank's micro-batches of a step of `expected`
         (fewer only under even_batches=False, where `shadow` plays the missing ones)."""
+        started = time.perf_counter()
         sizes = [batch_size(batch) for batch in batches]
         weights = loss_weights(sizes, self.world, reduced=self._reduced)
         synced = expected - 1  # the step's last micro-batch reduces, the others accumulate
@@ -154,7 +156,7 @@ class StepRunner:
                 self.args.max_grad_norm,
                 check,
             )
-        return StepResult(loss, grad_norm, stepped, sum(sizes))
+        return StepResult(loss, grad_norm, stepped, sum(sizes), time.perf_counter() - started)
 
     def _check(self, loss: Tensor, state: TrainState) -> StepCheck:
         return lambda grad_norm: self.guard.allows_step(grad_norm, loss, state)
@@ -205,3 +207,6 @@ class StepResult:
     """False when the non-finite check skipped the step."""
     samples: int
     """This rank's samples in the step."""
+    seconds: float = 0.0
+    """The step's own time on this rank: forward, backward, optimizer step (no callback,
+    log line, evaluation or save: what runs between steps is not the step)."""

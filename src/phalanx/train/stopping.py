@@ -25,6 +25,7 @@ from types import FrameType
 from typing import Any, NamedTuple
 
 from phalanx.runtime import World
+from phalanx.runtime.ignored import warn_ignored
 
 STOP_SIGNALS: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)
 
@@ -74,6 +75,14 @@ class StopRequests:
         if enabled and threading.current_thread() is threading.main_thread():
             for signum in STOP_SIGNALS:
                 self._previous[signum] = signal.signal(signum, self._record)
+        elif enabled:  # Ray Train runs the function in a thread of its worker actor
+            warn_ignored(
+                "save_on_signal cannot catch SIGTERM or Ctrl-C here: train() runs off the "
+                f"main thread ({threading.current_thread().name}), where Python sets no "
+                "signal handler — a stop loses the steps since the last checkpoint; bound "
+                "them with save_steps (under Ray Train a restart resumes the last one)",
+                self.world.rank,
+            )
         try:
             yield
         finally:

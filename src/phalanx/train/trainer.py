@@ -31,13 +31,13 @@ from phalanx.train.checkpoint import hf_save
 from phalanx.train.checkpoint.directory import PREFIX
 from phalanx.train.checkpoint.outputdir import prepare_output_dir, restart_note
 from phalanx.train.checkpoint.rng import seed_everything
+from phalanx.train.cluster import ClusterRun
 from phalanx.train.evaluation import EvalSetup, evaluate_model
 from phalanx.train.flow import due_after_step, metric_key, record_evaluation, record_save
 from phalanx.train.logging.report import human_size
 from phalanx.train.logging.runlog import emit
 from phalanx.train.nonfinite import check_parameters
 from phalanx.train.stopping import Stop, TrainingStopped
-from phalanx.train.trainer_setup import TrainerSetup
 from phalanx.train.trainer_state import (
     ResumeWarning,
     TrainState,
@@ -57,13 +57,16 @@ class TrainOutput:
     """Training samples over all ranks per second of this call's loop."""
     runtime_s: float
     resumed_from: str | None
+    launcher: str = "none"
+    """Who started the run: `World.launcher` ("env", "ray", "slurm", "mpi", "none")."""
 
 
-class Trainer(TrainerSetup):
+class Trainer(ClusterRun):
     """Train `model` on `train_dataset` as `args` says; see docs/trainer.md.
 
     Its construction (joining the world, the model, the data, the callbacks) is
-    `TrainerSetup`'s (trainer_setup.py); the loop, logging, evaluation and saving are here.
+    `TrainerSetup`'s (trainer_setup.py), what Ray Train adds `ClusterRun`'s (cluster.py);
+    the loop, logging, evaluation and saving are here.
     """
 
     # ------------------------------------------------------------------ train
@@ -113,15 +116,17 @@ class Trainer(TrainerSetup):
         restart = restart_note()
         if restart is not None:
             self._report.say(f"{restart}: " + ("resuming…" if resume else "starting afresh"))
-        prepare_output_dir(self.world, self.args, fresh=resume is False)
-        seed_everything(self.args.seed)
-        self.state = TrainState()
-        self._make_entries()
-        resumed_from = None if resume is False else self._resume(resume)
+        with self._restored(resume_from_checkpoint, resume) as (resume, restored):
+            prepare_output_dir(self.world, self.args, fresh=resume is False)
+            seed_everything(self.args.seed)
+            self.state = TrainState()
+            self._make_entries()
+            resumed_from = None if resume is False else self._resume(resume, restored)
         if self.state.global_step >= self.max_steps:
             self._rng.restore()
             self._report.say(f"already at max_steps ({self.max_steps}) — nothing to do")
-            return TrainOutput(self.state.global_step, self._mean_loss(), 0.0, 0.0, resumed_from)
+            done = (self.state.global_step, self._mean_loss(), 0.0, 0.0, resumed_from)
+            return TrainOutput(*done, self.world.launcher)
         keep_until = self.state.global_step if resumed_from is not None else 0
         with timelines.span_of(self.timeline, "open run (barrier)"):
             self._report.open(self.max_steps, self.state.global_step, keep_until)
@@ -160,12 +165,13 @@ class Trainer(TrainerSetup):
         """Whether the checkpoint resumed from is output_dir's own: no need to write it again."""
         return resumed_from is not None and Path(resumed_from).parent == Path(self.args.output_dir)
 
-    def _resume(self, resume_from: bool | str | Path) -> str | None:
+    def _resume(self, resume_from: bool | str | Path, restored: Path | None = None) -> str | None:
+        """`restored`: this node's copy of the checkpoint Ray restored (rank 0 chose its own)."""
         path = self._checkpointer.choose(resume_from)
         if path is None:
             self._report.say(f"no checkpoint in {self.args.output_dir} yet: starting at step 0")
             return None
-        self._checkpointer.load(path, self.checkpoint_states())
+        self._checkpointer.load(path if restored is None else restored, self.checkpoint_states())
         warning = resume_warning(path.name, self._counters, self._position)
         if warning is not None and self.world.is_main:
             warnings.warn(warning, ResumeWarning, stacklevel=3)
@@ -323,12 +329,14 @@ class Trainer(TrainerSetup):
     def _output(self, resumed_from: str | None) -> TrainOutput:
         summary = self._sync_loss()
         self._runlog = None
+        self._finish_on_cluster()
         return TrainOutput(
             global_step=self.state.global_step,
             train_loss=self._mean_loss(),
             samples_per_second=summary.get("samples_per_second", 0.0),
             runtime_s=summary.get("window_s", 0.0),
             resumed_from=resumed_from,
+            launcher=self.world.launcher,
         )
 
     # ------------------------------------------------------ evaluate and save
@@ -378,6 +386,7 @@ class Trainer(TrainerSetup):
         self._report.say(
             f"saved {saved.path.name} ({human_size(saved.bytes)}, {saved.seconds:.2f} s)"
         )
+        self._checkpoint_done(saved.path)  # sealed: Ray Train gets it (cluster.py)
         return saved.path
 
     def save_model(self, output_dir: str | Path | None = None) -> Path:

@@ -47,6 +47,10 @@ def main(out: Path) -> None:
         "world_size": world.world_size,
         "ifname": ifname,
         "node_rank": world.node_rank,
+        "local_rank": world.local_rank,
+        "local_world_size": world.local_world_size,
+        "master": [world.master_addr, world.master_port],
+        "launcher": world.launcher,
         "params": params,
     }
     (out / f"params_{world.rank}.json").write_text(json.dumps(record))

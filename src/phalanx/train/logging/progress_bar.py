@@ -58,12 +58,20 @@ class StepWindow:
         self.comm_wait_start = comm_wait_now
         self.steps = 0
         self.samples = 0
+        self.ran = 0
+        """Steps run, skipped ones included (`steps` counts those whose loss counts)."""
+        self.step_s = 0.0
+        """Seconds inside those steps, not between them (callbacks, logs, saves)."""
         self.loss_sum: Tensor | None = None
         self.last_loss: Tensor | None = None
         self.grad_norm_sum: Tensor | None = None
 
     def add_samples(self, count: int) -> None:
         self.samples += count
+
+    def add_time(self, seconds: float) -> None:
+        self.ran += 1
+        self.step_s += seconds
 
     def add_step(self, loss: Tensor, grad_norm: Tensor | None) -> None:
         self.steps += 1
@@ -83,18 +91,19 @@ class StepWindow:
             comm_wait_now - self.comm_wait_start,
             time.perf_counter() - self.started,
             float(self.steps),
+            self.step_s,
         ]
-        loss, last, norm, samples, comm, elapsed, total = world.all_reduce_sum(local)
+        loss, last, norm, samples, comm, elapsed, total, step_s = world.all_reduce_sum(local)
         # Means over every rank's steps: after a live recovery a replacement's window is
         # shorter than the others', and every member must still print the same numbers.
         trained = total > 0
-        ranks, steps, total = world.world_size, max(1, self.steps), max(1.0, total)
+        ranks, total = world.world_size, max(1.0, total)
         wall = elapsed / ranks  # every rank ran the same steps: average their clocks
         out = {
             "loss": loss / total,
             "last_loss": last / ranks,
             "samples_per_second": samples / wall if wall > 0 else 0.0,
-            "step_time_s": wall / steps,
+            "step_time_s": step_s / ranks / max(1, self.ran),
             "comm_wait_s": comm / total,
             "window_s": wall,
         }

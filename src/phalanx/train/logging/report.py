@@ -40,7 +40,7 @@ class RunReport:
                 self.sinks = open_sinks(
                     self.args.report_to,
                     Path(self.args.output_dir),
-                    self.progress.write,
+                    self._line,
                     keep_until,
                     self.args.to_dict(),
                 )
@@ -70,11 +70,17 @@ class RunReport:
         self.world.barrier_or_raise(error)
 
     def say(self, text: str) -> None:
-        """A status line on rank 0's console (resumed, saved, restarted), through the bar."""
-        if not self.world.is_main:
-            return
-        logger.info(text)
-        if self.progress is not None:
+        """A status line on rank 0's console (resumed, saved, restarted)."""
+        if self.world.is_main:
+            self._line(text)
+
+    def _line(self, text: str) -> None:
+        """One line on the console, once: through logging where logging shows it (Ray
+        Train's workers configure it, and so may a script), else through the bar. Both at
+        once showed it twice; and Ray Train sends print to logging as well."""
+        if logger.isEnabledFor(logging.INFO) and logger.hasHandlers():
+            logger.info(text)
+        elif self.progress is not None:
             self.progress.write(text)
         else:
             print(text, flush=True)

@@ -65,6 +65,7 @@ class RunLog:
     def add(self, result: StepResult) -> None:
         for tracker in (self.run, self.window):
             tracker.add_samples(result.samples)
+            tracker.add_time(result.seconds)
             if result.stepped:  # a skipped step's loss is not finite: it stays out of the mean
                 tracker.add_step(result.loss, result.grad_norm)
 
