@@ -4,6 +4,9 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 # The CPU build of torch; GPU users install their own torch before `pip install phalanx`.
 TORCH  ?= torch==2.13.0
+# tests/e2e/test_torchtitan.py trains it under phalanx; its requirements are the `titan` extra
+# (pyproject.toml says why torchtitan itself goes in without its own).
+TORCHTITAN ?= torchtitan==0.3.0
 
 .PHONY: venv test test-slow test-all test-faults gpu-check lint bytecode demo bench bench-comm bench-comm-link clean
 
@@ -12,7 +15,8 @@ venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[test,examples,yaml,hf]"
+	$(PY) -m pip install -q -e ".[test,examples,yaml,hf,titan]"
+	$(PY) -m pip install -q --no-deps "$(TORCHTITAN)"
 	touch $@
 
 lint: venv
