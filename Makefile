@@ -6,15 +6,25 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 # The ray extra at the release tests/e2e/test_ray.py was written against (its wheel brings no torch).
 RAY    ?= ray[train]==2.60.0
+# tests/e2e/test_torchtitan.py trains it under phalanx; its requirements are the `titan` extra
+# (pyproject.toml says why torchtitan itself goes in without its own).
+TORCHTITAN ?= torchtitan==0.3.0
 
 .PHONY: venv test test-slow test-all test-faults gpu-check lint bytecode demo bench bench-comm bench-comm-link clean
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml Makefile
+# What the demo needs: torch and phalanx with the examples' data (scikit-learn).
+$(VENV)/.base: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[test,examples,yaml,hf,ray]" "$(RAY)"
+	$(PY) -m pip install -q -e ".[examples]"
+	touch $@
+
+# What the tests need on top: the test tools, the Hugging Face, Ray and torchtitan extras.
+$(VENV)/.installed: $(VENV)/.base
+	$(PY) -m pip install -q -e ".[test,examples,yaml,hf,ray,titan]" "$(RAY)"
+	$(PY) -m pip install -q --no-deps "$(TORCHTITAN)"
 	touch $@
 
 lint: venv
@@ -52,7 +62,7 @@ gpu-check: venv
 	$(VENV)/bin/pytest -q tests/gpu
 
 # The main job: 2 ranks through our launcher, first the hand-written loop, then the Trainer.
-demo: venv
+demo: $(VENV)/.base
 	$(VENV)/bin/phalanx launch --nproc-per-node 2 examples/digits.py
 	$(VENV)/bin/phalanx launch --nproc-per-node 2 examples/digits_trainer.py --no-resume --overwrite_output_dir
 
