@@ -193,24 +193,6 @@ def test_twenty_trials_of_a_random_rank_lost_at_a_random_step(tmp_path: Path) ->
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("stage", ["3"])
-def test_zero_falls_back_to_a_restart_and_says_so(tmp_path: Path, stage: str) -> None:
-    """Under --live-recovery a stage-3 run starts (its collectives over the live group), says
-    in one line that a loss restarts it, and a rank killed after the step-4 checkpoint
-    restarts every rank from it, with no replacement started: the model ends where the
-    undisturbed run's does. (Stages 1-2 recover live: test_live_zero.py.)"""
-    quiet = _train(tmp_path / "quiet", tmp_path / "ql", 8, 2, "resume", ZERO_STAGE=stage,
-                   SAVE_STEPS="4")  # fmt: skip
-    out = _train(tmp_path / "out", tmp_path / "ledger", 8, 2, "resume", ZERO_STAGE=stage,
-                 SAVE_STEPS="4", KILL_STEPS="6")  # fmt: skip
-    assert out.count('fault_tolerance="live" falls back to a restart') == 2, out
-    assert "restarting the worker group (restart 1 of 1)" in out, out
-    assert "resumed from checkpoint-4" in out or "resuming" in out, out
-    assert "replacement" not in out and "Traceback" not in out, out
-    assert _fit(out) == _fit(quiet), out
-
-
-@pytest.mark.timeout(300)
 def test_a_loss_during_the_rebuild_is_one_more_recovery(tmp_path: Path) -> None:
     """r1 dies at step 10; r2 dies inside the survivors' rebuild (DDP wrapping again, its
     broadcasts in flight): r0 recovers once more, alone, and the run ends with every step

@@ -61,15 +61,6 @@ def live_training_for(trainer: TrainerSetup) -> LiveTraining | None:
             'fault_tolerance="live" needs the live group of `phalanx launch --live-recovery` '
             "— launch with it, or leave fault_tolerance at its default"
         )
-    note = trainer.strategy.lost_rank_note
-    if note is not None:  # ZeRO
-        trainer._report.say(
-            f'fault_tolerance="live" falls back to a restart: {note}, so a loss restarts every '
-            "rank from the last checkpoint (--max-restarts); zero_stage=0 keeps the survivors "
-            "running (docs/reliability.md)"
-        )
-        fall_back_to_restart()
-        return None
     if trainer.stream is not None or trainer.sampler is None:
         raise ConfigurationError(
             'fault_tolerance="live" deals a map-style train_dataset over the survivors; a '

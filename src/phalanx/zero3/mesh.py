@@ -18,15 +18,19 @@ import torch
 import torch.distributed as dist
 
 from phalanx.errors import ConfigurationError
+from phalanx.runtime.live import current_live_group
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Placement
 
 # torch's `fully_shard(mesh=None)` names no run object to hold the default mesh, so it is
-# kept per default group here: weakly (it goes with its group) and by the group's size (live
-# recovery forms a group of another size on the same object; a mesh of the old size is stale).
-_DEFAULT_MESHES: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple[str, int], DeviceMesh]]
+# kept per default group here: weakly (it goes with its group) and by the group's size and
+# this rank (live recovery forms the group again on the same object: another size, or this
+# process at another rank; a mesh of the old ones is stale).
+_DEFAULT_MESHES: weakref.WeakKeyDictionary[
+    dist.ProcessGroup, dict[tuple[str, int, int], DeviceMesh]
+]
 _DEFAULT_MESHES = weakref.WeakKeyDictionary()
 
 _POST_FORWARD_GROUPS = "_phalanx_post_forward_groups"
@@ -71,10 +75,23 @@ def default_mesh() -> DeviceMesh:
     world = dist.group.WORLD
     assert world is not None
     meshes = _DEFAULT_MESHES.setdefault(world, {})
-    key = (device_type, dist.get_world_size())
+    # A mesh holds this rank's coordinate: after a re-form the same size can come with
+    # another rank for this process, and the old mesh would place its shards wrong.
+    key = (device_type, dist.get_world_size(), dist.get_rank())
     if key not in meshes:
-        meshes[key] = init_device_mesh(device_type, (dist.get_world_size(),))
+        meshes[key] = init_device_mesh(
+            device_type, (dist.get_world_size(),), mesh_dim_names=_names()
+        )
     return meshes[key]
+
+
+def _names() -> tuple[str, ...] | None:
+    """None, but under live recovery the generation's own name: two meshes over the same ranks
+    are equal to torch whatever this process's coordinate in each, and DTensor's dispatch
+    caches output specs by their meshes, so after a re-form (this process at another rank) a
+    cached spec would hand new shards the old mesh and its old coordinate."""
+    group = current_live_group()
+    return None if group is None else (f"dp_g{group.generation}",)
 
 
 def mesh_info(mesh: DeviceMesh | None) -> MeshInfo:

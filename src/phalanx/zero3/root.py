@@ -122,6 +122,13 @@ class Root:
             if buffers and dist.get_world_size(group) > 1:
                 self.comm.add(broadcast_coalesced(buffers, group))
 
+    def record_again(self) -> None:
+        """Forget the order units ran in: the next iteration records it again, prefetching
+        nothing (after a re-deal every rank must issue the same gathers, and a replacement
+        has recorded nothing yet)."""
+        self.order, self.recording = [], True
+        self._broadcast_next = True
+
     def record(self, unit: Unit) -> None:
         if self.recording and unit not in self.order:
             self.order.append(unit)

@@ -248,6 +248,8 @@ def redeal(model: nn.Module, wholes: list[torch.Tensor], mesh: Any = None) -> No
     values = iter(wholes)
     for unit in units(model):
         unit.redeal(info, [next(values) for _ in unit.params])
+    for root in {id(u.root): u.root for u in units(model) if u.root is not None}.values():
+        root.record_again()  # every rank gathers in the same order from the next iteration
 
 
 def is_sharded(param: nn.Parameter, model: nn.Module) -> bool:

@@ -267,12 +267,10 @@ class TrainingArguments(Config):
     "live" (under `phalanx launch --live-recovery`): the survivors drop the step in flight
     and go on from their memory, the rest of the epoch dealt over them, and a replacement
     joins with a live peer's state; the per-rank batch stays, so each step then averages
-    fewer samples. Stages 0 (sync_method ddp, local_sgd or diloco), 1 and 2 (each rank's
-    pieces kept by its neighbour: `live_snapshot_steps`); under zero_stage 3 a lost rank's
-    shard exists nowhere else, so "live" falls back to "restart", said at start-up.
-    docs/reliability.md."""
+    fewer samples. Every stage: 0 (sync_method ddp, local_sgd or diloco), and 1-3, where each
+    rank's pieces are kept by its neighbour (`live_snapshot_steps`). docs/reliability.md."""
     live_snapshot_steps: int = 10
-    """fault_tolerance="live" at zero_stage 1-2: every this many steps each rank copies the
+    """fault_tolerance="live" at zero_stage 1-3: every this many steps each rank copies the
     pieces only it holds to its neighbour, in host memory; a loss rolls every rank back to
     the last copy (at most this many steps trained again), a replacement joining does not."""
 

@@ -49,12 +49,9 @@ class Strategy:
 
     sharded_model = False
     """Whether the model's parameters are shards (then saving it streams them)."""
-    lost_rank_note: str | None = None
-    """Why a lost rank's state exists nowhere else (ZeRO's shards), so live recovery must
-    fall back to a restart from the checkpoint; None: every rank holds everything."""
 
     shards_state = False
-    """Whether a rank holds state no other rank has (ZeRO-1/2's pieces): live recovery then
+    """Whether a rank holds state no other rank has (ZeRO's pieces): live recovery then
     keeps each rank's with a neighbour (train/live_snapshots.py) and rolls back to it."""
 
     def __init__(
