@@ -32,12 +32,20 @@ def _digests(out: str) -> set[str]:
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("stage", ["1", pytest.param("2", marks=pytest.mark.slow), "3"])
+@pytest.mark.parametrize(
+    "stage",
+    ["1", pytest.param("2", marks=pytest.mark.slow), "3",
+     pytest.param("3-disk", marks=pytest.mark.slow)],
+)  # fmt: skip
 def test_a_loss_rolls_back_to_the_neighbours_copy_and_ends_as_its_replay(
     tmp_path: Path, stage: str
 ) -> None:
+    """3-disk: stage 3 with zero_offload="disk" (the shards and the state in files)."""
+    offload = "disk" if stage.endswith("-disk") else ""
+    stage = stage.removesuffix("-disk")
     lost = _train(tmp_path / "lost", tmp_path / "ledger", STEPS, ZERO_STAGE=stage,
-                  KILL_MEMBER="r1", KILL_STEP="13", HOLD_STEP="25", HOLD_WORLD="3")  # fmt: skip
+                  ZERO_OFFLOAD=offload, KILL_MEMBER="r1", KILL_STEP="13", HOLD_STEP="25",
+                  HOLD_WORLD="3")  # fmt: skip
     worlds = _check_epochs(tmp_path / "ledger", STEPS, tmp_path / "lost")
     assert worlds[:10] == [3] * 10 and worlds[10] == 2 and worlds[-1] == 3, worlds
     log = (tmp_path / "lost" / "live_membership.jsonl").read_text().splitlines()
@@ -47,7 +55,8 @@ def test_a_loss_rolls_back_to_the_neighbours_copy_and_ends_as_its_replay(
     assert lost.count("done step=") == 3 and len(set(re.findall(r"eval=(\S+)", lost))) == 1, lost
     recorded = str(tmp_path / "lost" / "live_membership.jsonl")
     replay = _train(tmp_path / "replay", tmp_path / "ledger_replay", STEPS, ZERO_STAGE=stage,
-                    KILL_MEMBER="r1", KILL_STEP="10", PHALANX_LIVE_REPLAY=recorded)  # fmt: skip
+                    ZERO_OFFLOAD=offload, KILL_MEMBER="r1", KILL_STEP="10",
+                    PHALANX_LIVE_REPLAY=recorded)  # fmt: skip
     assert _digests(replay) == _digests(lost), (lost, replay)
     assert _fit(replay) == _fit(lost)
 

@@ -58,7 +58,7 @@ class Reduction(NamedTuple):
 class PendingAllReduce(NamedTuple):
     """HSDP: reduced rows on their way across the replicas."""
 
-    work: Any
+    work: dist.Work
     output: torch.Tensor
 
 

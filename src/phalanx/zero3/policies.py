@@ -9,7 +9,7 @@ never ignored.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Protocol
 
 import torch
 
@@ -19,11 +19,25 @@ from phalanx.offload.policies import CPUOffloadPolicy, DiskOffloadPolicy, Offloa
 __all__ = [
     "CPUOffloadPolicy",
     "DiskOffloadPolicy",
+    "MixedPrecisionLike",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "mixed_precision",
     "offload",
 ]
+
+
+class MixedPrecisionLike(Protocol):
+    """What a mixed-precision policy has: phalanx's, or torch's own (read by field name)."""
+
+    @property
+    def param_dtype(self) -> torch.dtype | None: ...
+    @property
+    def reduce_dtype(self) -> torch.dtype | None: ...
+    @property
+    def output_dtype(self) -> torch.dtype | None: ...
+    @property
+    def cast_forward_inputs(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -48,7 +62,7 @@ class MixedPrecisionPolicy:
         return self.reduce_dtype or self.param_dtype or unsharded
 
 
-def mixed_precision(policy: Any) -> MixedPrecisionPolicy:
+def mixed_precision(policy: MixedPrecisionLike | object | None) -> MixedPrecisionPolicy:
     """Ours or torch's (`torch.distributed.fsdp.MixedPrecisionPolicy`), read by field name."""
     if policy is None:
         return MixedPrecisionPolicy()
@@ -63,7 +77,7 @@ def mixed_precision(policy: Any) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(**{n: getattr(policy, n) for n in names})
 
 
-def offload(policy: Any, device: torch.device) -> OffloadPolicy:
+def offload(policy: object | None, device: torch.device) -> OffloadPolicy:
     """`OffloadPolicy()` (none), `CPUOffloadPolicy` (ours or torch's; pinning only off a
     CPU mesh) or `DiskOffloadPolicy`."""
     if policy is None:

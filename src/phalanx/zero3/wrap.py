@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, overload
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,11 @@ from phalanx.zero3.mesh import (
 )
 from phalanx.zero3.module import FSDPModule, swap_class
 from phalanx.zero3.params import Owners, ShardedParam
-from phalanx.zero3.policies import mixed_precision, offload
+from phalanx.zero3.policies import MixedPrecisionLike, mixed_precision, offload
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Placement
 from phalanx.zero3.root import STATE, unit_of
 from phalanx.zero3.unit import Unit, UnitPhase
 
@@ -49,15 +53,15 @@ def fully_shard(module: list[nn.Module], **kwargs: Any) -> list[nn.Module]: ...
 def fully_shard(
     module: nn.Module | list[nn.Module],
     *,
-    mesh: Any = None,
+    mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | int | None = None,
-    shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
-    mp_policy: Any = None,
-    offload_policy: Any = None,
+    shard_placement_fn: Callable[[nn.Parameter], Placement | None] | None = None,
+    mp_policy: MixedPrecisionLike | None = None,
+    offload_policy: object | None = None,
     ignored_params: set[nn.Parameter] | None = None,
-    dp_mesh_dims: Any = None,
+    dp_mesh_dims: object | None = None,
     broadcast_buffers: bool = True,
-    **unsupported: Any,
+    **unsupported: object,
 ) -> nn.Module | list[nn.Module]:
     """Shard `module`'s parameters across the mesh (ZeRO-3, FSDP2's arguments).
 
@@ -240,7 +244,7 @@ def sharded_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [sp.sharded for unit in units(model) for sp in unit.params]
 
 
-def redeal(model: nn.Module, wholes: list[torch.Tensor], mesh: Any = None) -> None:
+def redeal(model: nn.Module, wholes: list[torch.Tensor], mesh: DeviceMesh | None = None) -> None:
     """Deal every unit of `model` again over `mesh` (default: every rank now) from the whole
     values of its parameters, in `sharded_parameters` order (live recovery: another world
     size). The sharded parameters are new objects: build the optimizer again."""

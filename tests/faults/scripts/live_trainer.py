@@ -140,6 +140,7 @@ def main() -> None:
         overwrite_output_dir=not resume, ddp_backend="gloo", seed=SEED,
         sync_method=SYNC, sync_every=4, fault_tolerance=TOLERANCE,
         zero_stage=STAGES[os.environ.get("ZERO_STAGE", "0")],
+        zero_offload="disk" if os.environ.get("ZERO_OFFLOAD") == "disk" else None,
     )  # fmt: skip
     die_in_rebuild(member)
     trainer = Trainer(model, args, train_dataset=data, callbacks=[Ledger(model, ledger)])
