@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -41,6 +42,8 @@ import interleave
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "faults" / "scripts" / "live_trainer.py"
 VARIANTS = ("none", "quiet-live", "live", "restart")
+PEAK_RSS_MB: dict[str, list[float]] = {}
+"""The largest rank's peak resident set of each run, by variant (what snapshots cost)."""
 
 
 def run_once(
@@ -68,6 +71,8 @@ def run_once(
     if done.returncode != 0:
         raise SystemExit(f"{variant} failed ({done.returncode}):\n{done.stdout[-3000:]}\n"
                          f"{done.stderr[-3000:]}")  # fmt: skip
+    peaks = [float(mb) for mb in re.findall(r"peak_rss_mb=(\S+)", done.stdout + done.stderr)]
+    PEAK_RSS_MB.setdefault(variant, []).append(max(peaks, default=0.0))
     return wall
 
 
@@ -100,10 +105,12 @@ def main() -> None:
     print(f"lost to {failures} failures: live {lost['live']:.2f} s, restart "
           f"{lost['restart']:.2f} s; live / restart = {ratio:.3f} (target <= 0.5)")  # fmt: skip
     print(f"no failure: live recovery's wall / a run without it = {cost:.3f}")
+    rss = {v: statistics.median(m) for v, m in PEAK_RSS_MB.items()}
+    print(f"peak RSS of the largest rank, medians: {rss}")
     if ns.out is not None:
         figures = {"settings": vars(ns) | {"out": str(ns.out)}, "walls_s": walls,
                    "median_s": median, "lost_s": lost, "live_over_restart": ratio,
-                   "quiet_live_over_none": cost}  # fmt: skip
+                   "quiet_live_over_none": cost, "peak_rss_mb": PEAK_RSS_MB}  # fmt: skip
         ns.out.write_text(json.dumps(figures, indent=1) + "\n")
 
 

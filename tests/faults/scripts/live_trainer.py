@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import sys
 import time
@@ -150,8 +151,9 @@ def main() -> None:
     model.eval()
     with torch.no_grad():  # the final model's loss on the whole dataset
         fit = float(nn.functional.cross_entropy(model.net(data.tensors[0]), data.tensors[1]))
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # the benchmarks'
     print(f"[{member}] done step={result.global_step} loss={result.train_loss:.6f} "
-          f"digest={digest:.15e} eval={fit:.6f}", flush=True)  # fmt: skip
+          f"digest={digest:.15e} eval={fit:.6f} peak_rss_mb={peak_mb:.0f}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
