@@ -15,7 +15,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -201,12 +200,9 @@ def test_c10d_rendezvous_across_two_hosts(two_hosts: tuple[Host, Host], tmp_path
     """No --node-rank: the launcher on the endpoint's host is node 0, the other joins as node
     1. While the job runs, the store listens on the master's veth address alone."""
     master, peer = two_hosts
-    # The peer starts first and waits for the store; --local-addr names its own address.
+    # Either may start first (the peer waits for the store); --local-addr names its own.
     argvs = [_c10d_argv(peer, tmp_path, "--local-addr", PEER_IP), _c10d_argv(master, tmp_path)]
-    procs = []
-    for argv in argvs:
-        procs.append(_popen(argv))
-        time.sleep(1.0)
+    procs = [_popen(argv) for argv in argvs]
     procs.reverse()  # node order: master, peer
     try:
         wait_for([tmp_path / f"ready_{r}" for r in range(2 * NPROC)], timeout_s=RUN_TIMEOUT_S)

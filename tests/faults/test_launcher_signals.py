@@ -175,7 +175,7 @@ def test_guard_stops_workers_it_was_never_told_of() -> None:
         assert lifeline._pipe is not None
         lifeline._pipe.close()  # the launcher's death as the guard sees it: no `exit` line
         lifeline._pipe = None
-        time.sleep(0.3)
+        listed.wait(timeout=10)  # the guard is sweeping (an event, not a pause)
         procs.append(late := _tagged_sleeper(lifeline.launch_id))  # was between fork and exec
         for proc in (unlisted, listed, late):
             proc.wait(timeout=10)

@@ -20,8 +20,8 @@ import phalanx.train.checkpoint.lineage as lineage
 from phalanx.offload import Streamer, streamer_of
 from phalanx.train import Trainer
 
-# Long enough that a signal the launcher passes on arrives while this step still runs.
-LAUNCHER_LATENCY_S = 2.0
+# The bound on waiting for the signal the launcher passes on (an event, not a guess).
+FORWARDED_WITHIN_S = 60.0
 
 
 def first_attempt() -> bool:
@@ -40,8 +40,10 @@ def signal_in_step(trainer: Trainer, opts: argparse.Namespace) -> None:
     for _ in range(opts.signal_count):
         os.kill(target, signal.Signals[opts.signal])
         time.sleep(0.05)  # two Ctrl-C are two key presses, not one
-    if opts.signal_launcher:
-        time.sleep(LAUNCHER_LATENCY_S)
+    if opts.signal_launcher:  # this step goes on until the launcher has passed it on
+        deadline = time.monotonic() + FORWARDED_WITHIN_S
+        while not trainer._stop_requests.received and time.monotonic() < deadline:
+            time.sleep(0.01)
 
 
 def kill_in_save(trainer: Trainer, where: str) -> None:
