@@ -38,7 +38,9 @@ def _bench(rank: int, world: int, port: int, results: dict[str, object]) -> None
 
         block = slice(rank * (n // world), (rank + 1) * (n // world))
 
-        def all_reduce_copy(x: torch.Tensor = x, out: torch.Tensor = out) -> None:
+        def all_reduce_copy(
+            x: torch.Tensor = x, out: torch.Tensor = out, block: slice = block
+        ) -> None:
             dist.all_reduce(x)
             out.copy_(x[block])
 
