@@ -58,6 +58,20 @@ def test_a_configuration_error_exits_2_and_is_not_restarted() -> None:
 
 
 @pytest.mark.timeout(TIMEOUT_S + 30)
+def test_an_error_raised_in_a_group_keeps_its_line_and_its_code() -> None:
+    """torch's init_process_group wraps sys.excepthook to prefix each line with the rank,
+    holding the text back until the hook it wraps returns: a status raised in there lost
+    the line (accelerate launch printed nothing but exit codes)."""
+    env = clean_env(PHALANX_TRACEBACK=None, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))  # fmt: skip
+    proc = start([sys.executable, SCRIPT, "config-in-group"], env=env)
+    _, err = finish(proc, TIMEOUT_S)
+    assert proc.returncode == ExitCode.CONFIGURATION, err
+    assert "[rank0]: ConfigurationError: raised with the group up — fix it here" in err, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
 def test_a_lost_peer_exits_203_on_the_survivor() -> None:
     """Two pods of a PyTorchJob: one is SIGKILLed (137), the other is left with gloo's
     'Connection closed by peer' and exits 203, retryable too, where it exited 1 (which

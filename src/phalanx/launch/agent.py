@@ -205,6 +205,8 @@ class Agent:
             group.drain_output()
             summary = failure_summary(worker, failure.returncode, self.config.node_rank, stall)
             self.sink.message(summary)
+            if stall.uneven:  # the closed connection was the script's: a retry fails alike
+                failure = Failure(worker, ExitCode.FAILED)
         if failure.exit_code == ExitCode.CONFIGURATION and restart < max_restarts:
             self.sink.message(  # the same configuration would fail the same way again
                 f"rank {worker.rank} exited with a configuration error (exit code "

@@ -61,6 +61,11 @@ class Stall:
     """Ranks that exited cleanly having entered fewer collectives than the failed rank: they
     ran out of steps while it went on."""
 
+    @property
+    def uneven(self) -> bool:
+        """The ranks ran different numbers of steps: the script's bug, not the machinery's."""
+        return not self.laggards and bool(self.finished)
+
 
 def find_stall(failed_rank: int, workers: Sequence[_Worker], directory: Path) -> Stall:
     """Read every rank's record; ask the ranks that lag for their stacks (before any stop)."""
@@ -174,7 +179,7 @@ def failure_summary(
     code = describe_returncode(returncode)
     if stall is not None and stall.laggards:
         lines = _stall_lines(failed, code, node_rank, stall)
-    elif stall is not None and stall.finished:
+    elif stall is not None and stall.uneven:
         lines = _uneven_lines(failed, code, node_rank, stall)
     else:
         lines = [

@@ -179,6 +179,7 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None) -
     claim_device(device)
     _pin_gloo_interface(chosen, info)
     _join_group(chosen, info, device, wait)
+    install_error_hook()  # again: the exit status outside torch's hook, which wraps ours
     progress_record.start(info.rank, info.world_size, wait.total_seconds())
     register_exit_hook()
     world = describe_default_group(info)

@@ -53,25 +53,60 @@ def exit_code_of(error: BaseException) -> int:
 
 
 def install_error_hook() -> None:
-    """Make `sys.excepthook` print an uncaught PhalanxError as its one line (once)."""
-    if getattr(sys.excepthook, "_phalanx", False):
-        return
-    previous = sys.excepthook
+    """Print an uncaught PhalanxError as its one line, and end with its exit status.
 
-    def hook(kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:
+    Two hooks: the printer sits where it is installed, so a hook installed later
+    (torch's `init_process_group` prefixes each line with `[rank<N>]: `) wraps its
+    output; the exit status is raised by an outer hook, put back on top at each call
+    (`phalanx.init` calls again once the group exists), since a SystemExit raised
+    inside torch's wrapper would lose the text that wrapper holds back to prefix.
+    """
+    if getattr(sys.excepthook, "_phalanx_exit", False):
+        return
+    inner = sys.excepthook
+    if not _has_printer(inner):
+        inner = _printer(inner)
+
+    def exit_with_status(
+        kind: type[BaseException], error: BaseException, tb: TracebackType | None
+    ) -> None:
+        inner(kind, error, tb)
         code = exit_code_of(error)
-        if not isinstance(error, PhalanxError) or os.environ.get(TRACEBACK_ENV, "") not in (
-            "",
-            "0",
-        ):
-            previous(kind, error, tb)
-        else:
-            _one_line(kind, error, tb)
-        if code != ExitCode.FAILED:
+        # A hook installed over this one runs around it: the status is its to raise.
+        if code != ExitCode.FAILED and sys.excepthook is exit_with_status:
             raise SystemExit(code)
 
-    hook._phalanx = True  # type: ignore[attr-defined]
-    sys.excepthook = hook
+    exit_with_status._phalanx_exit = True  # type: ignore[attr-defined]
+    exit_with_status._phalanx_printer = True  # type: ignore[attr-defined]
+    sys.excepthook = exit_with_status
+
+
+def _has_printer(hook: object) -> bool:
+    """Whether `hook` is one of ours, or a wrapper (torch's) whose chain holds one."""
+    seen = 0
+    while hook is not None and seen < 8:
+        if getattr(hook, "_phalanx_printer", False):
+            return True
+        cells = getattr(hook, "__closure__", None) or ()
+        hook = next(
+            (c.cell_contents for c in cells if callable(getattr(c, "cell_contents", None))),
+            None,
+        )
+        seen += 1
+    return False
+
+
+def _printer(previous: object) -> object:
+    def print_error(
+        kind: type[BaseException], error: BaseException, tb: TracebackType | None
+    ) -> None:
+        if isinstance(error, PhalanxError) and os.environ.get(TRACEBACK_ENV, "") in ("", "0"):
+            _one_line(kind, error, tb)
+        else:
+            previous(kind, error, tb)  # type: ignore[operator]
+
+    print_error._phalanx_printer = True  # type: ignore[attr-defined]
+    return print_error
 
 
 def _one_line(kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:

@@ -4,6 +4,8 @@ Usage: exit_codes.py MODE [OUTPUT_DIR]
 - config: phalanx.init(backend="nccl") on a machine without a GPU (a ConfigurationError);
 - peer: two ranks all-reduce; rank 1 SIGKILLs itself at the third, rank 0 is left with
   gloo's "Connection closed by peer";
+- config-in-group: a ConfigurationError raised once the group exists (torch's hook,
+  installed by init_process_group, then wraps phalanx's);
 - preempt: a Trainer in one process sends itself SIGTERM during step 2; it saves and stops.
 """
 
@@ -41,6 +43,9 @@ def main(mode: str, out: str | None) -> None:
     torch.set_num_threads(1)
     if mode == "config":
         phalanx.init(backend="nccl")
+    if mode == "config-in-group":
+        phalanx.init(backend="gloo", timeout=30)
+        raise phalanx.errors.ConfigurationError("raised with the group up — fix it here")
     if mode == "peer":
         world = phalanx.init(backend="gloo", timeout=30)
         tensor = torch.ones(4)
