@@ -414,3 +414,12 @@ def test_hugging_faces_derived_defaults() -> None:
         TrainingArguments(load_best_model_at_end=True, eval_strategy="steps", save_strategy="epoch")
     with pytest.raises(ConfigurationError, match='eval_strategy="no"'):
         TrainingArguments(save_strategy="best")
+
+
+def test_zero_offload_fraction_is_checked() -> None:
+    """The share of a disk offload in files (docs/zero.md, "Fractional offload")."""
+    assert TrainingArguments(zero_stage=3, zero_offload="disk", zero_offload_fraction=0.5)
+    with pytest.raises(ConfigurationError, match=r"zero_offload_fraction=1.5 must be in \[0, 1\]"):
+        TrainingArguments(zero_stage=3, zero_offload="disk", zero_offload_fraction=1.5)
+    with pytest.raises(ConfigurationError, match="is the share zero_offload='disk' puts"):
+        TrainingArguments(zero_stage=3, zero_offload_fraction=0.5)

@@ -140,6 +140,11 @@ class TrainingArguments(Config):
     own scratch directory in it, removed at exit); None: output_dir/offload."""
     zero_offload_window_mb: float = 64.0
     """How much offloaded state the optimizer step holds in memory at a time."""
+    zero_offload_fraction: float = 1.0
+    """Under zero_offload="disk", the share of the offloadable state put in files, the rest
+    kept in memory: the optimizer state first (the coldest: touched once a step), then at
+    stage 3 the shards and their gradients, largest tensors first (docs/zero.md,
+    "Fractional offload"). 1: all of it; with Adam at stage 3, 0.5 is the state alone."""
 
     # ----------------------------------------------------------- logging, evaluation, saving
     logging_strategy: Strategy = "steps"

@@ -232,6 +232,17 @@ def _check_ddp(args: TrainingArguments) -> None:
         f"zero_offload_window_mb={args.zero_offload_window_mb} must be > 0 — it is how much "
         "offloaded state the optimizer step holds at a time (e.g. 64)",
     )
+    fraction = args.zero_offload_fraction
+    require(
+        0.0 <= fraction <= 1.0,
+        f"zero_offload_fraction={fraction} must be in [0, 1] — the share of the offloadable "
+        "state kept in files (1: all of it)",
+    )
+    require(
+        fraction == 1.0 or args.zero_offload == "disk",
+        f"zero_offload_fraction={fraction} is the share zero_offload='disk' puts in files — "
+        "set zero_offload='disk', or drop zero_offload_fraction",
+    )
 
 
 def check_combinations(args: TrainingArguments) -> None:
