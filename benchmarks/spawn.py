@@ -88,8 +88,12 @@ def run_ranks(
             try:
                 kind, rank, payload = out.get(timeout=1.0)
             except queue.Empty:
-                if any(not p.is_alive() for p in procs) and out.empty():
-                    raise SystemExit("a rank died without reporting — see its output") from None
+                # A rank that reported may have exited already; one that did not, died.
+                silent = [r for r, p in enumerate(procs) if not p.is_alive() and r not in values]
+                if silent and out.empty():
+                    raise SystemExit(
+                        f"rank {silent[0]} died without reporting — see its output"
+                    ) from None
                 continue
             if kind == "error":
                 raise SystemExit(f"rank {rank} failed:\n{payload}")

@@ -79,10 +79,10 @@ def _sharded_init(rank: int, out_dir: str, disk: bool) -> dict[str, Any]:
 def _train(rank: int, out: Path, meta: bool, **extra: Any) -> dict[str, Any]:
     args = _args(out, max_steps=6, logging_steps=1, save_steps=10_000, **extra)
     trainer = Trainer(model=_built(meta, rank), args=args, train_dataset=_data(), loss_fn=_xent)
-    initial = _full(trainer, args.zero_stage)
+    initial = _full(trainer, int(args.zero_stage))
     losses = record_loss_sums(trainer)
     trainer.train()
-    result = {"initial": initial, "final": _full(trainer, args.zero_stage), "losses": losses}
+    result = {"initial": initial, "final": _full(trainer, int(args.zero_stage)), "losses": losses}
     trainer.close()
     return result
 

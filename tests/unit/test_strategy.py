@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+from typing import cast
+
+import pytest
 
 TRAIN = Path(__file__).resolve().parents[2] / "src" / "phalanx" / "train"
 # Where reading zero_stage is the point: the factory, and the arguments' definition and checks.
@@ -97,3 +100,19 @@ def test_only_the_strategy_asks_what_its_objects_are() -> None:
 def test_the_check_sees_a_rediscovery() -> None:
     code = "isinstance(m, DistributedDataParallel)\nif zero3.unit_of(m): pass\nisinstance(x, int)"
     assert _rediscoveries(ast.parse(code)) == [1, 2]
+
+
+def test_auto_is_resolved_before_the_factory() -> None:
+    """zero_stage / zero_offload "auto" are the planner's to resolve (train/plan/auto.py, in
+    the Trainer's setup before strategy_for); the factory refuses them in one line."""
+    from phalanx.errors import ConfigurationError
+    from phalanx.runtime import World
+    from phalanx.train.config.args import TrainingArguments
+    from phalanx.train.strategy import strategy_for
+
+    setup = (TRAIN / "trainer_setup.py").read_text()
+    assert setup.index("planned_arguments(self") < setup.index("strategy_for(self.args")
+    for auto in ({"zero_stage": "auto"}, {"zero_stage": 3, "zero_offload": "auto"}):
+        args = TrainingArguments(report_to=[], **auto)
+        with pytest.raises(ConfigurationError, match="'auto' is resolved by the Trainer"):
+            strategy_for(args, cast(World, None))

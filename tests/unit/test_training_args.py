@@ -65,7 +65,7 @@ BAD_VALUES: list[tuple[str, Any, str]] = [
     ("save_total_limit", 0, "would delete every checkpoint"),
     ("report_to", ["console", "comet_ml"], "report_to names ['comet_ml']"),
     ("zero3_units", ["Block"], "only means something with zero_stage=3"),
-    ("zero_stage", 4, "zero_stage=4 is unknown — use one of [0, 1, 2, 3]"),
+    ("zero_stage", 4, "zero_stage=4 is unknown — use one of [0, 1, 2, 3, 'auto']"),
     ("ddp_backend", "", "ddp_backend is empty"),
     ("ddp_timeout", 0.0, "ddp_timeout=0.0"),
     ("ddp_timeout", math.inf, "ddp_timeout=inf"),
@@ -414,3 +414,30 @@ def test_hugging_faces_derived_defaults() -> None:
         TrainingArguments(load_best_model_at_end=True, eval_strategy="steps", save_strategy="epoch")
     with pytest.raises(ConfigurationError, match='eval_strategy="no"'):
         TrainingArguments(save_strategy="best")
+
+
+def test_zero_offload_fraction_is_checked() -> None:
+    """The share of a disk offload in files (docs/zero.md, "Fractional offload")."""
+    assert TrainingArguments(zero_stage=3, zero_offload="disk", zero_offload_fraction=0.5)
+    with pytest.raises(ConfigurationError, match=r"zero_offload_fraction=1.5 must be in \[0, 1\]"):
+        TrainingArguments(zero_stage=3, zero_offload="disk", zero_offload_fraction=1.5)
+    with pytest.raises(ConfigurationError, match="is the share zero_offload='disk' puts"):
+        TrainingArguments(zero_stage=3, zero_offload_fraction=0.5)
+
+
+def test_zero_stage_auto_and_its_budget() -> None:
+    """zero_stage / zero_offload "auto" (the Trainer plans them: docs/planner.md) and the
+    budget they plan within, each checked in one line."""
+    args = TrainingArguments(zero_stage="auto", zero_offload="auto", memory_budget_mb=800)
+    assert args.plans_memory() and args.planned_choices() == ((0, 1, 2, 3), ("none", "disk", "cpu"))
+    assert TrainingArguments(zero_stage=2, zero_offload="auto").planned_choices() == (
+        (2,),
+        ("none", "disk", "cpu"),
+    )
+    assert not TrainingArguments(zero_stage=1).plans_memory()
+    with pytest.raises(ConfigurationError, match="zero_stage=5 is unknown"):
+        TrainingArguments(zero_stage=5)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="memory_budget_mb is what zero_stage='auto'"):
+        TrainingArguments(zero_stage=3, memory_budget_mb=800)
+    with pytest.raises(ConfigurationError, match="memory_budget_mb=-1"):
+        TrainingArguments(zero_stage="auto", memory_budget_mb=-1)

@@ -15,9 +15,10 @@ from pathlib import Path
 from phalanx.cli.bench import bench_main
 from phalanx.cli.consolidate_cmd import consolidate_main
 from phalanx.cli.launch_cmd import USAGE_EXIT, launch_main
+from phalanx.cli.plan_cmd import plan_main
 from phalanx.cli.suggest import nearest
 
-COMMANDS = ("launch", "consolidate", "bench")
+COMMANDS = ("launch", "consolidate", "bench", "plan")
 TOP_USAGE = """usage: phalanx <command> [args]  |  phalanx --version
 
 commands:
@@ -25,6 +26,8 @@ commands:
   consolidate  any checkpoint as one plain file: phalanx consolidate runs/a/checkpoint-200 out.pt
                or in Hugging Face's format: ... --format hf runs/a/checkpoint-200 out_dir/
   bench        measure a script at several world sizes: phalanx bench --nproc 1,2 train.py
+  plan         which ZeRO stage, offload and micro-batch fit a memory budget:
+               phalanx plan models.py:build --input 1024 --global-batch 64 --world 2 --budget 8GB
 
 run 'phalanx launch --help' for its flags"""
 
@@ -47,11 +50,13 @@ def main(argv: list[str] | None = None) -> int:
         return consolidate_main(args[1:])
     if args[0] == "bench":
         return bench_main(args[1:])
+    if args[0] == "plan":
+        return plan_main(args[1:])
     guess = nearest(args[0], COMMANDS)
     hint = f" (did you mean {guess!r}?)" if guess else ""
     print(
         f"phalanx: error: unknown command {args[0]!r}{hint} — the commands are 'launch', "
-        "'consolidate' and 'bench', e.g. phalanx launch --nproc-per-node 2 train.py",
+        "'consolidate', 'bench' and 'plan', e.g. phalanx launch --nproc-per-node 2 train.py",
         file=sys.stderr,
     )
     return USAGE_EXIT

@@ -10,6 +10,8 @@ from torch.optim import Optimizer
 
 from phalanx.errors import ConfigurationError
 from phalanx.offload.files import OffloadFiles, sweep_dead_runs
+from phalanx.offload.fraction import largest_first
+from phalanx.offload.fused import local
 from phalanx.offload.policies import CPUOffloadPolicy, DiskOffloadPolicy, OffloadPolicy
 from phalanx.offload.stream import IOStats, Streamer, stream_optimizer, streamer_of
 
@@ -47,8 +49,24 @@ def offload_optimizer(
         )
     if group is None and dist.is_available() and dist.is_initialized():
         group = _group_of(optimizer)
-    stream_optimizer(optimizer, policy.files(), policy.window_bytes, group)
+    streamer = stream_optimizer(optimizer, policy.files(), policy.window_bytes, group)
+    streamer.in_files = _state_in_files(optimizer, policy)  # before any state exists
     return optimizer
+
+
+def _state_in_files(optimizer: Optimizer, policy: DiskOffloadPolicy) -> set[int] | None:
+    """The parameters whose state a fractional offload puts in files (None: all): under
+    order "largest" at stage 3 those whose shards are in files, else the largest up to the
+    state's share of the fraction (offload/fraction.py)."""
+    if policy.fraction >= 1.0:
+        return None
+    params = list({id(p): p for g in optimizer.param_groups for p in g["params"]}.values())
+    sharded = any(hasattr(p, "_local_tensor") for p in params)  # stage 3's DTensors
+    if sharded and policy.params and policy.order == "largest":
+        files = policy.files()
+        return {id(p) for p in params if files.holds(local(p))}
+    sizes = [(id(p), local(p).numel() * p.element_size()) for p in params]
+    return largest_first(sizes, policy.state_share(sharded))
 
 
 def _group_of(optimizer: Optimizer) -> dist.ProcessGroup | None:

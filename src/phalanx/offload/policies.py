@@ -3,12 +3,16 @@
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 
 from phalanx.errors import ConfigurationError
 from phalanx.offload.files import OffloadFiles
+from phalanx.offload.fraction import Order, largest_first, shard_share, state_share
 
 __all__ = ["CPUOffloadPolicy", "DiskOffloadPolicy", "OffloadPolicy"]
 
@@ -39,14 +43,28 @@ class DiskOffloadPolicy(OffloadPolicy):
     `ZeroRedundancyOptimizer(offload_policy=...)` at stages 1-2). Its step then
     goes through about `window_mb` of state at a time. The files are scratch: a
     fresh directory per process under `path`, removed at a clean exit.
+
+    `fraction` < 1 puts only that share of the offloadable bytes in files and keeps
+    the rest in memory, `order` deciding which go first ("coldest": the optimizer
+    state, then the shards; "largest": whole parameters, largest first; see
+    offload/fraction.py and docs/zero.md, "Fractional offload"). At stage 3 the
+    shards' part is chosen over the whole model when `zero3.shard_model` (or the
+    Trainer) shards it; a unit sharded on its own with `fully_shard` is planned alone.
     """
 
     path: str = ""
     window_mb: float = 64.0
     params: bool = True
+    fraction: float = 1.0
+    order: Order = "coldest"
     _files: OffloadFiles | None = field(default=None, init=False, repr=False, compare=False)
     """This process's scratch directory for the policy's state: the policy owns it, so the
     units' shards, their gradients and the optimizer's state given this policy share it."""
+    _planned: dict[int, tuple[weakref.ref[torch.Tensor], bool]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    """For each parameter planned (by id, with a weak reference that tells a reused id):
+    whether its shard goes to files."""
 
     def __post_init__(self) -> None:
         if not str(self.path):
@@ -59,6 +77,42 @@ class DiskOffloadPolicy(OffloadPolicy):
                 f"DiskOffloadPolicy(window_mb={self.window_mb}) must be positive — it is how "
                 "much state the optimizer step holds in memory at a time (e.g. 64)"
             )
+        if not 0.0 <= self.fraction <= 1.0:
+            raise ConfigurationError(
+                f"DiskOffloadPolicy(fraction={self.fraction}) must be in [0, 1] — the share "
+                "of the offloadable state kept in files (1: all of it, 0: none)"
+            )
+        if self.order not in ("coldest", "largest"):
+            raise ConfigurationError(
+                f"DiskOffloadPolicy(order={self.order!r}) must be 'coldest' (the optimizer "
+                "state first) or 'largest' (whole parameters, largest first)"
+            )
+
+    def plan(self, params: Iterable[torch.Tensor]) -> None:
+        """Choose which of `params` (a whole model's, before it is sharded; meta ones
+        included) keep their shards in files: the largest, up to the shards' share of
+        `fraction`. Every rank, given the same model, chooses the same."""
+        unique = list({id(p): p for p in params}.values())
+        sizes = [(id(p), p.numel() * p.element_size()) for p in unique]
+        chosen = largest_first(sizes, shard_share(self.fraction, self.order))
+        for p in unique:
+            self._planned[id(p)] = (weakref.ref(p), id(p) in chosen)
+
+    def shard_in_files(self, param: torch.Tensor) -> bool | None:
+        """Whether `param`'s shard goes to files; None if no plan covers it."""
+        if not self.params:
+            return False
+        if self.fraction >= 1.0:
+            return True
+        entry = self._planned.get(id(param))
+        if entry is None or entry[0]() is not param:
+            return None
+        return entry[1]
+
+    def state_share(self, shards_offloadable: bool) -> float:
+        """The share of the optimizer state's bytes in files (`shards_offloadable`: stage 3,
+        where the shards take part of `fraction`)."""
+        return state_share(self.fraction, self.order, shards_offloadable and self.params)
 
     def files(self, what: str = "DiskOffloadPolicy.path") -> OffloadFiles:
         """The scratch directory, made at the first call (`what` names the setting in an

@@ -68,6 +68,7 @@ class Streamer:
         group: dist.ProcessGroup | None,
     ) -> None:
         self.files = files
+        self.in_files: set[int] | None = None  # fractional offload: only these ids' state
         self.window_bytes = max(1, window_bytes)
         self.group = group
         """Ranks that step together: an offload failure on one is raised on all of them."""
@@ -194,12 +195,11 @@ class Streamer:
         moved = []
         for p in params:
             state = optimizer.state.get(p)
-            if not state:
+            if not state or (self.in_files is not None and id(p) not in self.in_files):
                 continue
-            for key, value in state.items():
-                if not torch.is_tensor(value) or self.files.holds(local(value)):
-                    continue
-                if local(value).numel() <= 1:  # step counts and other scalars stay in memory
+            for key, value in state.items():  # step counts and other scalars stay in memory
+                inner = local(value) if torch.is_tensor(value) else None
+                if inner is None or inner.numel() <= 1 or self.files.holds(inner):
                     continue
                 state[key] = self._in_file(value)
                 moved.append(local(state[key]))

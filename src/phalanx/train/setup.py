@@ -140,7 +140,11 @@ def offload_policy(args: TrainingArguments) -> OffloadPolicy | None:
     step, in words naming zero_offload_dir), "cpu" FSDP2's CPUOffloadPolicy."""
     if args.zero_offload == "disk":
         path = args.zero_offload_dir or str(Path(args.output_dir) / "offload")
-        policy = DiskOffloadPolicy(path=path, window_mb=args.zero_offload_window_mb)
+        policy = DiskOffloadPolicy(
+            path=path,
+            window_mb=args.zero_offload_window_mb,
+            fraction=args.zero_offload_fraction,
+        )
         policy.files("zero_offload_dir")
         return policy
     if args.zero_offload == "cpu":

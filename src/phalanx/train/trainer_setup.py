@@ -43,6 +43,7 @@ from phalanx.train.live import live_training_for
 from phalanx.train.logging.report import RunReport
 from phalanx.train.logging.runlog import RunLog, TrafficSource, continue_from
 from phalanx.train.nonfinite import NonFiniteGuard
+from phalanx.train.plan.auto import planned_arguments
 from phalanx.train.schedules import make_scheduler, warmup_steps_for
 from phalanx.train.setup import check_same_arguments, join_world, train_loader
 from phalanx.train.step import StepRunner, autocast_for
@@ -109,15 +110,14 @@ class TrainerSetup:
         self.world, self._owns_group = join_world(self.args)
         """Rank, world size, device, and the group: one of one rank for a plain process."""
         self._report = RunReport(self.world, self.args)
-        path = self.args.timeline or os.environ.get(timelines.ENV)
-        self.timeline = (
-            timelines.start(path, self.world.rank, self.world.world_size) if path else None
-        )
+        path, world = self.args.timeline or os.environ.get(timelines.ENV), self.world
+        self.timeline = timelines.start(path, world.rank, world.world_size) if path else None
         """The process's timeline (phalanx.diagnostics.timeline), or None when off."""
         self._closed = False
         try:
             check_same_arguments(self.args, self.world)  # before any collective of the run
             choice = OptimizerChoice.of(optimizer, optimizers, optimizer_cls_and_kwargs)
+            self.args, self.plan = planned_arguments(self, model, choice)  # "auto" resolved
             self._setup_model(model, choice)
             if train_dataset is not None:
                 self._setup_training(train_dataset)
@@ -354,10 +354,9 @@ class TrainerSetup:
     def close(self) -> None:
         """Let go of the process group; the Trainer cannot train or evaluate afterwards.
 
-        Unhooks DDP from the model (`trainer.model` stays usable) and destroys
-        the group if this Trainer created it. At interpreter exit the group is
-        torn down by the hook `phalanx.init()` registers; call this to release
-        it earlier.
+        Unhooks DDP from the model (`trainer.model` stays usable) and destroys the group if
+        this Trainer created it. At interpreter exit the group is torn down by the hook
+        `phalanx.init()` registers; call this to release it earlier.
         """
         if self._closed:
             return

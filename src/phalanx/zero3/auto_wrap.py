@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from torch import nn
 
 from phalanx.errors import ConfigurationError
-from phalanx.zero3.policies import MixedPrecisionPolicy, OffloadPolicy
+from phalanx.zero3.policies import DiskOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from phalanx.zero3.wrap import fully_shard
 
 Policy = Callable[[nn.Module], Iterable[nn.Module]]
@@ -71,7 +71,10 @@ def shard_model(
     mp_policy: MixedPrecisionPolicy | None = None,
     offload_policy: OffloadPolicy | None = None,
 ) -> nn.Module:
-    """fully_shard each unit the policy picks (default: the repeated blocks), then the root."""
+    """fully_shard each unit the policy picks (default: the repeated blocks), then the root.
+    A fractional disk offload chooses its shards in files over the whole model first."""
+    if isinstance(offload_policy, DiskOffloadPolicy):
+        offload_policy.plan(p for p in model.parameters() if not hasattr(p, "_local_tensor"))
     for unit in (policy or repeated_blocks)(model):
         fully_shard(unit, mp_policy=mp_policy, offload_policy=offload_policy)
     return fully_shard(model, mp_policy=mp_policy, offload_policy=offload_policy)

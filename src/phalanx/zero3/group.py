@@ -158,6 +158,8 @@ class ParamGroup:
         else:
             with torch.no_grad():
                 block = self.layout.own_block_input([p.local for p in self.params])
+            for p in self.params:
+                p.home.settle([p.local])  # copied: a shard in a file leaves this process
             group = self.info.shard_group
         out = block.new_empty(self.info.shard_size * self.layout.block)
         self._gather = start_all_gather(out, block, group)

@@ -33,6 +33,9 @@ class Home:
         """`local` (a new shard, possibly on the device) as it lives at home."""
         return local
 
+    def settle(self, tensors: list[torch.Tensor]) -> None:
+        """Done with these tensors until the optimizer step: nothing to do in memory."""
+
 
 class HostHome(Home):
     """CPUOffloadPolicy: host memory, pinned for the copies when the device is not the CPU."""
@@ -71,6 +74,28 @@ class FileHome(Home):
         if local.is_meta or self.files.holds(local):
             return local
         return self.files.copy(local)
+
+    def settle(self, tensors: list[torch.Tensor]) -> None:
+        """Unmap these file pages from this process once read (a shard, copied into its
+        gather) or written (a gradient shard): the kernel's cache keeps them, clean pages
+        free to reclaim, until the optimizer step maps them again. Left mapped, every
+        shard and gradient a step touched stayed resident until that step: a disk offload
+        of the shards saved no resident memory without a memory limit to force it out
+        (benchmarks/offload_fraction.py, docs/zero.md "Fractional offload")."""
+        self.files.forget(tensors)
+
+
+def homes_of(policy: OffloadPolicy, device: torch.device, params: list[torch.Tensor]) -> list[Home]:
+    """Each parameter's home: a fractional disk offload (DiskOffloadPolicy(fraction < 1))
+    keeps some shards in memory, the ones its plan leaves out (a unit sharded alone, with
+    no plan of the whole model covering it, is planned on its own)."""
+    home = home_of(policy, device)
+    if not isinstance(policy, DiskOffloadPolicy) or not isinstance(home, FileHome):
+        return [home] * len(params)
+    if any(policy.shard_in_files(p) is None for p in params):
+        policy.plan(params)
+    in_memory = Home()
+    return [home if policy.shard_in_files(p) else in_memory for p in params]
 
 
 def home_of(policy: OffloadPolicy, device: torch.device) -> Home:

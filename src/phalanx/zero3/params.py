@@ -178,6 +178,7 @@ class ShardedParam:
         grad = self.sharded.grad
         if grad is not None:
             grad._local_tensor.add_(local.view(self.local_shape))  # type: ignore[attr-defined]
+            self.home.settle([grad._local_tensor])  # type: ignore[attr-defined]
             return
         if self.home.away:
             if self.grad_home is None:
@@ -185,6 +186,7 @@ class ShardedParam:
             if self.grad_home is not None:
                 self.grad_home.copy_(local.view(self.local_shape))
                 local = self.grad_home
+                self.home.settle([local])  # written: a file's pages leave this process
         self.sharded.grad = self.sharded_grad(local)
 
 

@@ -21,7 +21,7 @@ from phalanx.ddp.sync import broadcast_coalesced, verify_same_state
 from phalanx.errors import ConfigurationError, NotSupportedError, OffloadError
 from phalanx.offload.agree import raise_on_every_rank
 from phalanx.runtime.exit import register_exit_hook
-from phalanx.zero3.home import Home, home_of
+from phalanx.zero3.home import Home, homes_of
 from phalanx.zero3.hooks import post_forward, pre_forward
 from phalanx.zero3.mesh import (
     MeshInfo,
@@ -84,14 +84,14 @@ def fully_shard(
         _refuse(m, unsupported, dp_mesh_dims)
     info = mesh_info(mesh)
     policy = mixed_precision(mp_policy)
-    home = home_of(offload(offload_policy, info.device), info.device)
     reshard = check_reshard_size(reshard_after_forward, info)
     managed, what = _managed_parameters(modules, set(ignored_params or ())), _described(modules)
+    homes = homes_of(offload(offload_policy, info.device), info.device, [m[0] for m in managed])
     _check_placements(managed, shard_placement_fn)
     _refuse_parameters_of_other_units(what, managed)
     _move_to_device(modules, managed, info)
     _sync_initial_values(managed, info, _settings(what, info, reshard, policy, ignored_params))
-    params = _shard_parameters(managed, info, home)
+    params = _shard_parameters(managed, info, homes)
     group = post_forward_group(info, reshard) if isinstance(reshard, int) and reshard > 1 else None
     unit = Unit(modules, params, info, policy, reshard, broadcast_buffers, group)
     for p, fqn, _ in managed:
@@ -139,17 +139,22 @@ def _described(modules: tuple[nn.Module, ...]) -> str:
     return names if len(modules) == 1 else f"[{names}]"
 
 
-def _shard_parameters(managed: list[Managed], info: MeshInfo, home: Home) -> list[ShardedParam]:
-    """Each parameter's shard, at home, registered in its place; in files, a full disk on
-    any rank is raised on all of them here (offload/agree.py), before the ranks'
+def _shard_parameters(
+    managed: list[Managed], info: MeshInfo, homes: list[Home]
+) -> list[ShardedParam]:
+    """Each parameter's shard, at its home, registered in its place; in files, a full disk
+    on any rank is raised on all of them here (offload/agree.py), before the ranks'
     collectives drift apart."""
     failure: OffloadError | None = None
     params: list[ShardedParam] = []
     try:
-        params = [ShardedParam(p, fqn, owners, info, home) for p, fqn, owners in managed]
+        params = [
+            ShardedParam(p, fqn, owners, info, home)
+            for (p, fqn, owners), home in zip(managed, homes)
+        ]
     except OffloadError as e:
         failure = e
-    if home.in_files:
+    if any(home.in_files for home in homes):
         raise_on_every_rank(failure, unit_group(info))
     elif failure is not None:
         raise failure

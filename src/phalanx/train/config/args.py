@@ -29,8 +29,8 @@ from phalanx.train.nonfinite import NonFiniteAction
 from phalanx.train.schedules import ScheduleName
 
 DEFAULT_REPORT_TO: tuple[Reporter, ...] = ("console", "jsonl")
-ZeroStage = Literal[0, 1, 2, 3]
-ZeroOffload = Literal["cpu", "disk"]
+ZeroStage = Literal[0, 1, 2, 3, "auto"]
+ZeroOffload = Literal["cpu", "disk", "auto"]
 CommHookName = Literal["allreduce", "fp16", "bf16", "powersgd"]
 SyncMethod = Literal["ddp", "local_sgd", "diloco"]
 FaultTolerance = Literal["restart", "live"]
@@ -124,7 +124,9 @@ class TrainingArguments(Config):
     """ZeRO sharding over the ranks: 1 shards the optimizer state, 2 also the gradients,
     3 also the parameters (each unit of zero3_units gathered only while it computes);
     checkpoints are then sharded (torch.distributed.checkpoint) and reshard to another
-    world size."""
+    world size. "auto": the Trainer plans it (phalanx.train.plan, docs/planner.md): the
+    fastest stage, micro-batch and accumulation that fit memory_budget_mb, keeping the
+    global batch (per_device_train_batch_size x gradient_accumulation_steps x world)."""
     zero3_units: list[str] | None = None
     """Under zero_stage=3, the class names of the modules that become units (e.g. "Block",
     "GPT2Block", "LlamaDecoderLayer"); None takes the model's repeated blocks (the heaviest
@@ -134,12 +136,23 @@ class TrainingArguments(Config):
     optimizer state (stages 1-3) and, at stage 3, the sharded parameters and gradients in
     files under zero_offload_dir, the optimizer step streaming them a window at a time;
     "cpu" keeps stage 3's shards in host memory (FSDP2's CPUOffloadPolicy; on a CPU
-    device, where they already are, it changes nothing). None: no offload."""
+    device, where they already are, it changes nothing). None: no offload. "auto": the
+    Trainer plans it with the stage (none, disk with zero_offload_fraction, or cpu on a
+    CUDA device): see zero_stage="auto"."""
     zero_offload_dir: str | None = None
     """The directory for zero_offload="disk" files (a local disk; each process makes its
     own scratch directory in it, removed at exit); None: output_dir/offload."""
     zero_offload_window_mb: float = 64.0
     """How much offloaded state the optimizer step holds in memory at a time."""
+    zero_offload_fraction: float = 1.0
+    """Under zero_offload="disk", the share of the offloadable state put in files, the rest
+    kept in memory: the optimizer state first (the coldest: touched once a step), then at
+    stage 3 the shards and their gradients, largest tensors first (docs/zero.md,
+    "Fractional offload"). 1: all of it; with Adam at stage 3, 0.5 is the state alone."""
+    memory_budget_mb: float | None = None
+    """With zero_stage or zero_offload "auto": the memory each rank may use, in MB; None
+    detects it (the rank's cgroup limit, else a CUDA device's free memory, else the
+    host's free memory shared by its ranks)."""
 
     # ----------------------------------------------------------- logging, evaluation, saving
     logging_strategy: Strategy = "steps"
@@ -281,6 +294,19 @@ class TrainingArguments(Config):
         resolve_hf_defaults(self)
         check_values(self)
         check_combinations(self)
+
+    def plans_memory(self) -> bool:
+        """Whether zero_stage or zero_offload is "auto": the Trainer plans them (the strategy
+        is made from the plan's arguments, never from these)."""
+        return self.zero_stage == "auto" or self.zero_offload == "auto"
+
+    def planned_choices(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """The stages and offload tiers ("none", "disk", "cpu") a plan may choose among:
+        every one where a setting is "auto", else the one set."""
+        stages = (0, 1, 2, 3) if self.zero_stage == "auto" else (int(self.zero_stage),)
+        if self.zero_offload == "auto":
+            return stages, ("none", "disk", "cpu")
+        return stages, (self.zero_offload or "none",)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values only (lists copied), fit for JSON and `torch.load(weights_only=True)`."""

@@ -99,7 +99,7 @@ def _check_strategies(args: TrainingArguments) -> None:
 
 def _check_compile(args: TrainingArguments) -> None:
     require(
-        not (args.torch_compile and args.zero_stage == 3),
+        not (args.torch_compile and args.zero_stage == 3),  # "auto" plans around it
         "torch_compile with zero_stage=3 is not supported: stage 3's gathers run in forward "
         "hooks a compiled graph would capture — leave torch_compile off at stage 3 (stages "
         "0-2 compile)",
@@ -125,7 +125,7 @@ def _check_batches(args: TrainingArguments) -> None:
 
 def _check_even_batches(args: TrainingArguments) -> None:
     require(
-        args.even_batches or args.zero_stage in (0, 1),
+        args.even_batches or args.zero_stage in (0, 1, "auto"),
         f"even_batches=False with zero_stage={args.zero_stage}: a rank out of batches holds "
         "no full gradients to shard — use even_batches=True (padding), or zero_stage 0 or 1",
     )
@@ -206,24 +206,34 @@ def _check_ddp(args: TrainingArguments) -> None:
         cap is None or cap == "auto" or (math.isfinite(cap) and cap > 0),
         f"ddp_bucket_cap_mb={cap} must be > 0 MiB — the default is 25",
     )
+    budget = args.memory_budget_mb
     require(
-        args.zero3_units is None or args.zero_stage == 3,
+        budget is None or (math.isfinite(budget) and budget > 0),
+        f"memory_budget_mb={budget} must be > 0 MB — what each rank may use, or None to detect it",
+    )
+    require(
+        budget is None or args.plans_memory(),
+        "memory_budget_mb is what zero_stage='auto' / zero_offload='auto' plan within — set "
+        "one of them to 'auto', or drop memory_budget_mb",
+    )
+    require(
+        args.zero3_units is None or args.zero_stage in (3, "auto"),
         f"zero3_units={args.zero3_units} only means something with zero_stage=3 — set "
         "zero_stage=3, or drop zero3_units",
     )
     require(
-        args.zero_offload is None or args.zero_stage > 0,
+        args.zero_offload is None or args.zero_stage != 0,
         f"zero_offload={args.zero_offload!r} offloads ZeRO's sharded state, and zero_stage=0 "
         "shards nothing — set zero_stage to 1, 2 or 3 (3 offloads the parameters too)",
     )
     require(
-        args.zero_offload != "cpu" or args.zero_stage == 3,
+        args.zero_offload != "cpu" or args.zero_stage in (3, "auto"),
         f"zero_offload='cpu' moves stage 3's shards to host memory; at zero_stage="
         f"{args.zero_stage} use zero_offload='disk' (the optimizer state in files), or "
         "zero_stage=3",
     )
     require(
-        args.zero_offload_dir is None or args.zero_offload == "disk",
+        args.zero_offload_dir is None or args.zero_offload in ("disk", "auto"),
         "zero_offload_dir is where zero_offload='disk' writes — set zero_offload='disk', "
         "or drop zero_offload_dir",
     )
@@ -231,6 +241,17 @@ def _check_ddp(args: TrainingArguments) -> None:
         args.zero_offload_window_mb > 0,
         f"zero_offload_window_mb={args.zero_offload_window_mb} must be > 0 — it is how much "
         "offloaded state the optimizer step holds at a time (e.g. 64)",
+    )
+    fraction = args.zero_offload_fraction
+    require(
+        0.0 <= fraction <= 1.0,
+        f"zero_offload_fraction={fraction} must be in [0, 1] — the share of the offloadable "
+        "state kept in files (1: all of it)",
+    )
+    require(
+        fraction == 1.0 or args.zero_offload == "disk",
+        f"zero_offload_fraction={fraction} is the share zero_offload='disk' puts in files — "
+        "set zero_offload='disk', or drop zero_offload_fraction",
     )
 
 
@@ -258,7 +279,7 @@ def check_combinations(args: TrainingArguments) -> None:
         "bf16 and fp16 are both set — choose one precision (bf16 needs no loss scaling)",
     )
     require(
-        not (args.fp16 and args.zero_stage > 0),
+        not (args.fp16 and args.zero_stage not in (0, "auto")),
         f"fp16 does not work with zero_stage={args.zero_stage} — the GradScaler unscales and "
         "checks whole gradients, which ZeRO cuts between ranks; use bf16=True (no loss scaling)",
     )

@@ -38,7 +38,7 @@ def check_comm_combinations(args: TrainingArguments) -> None:
     """Hooks and local synchronisation replace DDP's all-reduce: refuse what then breaks."""
     hook, method = args.ddp_comm_hook, args.sync_method
     require(
-        hook is None or args.zero_stage in (0, 1),
+        hook is None or args.zero_stage in (0, 1, "auto"),
         f"ddp_comm_hook={hook!r} does not work with zero_stage={args.zero_stage} — ZeRO "
         "reduce-scatters (stage 2) or shards the model (stage 3) itself; use zero_stage 0 or "
         "1, or drop ddp_comm_hook",
@@ -48,7 +48,7 @@ def check_comm_combinations(args: TrainingArguments) -> None:
     refused = [
         (hook is not None, f"ddp_comm_hook={hook!r} (there is no DDP to hook)"),
         (
-            args.zero_stage > 0,
+            args.zero_stage not in (0, "auto"),
             f"zero_stage={args.zero_stage} (its shards need every step's gradients reduced)",
         ),
         (args.fp16, "fp16 (each rank's GradScaler would skip steps on its own)"),

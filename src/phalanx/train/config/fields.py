@@ -23,7 +23,7 @@ from typing import Any, ClassVar, Literal, Union, get_args, get_origin, get_type
 from phalanx.errors import ConfigurationError
 
 SUPPORTED_KINDS = (
-    "int, float, bool, str, Literal[...] of str or of int, float | Literal[...] of str, "
+    "int, float, bool, str, Literal[...] of str or of int (or both), float | Literal[...] of str, "
     "dict[str, Any], X | None, list[X]"
 )
 # What the command line (and a string for a list field) reads as None or an empty list.
@@ -265,6 +265,9 @@ def field_type(owner: type, name: str, hint: Any) -> FieldType:
         for scalar in (str, int):
             if all(type(c) is scalar for c in choices):
                 return FieldType(name, scalar, choices, optional, is_list)
+        names = tuple(str(c) for c in choices if type(c) is str)
+        if not is_list and all(type(c) in (int, str) for c in choices):  # Literal[0, 1, "auto"]
+            return FieldType(name, int, choices, optional, False, names)
     raise ConfigurationError(
         f"{owner.__name__}.{name} is annotated {_spell(hint)}, which phalanx cannot check or "
         f"read from the command line — annotate it with one of: {SUPPORTED_KINDS}"

@@ -5,6 +5,7 @@ strategy answers; choice.py which optimizer the user brought."""
 from __future__ import annotations
 
 from phalanx.diagnostics.timeline import Timeline
+from phalanx.errors import ConfigurationError
 from phalanx.runtime import World
 from phalanx.train.config.args import TrainingArguments
 from phalanx.train.strategy.base import Strategy
@@ -35,5 +36,13 @@ def strategy_for(
     choice: OptimizerChoice | None = None,
     timeline: Timeline | None = None,
 ) -> Strategy:
-    """The one place that reads zero_stage to decide how the run is data-parallel."""
-    return _BY_STAGE[args.zero_stage](args, world, choice, timeline)
+    """The one place that reads zero_stage to decide how the run is data-parallel. "auto"
+    never reaches it: the Trainer plans first (phalanx.train.plan) and makes the strategy
+    from the plan's arguments."""
+    if args.plans_memory():
+        raise ConfigurationError(
+            f"zero_stage={args.zero_stage!r}, zero_offload={args.zero_offload!r}: 'auto' is "
+            "resolved by the Trainer's planner before a strategy is made — make the strategy "
+            "from phalanx.train.plan.resolve's arguments (the Trainer does)"
+        )
+    return _BY_STAGE[int(args.zero_stage)](args, world, choice, timeline)

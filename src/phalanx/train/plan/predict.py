@@ -1,0 +1,170 @@
+"""One configuration's peak memory per rank, by part, and its step time.
+
+Memory is counted from what the configuration allocates (docs/planner.md
+lists each term and where in phalanx it is made): the parameters, their
+gradients and the optimizer's state, whole or 1/N, less what a disk offload
+puts in files (chosen as the policy chooses: offload/fraction.py); the
+activations of one micro-batch (counted on the meta device: count.py); the
+collective buffers (DDP's buckets at stages 0-2; at stage 3 the root unit kept
+gathered, the unit computing, the next one prefetched, the unit's unsharded
+gradient and the reduce-scatter in flight); the offloaded step's windows;
+and the libraries, measured. Every term is a peak held at once: the sum
+bounds the step's peak from above, which is the side a budget needs.
+
+The step time adds the micro-batches' compute (counted operations at the
+measured rate), the collectives each stage issues (measured latency and
+bandwidth), the optimizer's step over this rank's state (measured AdamW rate)
+and the offloaded bytes through the disk (measured), none of it assumed hidden
+behind another: on a CPU the collectives and the I/O take the same cores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Literal
+
+from phalanx.ddp.module import DEFAULT_BUCKET_CAP_MB
+from phalanx.offload.fraction import largest_first, shard_share, state_share
+from phalanx.train.plan.count import ModelCount
+from phalanx.train.plan.probe import Rates
+
+__all__ = ["Config", "Parts", "predict_memory", "predict_step_s"]
+
+Tier = Literal["none", "cpu", "disk"]
+_WINDOWS_RESIDENT = 3
+"""Offloaded windows in memory at once at the step's peak: the one stepping, the next one
+read ahead, the last one being written back (stream.py; more in flight are written and
+dropped as they finish)."""
+
+
+@dataclass(frozen=True, order=True)
+class Config:
+    """One way to train: the stage, where the sharded state lives, and the micro-batches."""
+
+    stage: int
+    offload: Tier = "none"
+    fraction: float = 0.0
+    """Disk offload: the share of the offloadable bytes in files (offload/fraction.py)."""
+    micro_batch: int = 1
+    accumulation: int = 1
+    window_mb: float = 16.0
+    """Disk offload's window: 16 MB steps as fast as 64 (docs/zero.md, the window table)
+    and holds a quarter of the memory in flight."""
+
+    def describe(self) -> str:
+        """In words, as the table's heading and the one line name it."""
+        where = {"none": "in memory", "cpu": "shards in host memory"}.get(self.offload, "")
+        if self.offload == "disk":
+            where = f"disk offload {self.fraction:g}"
+        return (
+            f"stage {self.stage}, {where}, micro-batch {self.micro_batch} x "
+            f"{self.accumulation} accumulation"
+        )
+
+
+@dataclass(frozen=True)
+class Parts:
+    """Predicted peak bytes per rank, by part."""
+
+    parameters: float
+    gradients: float
+    optimizer_state: float
+    activations: float
+    collective_buffers: float
+    libraries: float
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+
+def _in_files(config: Config, count: ModelCount) -> tuple[float, float]:
+    """(share of the shards' bytes, share of the state's bytes) this rank keeps in files,
+    chosen tensor by tensor as the policy chooses."""
+    if config.offload != "disk":
+        return 0.0, 0.0
+    sizes = list(enumerate(count.param_bytes))
+    total = max(1, count.params)
+    stage3 = config.stage == 3
+    shards = largest_first(sizes, shard_share(config.fraction, "coldest")) if stage3 else set()
+    state = largest_first(sizes, state_share(config.fraction, "coldest", stage3))
+    share = lambda chosen: sum(count.param_bytes[i] for i in chosen) / total  # noqa: E731
+    return share(shards), share(state)
+
+
+def predict_memory(config: Config, count: ModelCount, world: int, libraries: float) -> Parts:
+    """The configuration's peak bytes per rank, by part: the larger of its two phases,
+    forward and backward (activations, stage 3's gathered units) and the optimizer step
+    (the offloaded step's windows, the per-tensor AdamW's temporaries)."""
+    p, n = float(count.params), world
+    shards_out, state_out = _in_files(config, count)
+    per_rank = 1 if config.stage == 0 else n
+    state = count.state_per_param_byte * p / per_rank
+    largest = max(count.param_bytes) / per_rank
+    if config.stage == 3:
+        params = p / n * (1 - shards_out) + count.frozen_bytes
+        grads = p / n * (1 - shards_out)
+        kept = 0.0
+        # the root kept gathered; the unit computing, the next one prefetched, the unit's
+        # unsharded gradient and its reduce-scatter in flight
+        passing = count.unit_bytes[-1] + 4.0 * count.largest_unit
+    else:
+        params = p + count.frozen_bytes
+        grads = p if config.stage < 2 else p / n
+        # DDP's buckets (one rank runs without DDP); stage 2 frees each bucket as it is sent
+        kept = p if config.stage < 2 and n > 1 else 0.0
+        # stage 2: the gradients of buckets not yet sent, and the send buffers in flight
+        passing = 0.0 if config.stage < 2 else min(p, 2.0 * DEFAULT_BUCKET_CAP_MB * 2**20)
+    if config.offload == "disk":  # the windows in memory; the step fused: no temporaries
+        offloaded = state * state_out + 2 * p / n * shards_out
+        stepping = min(offloaded, _WINDOWS_RESIDENT * config.window_mb * 2**20)
+    else:
+        stepping = 2.0 * largest  # torch's per-tensor AdamW: two temporaries of a tensor
+    activations = count.activations(config.micro_batch)
+    backward_peak = activations + passing >= stepping  # else the step's is the peak
+    return Parts(
+        parameters=params,
+        gradients=grads,
+        optimizer_state=state * (1 - state_out) + (0.0 if backward_peak else stepping),
+        activations=activations if backward_peak else 0.0,
+        collective_buffers=kept + (passing if backward_peak else 0.0),
+        libraries=libraries,
+    )
+
+
+def predict_step_s(config: Config, count: ModelCount, rates: Rates, world: int) -> float:
+    """The configuration's step time in seconds (see the module doc)."""
+    p, n, k = float(count.params), world, config.accumulation
+    # Each micro-batch reads the weights twice (forward, backward) and writes their
+    # gradients once, whatever its size: why fewer, larger micro-batches are faster.
+    passes = 3 * (p + count.frozen_bytes) / rates.memory_bytes_per_s
+    if config.stage == 3:  # and stage 3 copies them: into each gather, out of each reduction
+        passes += 3 * p / rates.memory_bytes_per_s
+    compute = k * (count.flops(config.micro_batch) / rates.flops_per_s + passes)
+    comm = _collectives_s(config, p, n, rates)
+    shards_out, state_out = _in_files(config, count)
+    stepped = p / (1 if config.stage == 0 else n)
+    fused = config.offload == "disk"
+    optimizer = stepped / (rates.adam_fused_bytes_per_s if fused else rates.adam_loop_bytes_per_s)
+    state = count.state_per_param_byte * stepped * state_out
+    shards = stepped * shards_out if config.stage == 3 else 0.0
+    # The step reads state, shards and gradients, writes state and shards back; each gather
+    # of a micro-batch reads the unit's shards again (two per micro-batch: forward, backward).
+    read = state + 2 * shards + 2 * k * shards
+    write = state + shards + k * shards
+    io = read / rates.disk_read_bytes_per_s + write / rates.disk_write_bytes_per_s
+    return compute + comm + optimizer + io
+
+
+def _collectives_s(config: Config, p: float, n: int, rates: Rates) -> float:
+    if n == 1:
+        return 0.0
+    k = config.accumulation
+    if config.stage == 0:
+        return rates.collective_s("all_reduce", p)
+    if config.stage == 1:
+        return rates.collective_s("all_reduce", p) + rates.collective_s("all_gather", p)
+    if config.stage == 2:
+        return rates.collective_s("reduce_scatter", p) + rates.collective_s("all_gather", p)
+    per_micro = 2 * rates.collective_s("all_gather", p) + rates.collective_s("reduce_scatter", p)
+    return k * per_micro

@@ -1,0 +1,265 @@
+"""How fast this machine is, for the planner's step times: a short probe, every rank at once.
+
+Compute is a matrix product timed on this process's threads; the optimizer is
+torch's AdamW stepping a 16 MB tensor (fused, as the offloaded step runs it, and
+per tensor, torch's CPU default); the collectives are the ones ZeRO issues
+(all-reduce, all-gather, reduce-scatter) timed on the run's group at two sizes,
+so each has a latency and a bandwidth; the disk is a file in the offload
+directory written and synced, then read with its pages dropped, by every rank
+at once (the share of the disk a rank gets when all offload). The libraries are
+this process's resident memory before any of the model exists. Every rank
+measures; the slowest figure of any rank is kept, so all ranks plan alike.
+
+    phalanx launch --nproc-per-node 2 -m phalanx.train.plan.probe --out rates.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from phalanx.optim.collectives import (
+    start_all_gather,
+    start_reduce_scatter,
+    wait_all_gather,
+    wait_reduce_scatter,
+)
+from phalanx.runtime.wire import all_gather_json
+
+__all__ = ["Rates", "measure_rates", "resident_bytes"]
+
+_SMALL, _LARGE = 256 << 10, 16 << 20
+_DISK_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Measured speeds (bytes and operations per second) and this process's own memory."""
+
+    flops_per_s: float
+    memory_bytes_per_s: float
+    """Bytes a copy reads and writes per second: what a micro-batch's pass over the
+    weights costs on top of its operations."""
+    adam_fused_bytes_per_s: float
+    """Parameter bytes AdamW steps per second, fused (the offloaded step's kernel)."""
+    adam_loop_bytes_per_s: float
+    """... per tensor (torch's CPU default: the in-memory Trainer's step)."""
+    collective_latency_s: dict[str, float]
+    collective_bytes_per_s: dict[str, float]
+    """Per collective ("all_reduce", "all_gather", "reduce_scatter"): the time of a call
+    is latency + bytes / rate, bytes being the whole tensor (all ranks' parts)."""
+    disk_read_bytes_per_s: float
+    disk_write_bytes_per_s: float
+    libraries_bytes: float
+    """Resident memory of the process before the model exists (torch, phalanx, the group)."""
+
+    def collective_s(self, kind: str, nbytes: float, calls: int = 1) -> float:
+        """Seconds of `calls` collectives of `kind` moving `nbytes` in all."""
+        if nbytes <= 0:
+            return 0.0
+        return calls * self.collective_latency_s[kind] + nbytes / self.collective_bytes_per_s[kind]
+
+    def to_json(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def resident_bytes() -> float:
+    """This process's resident memory now (VmRSS)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        status = Path("/proc/self/status").read_text()
+        return float(status.split("VmRSS:")[1].split()[0]) * 1024
+    import resource
+
+    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def _warm_up() -> None:
+    """What a training process has once it has stepped, besides its model: autograd's
+    engine, a DataLoader's pass, an optimizer's step (the run's random state kept)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    with torch.random.fork_rng(devices=[]):
+        layer = torch.nn.Linear(16, 16)
+        optimizer = torch.optim.AdamW(layer.parameters())
+        for (x,) in DataLoader(TensorDataset(torch.ones(8, 16)), batch_size=4):
+            layer(x).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+def _best_s(run: Callable[[], object], rounds: int = 3) -> float:
+    run()  # warm-up: buffers, connections, the allocator
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return max(best, 1e-9)
+
+
+def _flops_per_s() -> float:
+    a, b = torch.randn(512, 1024), torch.randn(1024, 1024)
+    return 2 * 512 * 1024 * 1024 / _best_s(lambda: a @ b)
+
+
+def _memory_bytes_per_s() -> float:
+    src, dst = torch.ones(16 << 20), torch.empty(16 << 20)
+    return 2 * src.nbytes / _best_s(lambda: dst.copy_(src))
+
+
+def _adam_bytes_per_s(fused: bool) -> float:
+    param = torch.nn.Parameter(torch.zeros(4 << 20))
+    param.grad = torch.full_like(param, 1e-3)
+    opt = torch.optim.AdamW([param], lr=1e-3, fused=fused or None, foreach=False)
+    return param.nbytes / _best_s(opt.step)
+
+
+def _collectives(group: dist.ProcessGroup | None) -> tuple[dict[str, float], dict[str, float]]:
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    kinds = ("all_reduce", "all_gather", "reduce_scatter")
+    if world == 1:
+        return dict.fromkeys(kinds, 0.0), dict.fromkeys(kinds, float("inf"))
+    latency, rate = {}, {}
+    for kind in kinds:
+        small, large = (_time_collective(kind, n, world, group) for n in (_SMALL, _LARGE))
+        slope = max((large - small) / (_LARGE - _SMALL), 1e-15)
+        rate[kind] = 1.0 / slope
+        latency[kind] = max(0.0, small - _SMALL * slope)
+    return latency, rate
+
+
+def _time_collective(kind: str, nbytes: int, world: int, group: dist.ProcessGroup | None) -> float:
+    part = torch.ones(nbytes // 4 // world)
+    whole = torch.ones(part.numel() * world)
+    calls: dict[str, Callable[[], object]] = {  # as ZeRO issues them (on gloo: broadcasts)
+        "all_reduce": lambda: dist.all_reduce(whole, group=group),
+        "all_gather": lambda: wait_all_gather(start_all_gather(whole, part, group)),
+        "reduce_scatter": lambda: wait_reduce_scatter(
+            start_reduce_scatter(part, whole, group), group
+        ),
+    }
+
+    def together() -> None:
+        dist.barrier(group=group)
+        calls[kind]()
+
+    return _best_s(together)
+
+
+def _disk(directory: str) -> tuple[float, float]:
+    """(read, write) bytes per second of a file in `directory`, every rank at once."""
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    block = os.urandom(1 << 20)
+    fd, path = tempfile.mkstemp(prefix="phalanx-plan-probe-", dir=directory)
+    try:
+        start = time.perf_counter()
+        for _ in range(_DISK_BYTES >> 20):
+            os.write(fd, block)
+        os.fdatasync(fd)
+        write = _DISK_BYTES / (time.perf_counter() - start)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.lseek(fd, 0, os.SEEK_SET)
+        start = time.perf_counter()
+        while os.read(fd, 1 << 20):
+            pass
+        read = _DISK_BYTES / (time.perf_counter() - start)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return read, write
+
+
+def measure_rates(group: dist.ProcessGroup | None, offload_dir: str | None) -> Rates:
+    """Collective over `group` (every rank calls it): this machine's rates, the slowest
+    rank's figure of each, the largest libraries (see the module doc)."""
+    _warm_up()
+    libraries = resident_bytes()
+    latency, rate = _collectives(group)
+    if dist.is_initialized():
+        dist.barrier(group=group)
+    read, write = _disk(offload_dir) if offload_dir else (float("inf"), float("inf"))
+    mine = {
+        "flops_per_s": _flops_per_s(),
+        "memory_bytes_per_s": _memory_bytes_per_s(),
+        "adam_fused_bytes_per_s": _adam_bytes_per_s(fused=True),
+        "adam_loop_bytes_per_s": _adam_bytes_per_s(fused=False),
+        "disk_read_bytes_per_s": read,
+        "disk_write_bytes_per_s": write,
+        "libraries_bytes": libraries,
+    }
+    everyone = all_gather_json([mine, latency, rate], group) if dist.is_initialized() else []
+    if everyone:  # every rank plans from the same figures: the worst of each
+        worst_rate = {k: min(r[2][k] for r in everyone) for k in rate}
+        worst_latency = {k: max(r[1][k] for r in everyone) for k in latency}
+        worst = {k: min(r[0][k] for r in everyone) for k in mine}
+        worst["libraries_bytes"] = max(r[0]["libraries_bytes"] for r in everyone)
+        mine, latency, rate = worst, worst_latency, worst_rate
+    return Rates(collective_latency_s=latency, collective_bytes_per_s=rate, **mine)
+
+
+def _tiny_trainer_step(out: Path) -> None:
+    """One step of a Trainer over a 16x16 Linear (writing under `out`, the same directory on
+    every rank): its modules, threads and buffers loaded."""
+    from torch.utils.data import TensorDataset
+
+    from phalanx.train import Trainer, TrainingArguments
+
+    args = TrainingArguments(
+        output_dir=str(out),
+        max_steps=1,
+        per_device_train_batch_size=2,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        logging_steps=1,
+    )
+    data = TensorDataset(torch.ones(8, 16), torch.ones(8, 16))
+    trainer = Trainer(model=_First(), args=args, train_dataset=data, loss_fn=_mse)
+    trainer.train()
+    trainer.close()
+
+
+def _mse(out: torch.Tensor, batch: list[torch.Tensor]) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(out, batch[1])
+
+
+class _First(torch.nn.Module):
+    """A 16x16 Linear over the batch's first tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Linear(16, 16)
+
+    def forward(self, batch: list[torch.Tensor]) -> torch.Tensor:
+        out: torch.Tensor = self.inner(batch[0])
+        return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The probe as a job of its own (`phalanx plan` runs it under the launcher)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--offload-dir", default=None)
+    ns = parser.parse_args(argv)
+    import phalanx
+
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    world = phalanx.init(backend="gloo")
+    _tiny_trainer_step(Path(ns.out).parent / "probe-trainer")  # as a Trainer's process
+    rates = measure_rates(world.process_group, ns.offload_dir)
+    if world.rank == 0:
+        Path(ns.out).write_text(json.dumps(rates.to_json()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""zero_stage="auto" for real: each rank in a memory cgroup whose limit stage 0 does not fit,
+the Trainer reads the limit as its budget, plans, and trains to the loss of the run
+without a limit. Needs root and a writable memory cgroup (skipped otherwise); the
+full grid of budgets, with stage 0 killed under the same caps, is
+benchmarks/plan_grid.py (docs/planner.md)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from phalanx.train import Trainer, TrainingArguments
+from tests.checkpoints import record_loss_sums
+from tests.harness import run_workers
+
+CAP_MB = 470
+"""Over stage 3's predicted peak here (about 410 MB: 310 of libraries, 80 of shards, gradients
+and state, 16 of gathered units), under stage 0's (over 500)."""
+_V2 = Path("/sys/fs/cgroup/cgroup.controllers").exists()
+_BASE = Path("/sys/fs/cgroup") if _V2 else Path("/sys/fs/cgroup/memory")
+
+
+def _groups(tag: str) -> list[Path] | None:
+    """One capped cgroup per rank, or None where this process may not make them."""
+    if os.geteuid() != 0:
+        return None
+    groups = []
+    try:
+        for rank in range(2):
+            group = _BASE / f"phalanx-test-plan-{tag}-r{rank}"
+            group.mkdir(exist_ok=True)
+            limit = "memory.max" if _V2 else "memory.limit_in_bytes"
+            (group / limit).write_text(str(CAP_MB * 2**20))
+            groups.append(group)
+    except OSError:
+        return None
+    return groups
+
+
+class _Net(nn.Module):
+    """Ten 1000x1000 Linears: 40 MB of parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(*(nn.Linear(1000, 1000) for _ in range(10)))
+
+    def forward(self, batch: list[torch.Tensor]) -> torch.Tensor:
+        out: torch.Tensor = self.body(batch[0])
+        return out
+
+
+def _train(rank: int, world: int, out: str, groups: list[str] | None) -> dict[str, Any]:
+    if groups is not None:  # every byte from here on counts against the cap
+        (Path(groups[rank]) / "cgroup.procs").write_text(str(os.getpid()))
+    capped = groups is not None
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = _Net()
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(64, 1000, generator=g), torch.randn(64, 1000, generator=g)
+    )
+    args = TrainingArguments(
+        output_dir=str(Path(out) / ("capped" if capped else "free")),
+        zero_stage="auto" if capped else 0,
+        max_steps=3,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        ddp_backend="gloo",
+    )
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=data,
+        loss_fn=lambda o, b: nn.functional.mse_loss(o, b[1]),
+    )
+    losses = record_loss_sums(trainer)
+    trainer.train()
+    plan = trainer.plan
+    result = {
+        "losses": losses,
+        "stage": trainer.args.zero_stage,
+        "budget": None if plan is None else plan.budget,
+        "stage0_fits": None
+        if plan is None
+        else any(c.fits for c in plan.candidates if c.config.stage == 0),
+    }
+    trainer.close()
+    return result
+
+
+@pytest.mark.timeout(240)
+def test_auto_under_a_cap_that_stage_0_does_not_fit_trains_to_the_same_loss(tmp_path: Path) -> None:
+    groups = _groups(str(os.getpid()))
+    if groups is None:
+        pytest.skip("needs root and a writable memory cgroup")
+    try:
+        capped = run_workers(
+            _train, 2, str(tmp_path), [str(g) for g in groups], init_pg=False, timeout=200
+        )
+    finally:
+        for group in groups:
+            with contextlib.suppress(OSError):
+                group.rmdir()
+    free = run_workers(_train, 2, str(tmp_path), None, init_pg=False, timeout=200)
+    for c, f in zip(capped, free):
+        assert c.value["budget"] == CAP_MB * 2**20  # the cgroup's limit, read as the budget
+        assert c.value["stage0_fits"] is False and c.value["stage"] != 0, c.value
+        assert f.value["stage"] == 0
+        assert len(c.value["losses"]) == 3
+        for a, b in zip(c.value["losses"], f.value["losses"]):
+            assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (c.value["losses"], f.value["losses"])

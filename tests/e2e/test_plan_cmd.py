@@ -1,0 +1,56 @@
+"""`phalanx plan` as a user runs it: a model file, a batch shape, a budget; the table, or one
+line naming the budget that would fit (world 1: the probe runs in the command itself)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = """
+import torch
+from torch import nn
+
+
+def build():
+    return nn.Sequential(*(nn.Linear(512, 512) for _ in range(8)))
+"""
+
+
+def _plan(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "mymodel.py").write_text(MODEL)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "phalanx", "plan", f"{tmp_path / 'mymodel.py'}:build"]
+    command += ["--input", "512", "--global-batch", "8", "--offload-dir", str(tmp_path), *flags]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+
+
+@pytest.mark.timeout(300)
+def test_a_roomy_budget_prints_the_table_and_the_settings(tmp_path: Path) -> None:
+    done = _plan(tmp_path, "--budget", "64GB", "--json", str(tmp_path / "plan.json"))
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert out.startswith("budget 65,536 MB per rank (--budget), world 1, global batch 8")
+    for row in ("parameters", "gradients", "optimizer state", "activations", "libraries"):
+        assert f"| {row} |" in out
+    assert "chosen: the fastest that fits" in out
+    assert "train with: zero_stage=0, per_device_train_batch_size=8" in out
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["chosen"]["config"]["stage"] == 0
+    assert plan["count"]["state_per_param_byte"] == 2.0
+    assert not list(tmp_path.glob("phalanx-plan-probe-*"))  # the disk probe's file is gone
+
+
+@pytest.mark.timeout(300)
+def test_a_budget_nothing_fits_is_one_line_with_the_smallest(tmp_path: Path) -> None:
+    done = _plan(tmp_path, "--budget", "50MB")
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("phalanx plan: error: no configuration fits 50 MB per rank")
+    assert "the smallest needs" in lines[0] and "give each rank that much" in lines[0]

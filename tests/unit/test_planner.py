@@ -1,0 +1,186 @@
+"""The planner's logic on real models built on the meta device (phalanx.train.plan): what it
+counts, what it predicts, what it chooses, and the one line when nothing fits. No process
+group: the machine's rates are given (probe.py measures them; the grid checks them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from phalanx.errors import ConfigurationError
+from phalanx.train.plan import (
+    Config,
+    ModelCount,
+    NothingFits,
+    Rates,
+    choose,
+    count_model,
+    parse_size,
+    predict_memory,
+    predict_step_s,
+)
+from phalanx.train.plan.budget import cgroup_limit
+
+MB = 2**20
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 4 * d)
+        self.down = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(self.norm(x))))
+
+
+class Tiny(nn.Module):
+    """An embedding, four blocks, a head: a GPT's shape without attention."""
+
+    def __init__(self, vocab: int = 1024, d: int = 128, layers: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(layers))
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _step(model: nn.Module, n: int) -> torch.Tensor:
+    tokens = torch.zeros(n, 32, dtype=torch.long, device="meta")
+    logits = model(tokens)
+    return nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+
+
+def _adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+RATES = Rates(
+    flops_per_s=2e10,
+    memory_bytes_per_s=1e10,
+    adam_fused_bytes_per_s=4e9,
+    adam_loop_bytes_per_s=3e8,
+    collective_latency_s=dict.fromkeys(("all_reduce", "all_gather", "reduce_scatter"), 1e-3),
+    collective_bytes_per_s=dict.fromkeys(("all_reduce", "all_gather", "reduce_scatter"), 7e8),
+    disk_read_bytes_per_s=4e8,
+    disk_write_bytes_per_s=4e8,
+    libraries_bytes=300 * MB,
+)
+
+
+def _count(layers: int = 4) -> ModelCount:
+    with torch.device("meta"):
+        model = Tiny(layers=layers)
+    return count_model(model, _step, _adamw)
+
+
+def test_the_count_is_of_the_model_and_its_micro_step() -> None:
+    with torch.device("meta"):
+        model = Tiny()
+    count = count_model(model, _step, _adamw)
+    params = sum(p.numel() for p in model.parameters())
+    assert count.params == 4 * params
+    assert count.unit_names == ("Block", "Block", "Block", "Block", "root")
+    block = sum(p.numel() * 4 for p in model.blocks[0].parameters())
+    assert count.unit_bytes[:4] == (block,) * 4
+    assert count.unit_bytes[-1] == 4 * (1024 * 128 * 2)  # the embedding and the head
+    assert count.state_per_param_byte == 2.0  # AdamW's two moments, measured by a step
+    # the activations grow with the micro-batch: 32 tokens of 4 blocks of 128 and 512 wide
+    assert count.activation_per_sample > 4 * 32 * (128 + 512) * 4
+    assert count.activations(8) == pytest.approx(
+        count.activations(1) + 7 * count.activation_per_sample
+    )
+    assert count.flops_per_sample > 6 * params * 32 * 0.5
+
+
+def test_a_real_model_is_counted_untouched() -> None:
+    torch.manual_seed(0)
+    model = Tiny()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    count = count_model(model, _step, lambda ps: torch.optim.SGD(ps, lr=0.1))
+    assert count.state_per_param_byte == 0.0  # SGD without momentum keeps nothing
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None and p.device.type == "cpu" for p in model.parameters())
+
+
+def test_each_stage_and_fraction_holds_less() -> None:
+    """Where the blocks outweigh one gathered block and the root (stage 3's buffers)."""
+    count = _count(layers=16)
+    totals = [predict_memory(Config(s), count, 2, 0).total for s in (0, 1, 2, 3)]
+    assert totals == sorted(totals, reverse=True), totals
+    disk = [predict_memory(Config(3, "disk", f), count, 2, 0).total for f in (0.25, 0.5, 0.75, 1.0)]
+    assert disk == sorted(disk, reverse=True) and disk[0] < totals[3], disk
+
+
+def test_more_accumulation_is_slower_and_smaller() -> None:
+    count = _count()
+    one = Config(0, micro_batch=8, accumulation=1)
+    four = Config(0, micro_batch=2, accumulation=4)
+    assert predict_step_s(four, count, RATES, 2) > predict_step_s(one, count, RATES, 2)
+    assert (
+        predict_memory(four, count, 2, 0).activations < predict_memory(one, count, 2, 0).activations
+    )
+
+
+def test_a_roomy_budget_takes_the_fastest_and_a_tight_one_what_fits() -> None:
+    count = _count()
+    roomy = choose(count, RATES, 2, 16, 64 * 2**30, "given")
+    assert roomy.chosen.config.offload == "none" and roomy.chosen.config.stage in (0, 1)
+    smallest = min(c.memory.total for c in roomy.candidates)
+    tight = choose(count, RATES, 2, 16, smallest / 0.95 * 1.001, "given")
+    assert tight.chosen.config.stage == 3 and tight.chosen.config.offload == "disk"
+    assert tight.chosen.step_s >= roomy.chosen.step_s
+    for plan in (roomy, tight):
+        config = plan.chosen.config
+        assert config.micro_batch * config.accumulation == 8  # the global batch is kept
+
+
+def test_nothing_fits_is_one_line_naming_the_smallest_budget() -> None:
+    count = _count()
+    with pytest.raises(NothingFits) as caught:
+        choose(count, RATES, 2, 16, 100 * MB, "the cgroup's memory limit")
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith("no configuration fits 100 MB per rank (the cgroup's memory limit)")
+    assert "the smallest needs" in message and "stage 3, disk offload 1" in message
+
+
+def test_a_global_batch_the_world_does_not_divide_is_refused() -> None:
+    with pytest.raises(ConfigurationError, match="does not divide among 2 ranks"):
+        choose(_count(), RATES, 2, 15, 2**40, "given")
+
+
+def test_sizes_read_as_people_write_them() -> None:
+    assert parse_size("2GB") == parse_size("2G") == parse_size("2gib") == 2 * 2**30
+    assert parse_size("700MB") == 700 * MB and parse_size("123") == 123
+    with pytest.raises(ValueError, match="is not a size"):
+        parse_size("lots")
+
+
+def test_the_cgroup_limit_is_the_smallest_up_the_path(tmp_path: Path) -> None:
+    """v1 and v2, read from real files laid out as the kernel lays them out."""
+    v2 = tmp_path / "v2"
+    (v2 / "job" / "rank0").mkdir(parents=True)
+    (v2 / "job" / "memory.max").write_text("1073741824\n")
+    (v2 / "job" / "rank0" / "memory.max").write_text("max\n")
+    proc = tmp_path / "cgroup2"
+    proc.write_text("0::/job/rank0\n")
+    assert cgroup_limit(str(proc), v2) == 2**30
+    v1 = tmp_path / "v1"
+    (v1 / "memory" / "a").mkdir(parents=True)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text(str(2**63 - 4096))  # no limit
+    (v1 / "memory" / "a" / "memory.limit_in_bytes").write_text(str(500 * MB))
+    proc1 = tmp_path / "cgroup1"
+    proc1.write_text("4:memory:/a\n1:cpu:/\n")
+    assert cgroup_limit(str(proc1), v1) == 500 * MB
+    proc1.write_text("4:memory:/\n")
+    assert cgroup_limit(str(proc1), v1) is None
