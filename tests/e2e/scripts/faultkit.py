@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-import phalanx.train.checkpoint.checkpointer as checkpointer
 import phalanx.train.checkpoint.lineage as lineage
+import phalanx.train.checkpoint.writes as writes
 from phalanx.offload import Streamer, streamer_of
 from phalanx.train import Trainer
 
@@ -54,33 +54,45 @@ def kill_in_save(trainer: Trainer, where: str) -> None:
     step, rank, point = where.split(":")
     if int(rank) != trainer.world.rank or not first_attempt():
         return
-    armed = lambda: trainer.state.global_step == int(step)  # noqa: E731
+    # The save's own step, not the loop's: a background save is written while the loop
+    # trains on (its files live in checkpoint-STEP.<random>.tmp, its seal names the step).
     die = lambda: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
-    save, write_file, seal = trainer._checkpointer.save, checkpointer.write_file, lineage.seal
+    checkpoints = trainer._checkpointer
+    save, background = checkpoints.save, checkpoints.start_background
+    write_file, seal = writes.write_file, lineage.seal
     written = [0]
 
-    def save_then(*args: Any, **kwargs: Any) -> Any:
+    def entered(save_step: int) -> None:
         written[0] = 0
-        if armed() and point == "enter":
+        if save_step == int(step) and point == "enter":
             die()
-        return save(*args, **kwargs)
 
-    def write_file_then(*args: Any) -> Any:
-        if armed() and point == f"file{written[0]}":
-            die()
-        written[0] += 1
-        return write_file(*args)
+    def save_then(states: Any, save_step: int, *args: Any) -> Any:
+        entered(save_step)
+        return save(states, save_step, *args)
 
-    def seal_then(*args: Any) -> Any:
-        if armed() and point == "seal":
+    def background_then(states: Any, save_step: int, *args: Any) -> Any:
+        entered(save_step)
+        return background(states, save_step, *args)
+
+    def write_file_then(directory: Path, *args: Any) -> Any:
+        if directory.name.startswith(f"checkpoint-{step}."):
+            if point == f"file{written[0]}":
+                die()
+            written[0] += 1
+        return write_file(directory, *args)
+
+    def seal_then(tmp: Path, save_step: int, *args: Any) -> Any:
+        if save_step == int(step) and point == "seal":
             die()
-        sealed = seal(*args)
-        if armed() and point == "sealed":
+        sealed = seal(tmp, save_step, *args)
+        if save_step == int(step) and point == "sealed":
             die()
         return sealed
 
-    trainer._checkpointer.save = save_then  # type: ignore[method-assign]
-    checkpointer.write_file = write_file_then  # type: ignore[assignment]
+    checkpoints.save = save_then  # type: ignore[method-assign,assignment]
+    checkpoints.start_background = background_then  # type: ignore[method-assign,assignment]
+    writes.write_file = write_file_then  # type: ignore[assignment]
     lineage.seal = seal_then  # type: ignore[assignment]
 
 
