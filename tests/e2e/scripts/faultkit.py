@@ -9,6 +9,8 @@ import contextlib
 import json
 import os
 import signal
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -94,6 +96,46 @@ def kill_in_save(trainer: Trainer, where: str) -> None:
     checkpoints.start_background = background_then  # type: ignore[method-assign,assignment]
     writes.write_file = write_file_then  # type: ignore[assignment]
     lineage.seal = seal_then  # type: ignore[assignment]
+
+
+def kill_in_background_write(trainer: Trainer, where: str, marker: Path) -> None:
+    """SIGKILL this process at event N of the background write of checkpoint-STEP
+    ("STEP:N"): the writer thread traces itself (sys.settrace: every call, line and return
+    of Python it runs, DCP's and the seal's included), and at its N-th event it writes
+    `marker` (which event, in which function) and kills the process, wherever the training
+    thread is. N = -1 counts the write's events into `marker` instead, and the event at
+    which rank 0 begins to seal it (hash, manifest, rename, rotate): a reference run says
+    how many there are, so a trial can pick one at random.
+    """
+    step, nth = (int(part) for part in where.split(":"))
+    original = writes.write
+
+    def traced_write(world: Any, lineage: Any, staged: writes.Staged) -> writes.Saved:
+        on_writer = threading.current_thread() is not threading.main_thread()
+        if staged.step != step or not on_writer or not first_attempt():
+            return original(world, lineage, staged)
+        count, seal_at = [0], [0]
+
+        def trace(frame: Any, event: str, arg: Any) -> Any:
+            count[0] += 1
+            if event == "call" and frame.f_code.co_name == "seal" and not seal_at[0]:
+                seal_at[0] = count[0]
+            if count[0] == nth:
+                code = frame.f_code
+                place = f"{code.co_name} ({Path(code.co_filename).name}:{frame.f_lineno})"
+                marker.write_text(json.dumps({"event": nth, "where": place}))
+                os.kill(os.getpid(), signal.SIGKILL)
+            return trace
+
+        sys.settrace(trace)
+        try:
+            return original(world, lineage, staged)
+        finally:
+            sys.settrace(None)
+            if nth < 0:
+                marker.write_text(json.dumps({"events": count[0], "seal_at": seal_at[0]}))
+
+    writes.write = traced_write
 
 
 def _streamer(trainer: Trainer) -> Streamer:

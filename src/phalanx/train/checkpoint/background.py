@@ -7,6 +7,10 @@ need the state in shared memory (one more copy, or a fork whose copy-on-write
 faults land in the next steps); benchmarks/async_save.py measures both, and
 docs/trainer.md, "Background saves", gives the figures.
 
+Why niced: on a host whose cores are all training, the writer competes with
+the steps for them; a lower priority (WRITER_NICE) gives the steps their time
+first, and the write what they leave.
+
 Why its own group: the write still meets the other ranks (DCP's plan for
 sharded state; the agreement that every rank wrote its part before rank 0
 seals). Those collectives run on this thread while the training thread issues
@@ -21,7 +25,9 @@ until the training thread asks for it, at a step boundary all ranks agree on
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -34,6 +40,11 @@ import torch.distributed as dist
 from phalanx.runtime import World
 
 T = TypeVar("T")
+
+WRITER_NICE = 10
+"""How much lower the writer thread's priority is than training's (Linux's per-thread nice):
+where the cores are all busy, the kernel gives the steps their time first and the write
+what they leave (benchmarks/async_staging.py measured the step time with and without)."""
 
 
 class BackgroundWriter(Generic[T]):
@@ -77,6 +88,7 @@ class BackgroundWriter(Generic[T]):
         self.step, self._result, self._error = step, None, None
 
         def run() -> None:
+            _lower_priority()
             try:
                 self._result = write()
             except BaseException as exc:  # kept for the training thread, which raises it
@@ -98,3 +110,12 @@ class BackgroundWriter(Generic[T]):
             raise error
         assert result is not None
         return result, waited
+
+
+def _lower_priority() -> None:
+    """This thread's nice raised by WRITER_NICE (never lowered: that needs privileges, and a
+    job run under nice keeps its own); where the system has no per-thread nice, nothing."""
+    with contextlib.suppress(OSError, AttributeError):
+        thread = threading.get_native_id()
+        current = os.getpriority(os.PRIO_PROCESS, thread)
+        os.setpriority(os.PRIO_PROCESS, thread, min(19, current + WRITER_NICE))
