@@ -8,7 +8,8 @@ exit with 128 + 15; resuming ends bit for bit where the uninterrupted run ends.
 SIGTERM in the step of the save itself: the save in flight is the stop's.
 
 A full disk during the background write of checkpoint-4 (the writer fills it,
-then writes): one CheckpointError line on every rank, at the same step;
+then writes; at stage 3 every rank's shards meet it too): one CheckpointError
+line on every rank, at the same step;
 checkpoint-2 intact and nothing else left; the model in memory is the one an
 undisturbed run has at that step.
 """
@@ -105,13 +106,15 @@ def test_a_save_in_flight_at_sigterm_completes_before_the_exit(tmp_path: Path) -
     ], same
 
 
-def _full_disk_in_the_writer(rank: int, world: int, root: str, disk: str) -> dict[str, Any]:
+def _full_disk_in_the_writer(
+    rank: int, world: int, root: str, disk: str, stage: int
+) -> dict[str, Any]:
     snapshots: dict[int, list[list[float]]] = {}
 
     def snapshot(trainer: Any) -> None:  # the parameters after each step, as the next begins
         snapshots.setdefault(trainer.state.global_step, local_params(trainer))
 
-    reference = make_trainer(Path(root) / "reference", snapshot)
+    reference = make_trainer(Path(root) / "reference", snapshot, zero_stage=stage)
     reference.train()
     snapshots[reference.state.global_step] = local_params(reference)
 
@@ -123,7 +126,7 @@ def _full_disk_in_the_writer(rank: int, world: int, root: str, disk: str) -> dic
         return original(world_, lineage, staged)
 
     writes.write = filling_write  # type: ignore[assignment]
-    trainer = make_trainer(Path(disk) / "run", save_steps=2)
+    trainer = make_trainer(Path(disk) / "run", save_steps=2, zero_stage=stage)
     try:
         trainer.train()
     except CheckpointError as exc:
@@ -135,11 +138,13 @@ def _full_disk_in_the_writer(rank: int, world: int, root: str, disk: str) -> dic
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.parametrize("stage", [0, 3])
 def test_a_full_disk_during_a_background_write_is_one_line_and_loses_nothing(
-    tmp_path: Path, small_disk: Path
+    tmp_path: Path, small_disk: Path, stage: int
 ) -> None:
+    disk = str(small_disk)
     runs = run_workers(
-        _full_disk_in_the_writer, 2, str(tmp_path), str(small_disk), init_pg=False, timeout=180
+        _full_disk_in_the_writer, 2, str(tmp_path), disk, stage, init_pg=False, timeout=180
     )
     for run in runs:
         error = run.value["error"]

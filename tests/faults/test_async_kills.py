@@ -10,8 +10,8 @@ events. After each kill: checkpoint-5 is intact, `resume_from_checkpoint=True`
 picks the newest complete checkpoint (checkpoint-10 where the kill came after
 its rename, else checkpoint-5), and the resumed run ends with exactly the
 reference's parameters. One trial runs in the suite; the 20 trials (random
-stages and moments: half anywhere in the write, half in its seal, whose few
-events a uniform pick would rarely meet) are slow.
+stages and moments: a third anywhere in the write, a third in its seal and a
+third after its rename, which a uniform pick would rarely meet) are slow.
 """
 
 from __future__ import annotations
@@ -58,6 +58,8 @@ class Reference:
     """How many events the background write of checkpoint-10 runs."""
     seal_at: int
     """The event at which its seal begins (hash, manifest, rename, rotation)."""
+    renamed_at: int
+    """The event at which checkpoint-10 is renamed into place."""
 
 
 def _reference(root: Path, stage: int) -> Reference:
@@ -65,7 +67,8 @@ def _reference(root: Path, stage: int) -> Reference:
     done = _run(out, stage, "--kill-in-background-write", f"{STEP}:-1")
     assert done.returncode == 0, done.stdout + done.stderr
     counted = json.loads(out.with_suffix(".killed").read_text())
-    return Reference(out.with_suffix(".pt"), counted["events"], counted["seal_at"])
+    events, seal_at, renamed_at = (counted[k] for k in ("events", "seal_at", "renamed_at"))
+    return Reference(out.with_suffix(".pt"), events, seal_at, renamed_at)
 
 
 def _newest_complete(out: Path) -> Path:
@@ -118,9 +121,10 @@ def test_20_sigkills_at_random_moments_of_background_writes(tmp_path: Path) -> N
     for trial in range(20):
         stage = rng.choice((0, 1, 3))
         ref = references[stage]
-        # Half the moments anywhere in the write, half in its seal (few events, the most
-        # delicate: the hashing, the manifest, the rename, the rotation).
-        first = 1 if trial % 2 == 0 else ref.seal_at
+        # A third of the moments anywhere in the write, a third in its seal (few events,
+        # the most delicate: the hashing, the manifest, the rename), a third after the
+        # rename (checkpoint-10 is complete: the resume must take it).
+        first = (1, ref.seal_at, ref.renamed_at + 1)[trial % 3]
         event = rng.randrange(first, ref.events + 1)
         failures.append(_trial(tmp_path, f"trial{trial}", stage, event, references[stage]))
     assert [f for f in failures if f] == []

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from phalanx.train.callbacks import Callbacks, TrainerCallback
-from phalanx.train.checkpoint.staging import stage
+from phalanx.train.checkpoint.staging import Stager, stage
 
 
 def _saved(obj: Any) -> Any:
@@ -61,6 +61,21 @@ def test_a_modules_state_dict_keeps_its_versions_and_containers_their_types() ->
     assert isinstance(staged["bn"], OrderedDict)
     assert staged["bn"]._metadata == state._metadata  # type: ignore[attr-defined]
     assert staged["list"] == [1, (2, 3)] and staged["none"] is None
+
+
+def test_the_next_copy_reuses_the_last_ones_memory_where_the_sizes_fit() -> None:
+    state = {"a": torch.arange(6.0), "b": torch.ones(2, 3, dtype=torch.float64)}
+    first = Stager(pin=False)
+    first.copy(state)
+    addresses = sorted(b.data_ptr() for b in first.buffers)
+    state["a"].add_(10)
+    state["c"] = torch.zeros(5)  # a size the pool has no buffer for: new memory
+    second = Stager(pin=False, pool=first.buffers)
+    copied = second.copy(state)
+    reused = sorted(b.data_ptr() for b in second.buffers if b.data_ptr() in addresses)
+    assert reused == addresses and len(second.buffers) == 3
+    assert copied["a"].tolist() == [10.0, 11.0, 12.0, 13.0, 14.0, 15.0]
+    assert copied["b"].dtype == torch.float64 and copied["b"].shape == (2, 3)
 
 
 class _Saves(TrainerCallback):

@@ -22,16 +22,21 @@ snapshot the model).
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Mapping
+from functools import partial
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from phalanx.diagnostics import timeline as timelines
-from phalanx.errors import ConfigurationError
+from phalanx.errors import ConfigurationError, PhalanxError
 from phalanx.train.checkpoint import hf_save
 from phalanx.train.checkpoint.directory import PREFIX
-from phalanx.train.checkpoint.writes import Saved
+from phalanx.train.checkpoint.writes import Saved, Staged
 from phalanx.train.flow import record_save
 from phalanx.train.logging.report import human_size
-from phalanx.train.nonfinite import check_parameters
+from phalanx.train.nonfinite import check_parameters, first_nonfinite_in, nonfinite_error
 from phalanx.train.trainer_setup import TrainerSetup
 
 
@@ -59,7 +64,8 @@ class CheckpointSaves(TrainerSetup):
             raise ConfigurationError("save_checkpoint() needs a train_dataset — pass one")
         step = self.state.global_step
         self._collect_save(next_step=step)
-        check_parameters(self.model, self.world, step)  # never a NaN checkpoint over good ones
+        if not background:  # a background save checks its copy, on the writer (off the loop)
+            check_parameters(self.model, self.world, step)  # never a NaN checkpoint
         self._sync_loss()
         notes = {"args.json": json.dumps(self.args.to_dict(), indent=1).encode()}
         notes.update(hf_save.checkpoint_notes(self.model, self._tied))  # config.json, for export
@@ -72,8 +78,8 @@ class CheckpointSaves(TrainerSetup):
         saved: Saved | None = None
         with timelines.span_of(self.timeline, "checkpoint save"):
             if background:
-                timeout = self.args.ddp_timeout
-                self._checkpointer.start_background(states, step, notes, derived, timeout)
+                timeout, validate = self.args.ddp_timeout, partial(_nonfinite_model, step)
+                self._checkpointer.start_background(states, step, notes, derived, timeout, validate)
             else:
                 saved = self._checkpointer.save(states, step, notes, derived)
         self._saved_step = step
@@ -127,6 +133,23 @@ class CheckpointSaves(TrainerSetup):
             return {}
         self.state.loss_sum, summary = self._runlog.settle_loss(self.counted_steps())
         return summary
+
+
+def _nonfinite_model(step: int, staged: Staged) -> PhalanxError | None:
+    """The copy's model (rank 0's whole one, or this rank's shards) holds a NaN or an inf:
+    checkpoint-<step> must not be written over good ones."""
+    part = staged.replicated.get("model", staged.sharded.get("model"))
+    name = None if part is None else first_nonfinite_in(_named_tensors(part))
+    return None if name is None else nonfinite_error(name, step)
+
+
+def _named_tensors(state: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor in a nested state, named by its keys joined with dots."""
+    if isinstance(state, torch.Tensor):
+        yield prefix, state
+    elif isinstance(state, Mapping):
+        for key, value in state.items():
+            yield from _named_tensors(value, f"{prefix}.{key}" if prefix else str(key))
 
 
 def _saved_line(saved: Saved) -> str:

@@ -103,9 +103,9 @@ def kill_in_background_write(trainer: Trainer, where: str, marker: Path) -> None
     ("STEP:N"): the writer thread traces itself (sys.settrace: every call, line and return
     of Python it runs, DCP's and the seal's included), and at its N-th event it writes
     `marker` (which event, in which function) and kills the process, wherever the training
-    thread is. N = -1 counts the write's events into `marker` instead, and the event at
-    which rank 0 begins to seal it (hash, manifest, rename, rotate): a reference run says
-    how many there are, so a trial can pick one at random.
+    thread is. N = -1 counts the write's events into `marker` instead, the event at which
+    rank 0 begins to seal it (hash, manifest, rename, rotate) and the one at which the
+    rename is done: a reference run says how many there are, so a trial can pick one.
     """
     step, nth = (int(part) for part in where.split(":"))
     original = writes.write
@@ -114,12 +114,15 @@ def kill_in_background_write(trainer: Trainer, where: str, marker: Path) -> None
         on_writer = threading.current_thread() is not threading.main_thread()
         if staged.step != step or not on_writer or not first_attempt():
             return original(world, lineage, staged)
-        count, seal_at = [0], [0]
+        count, seal_at, renamed_at = [0], [0], [0]
 
         def trace(frame: Any, event: str, arg: Any) -> Any:
             count[0] += 1
-            if event == "call" and frame.f_code.co_name == "seal" and not seal_at[0]:
+            name = frame.f_code.co_name
+            if event == "call" and name == "seal" and not seal_at[0]:
                 seal_at[0] = count[0]
+            if event == "return" and name == "_replace_dir" and not renamed_at[0]:
+                renamed_at[0] = count[0]
             if count[0] == nth:
                 code = frame.f_code
                 place = f"{code.co_name} ({Path(code.co_filename).name}:{frame.f_lineno})"
@@ -133,7 +136,8 @@ def kill_in_background_write(trainer: Trainer, where: str, marker: Path) -> None
         finally:
             sys.settrace(None)
             if nth < 0:
-                marker.write_text(json.dumps({"events": count[0], "seal_at": seal_at[0]}))
+                counted = {"events": count[0], "seal_at": seal_at[0], "renamed_at": renamed_at[0]}
+                marker.write_text(json.dumps(counted))
 
     writes.write = traced_write
 

@@ -66,6 +66,8 @@ class Checkpointer:
         self.say = say
         self.background: BackgroundWriter[Saved] = BackgroundWriter(world)
         """The save written while training goes on, if one is in flight."""
+        self._pool: list[Any] = []
+        """The last background save's host memory, for the next one's copy (staging.py)."""
 
     @property
     def protect(self) -> Path | None:
@@ -101,14 +103,20 @@ class Checkpointer:
         notes: Mapping[str, bytes] | None = None,
         derived: writes.Derived | None = None,
         timeout_s: float | None = None,
+        validate: Callable[[writes.Staged], PhalanxError | None] | None = None,
     ) -> writes.Staged:
         """Collective: copy every rank's part of checkpoint-<step> to host memory now, and
         write it on the writer thread while training goes on; `background.collect()`
         returns its `Saved` (or raises its error). The previous one must be collected.
         `timeout_s`: how long the writers' collectives may block (its group is made at the
-        first background save)."""
+        first background save); `validate`: run on every rank's copy before it is written
+        (a refusal fails the save on every rank)."""
+        assert not self.background.in_flight, "collect the save in flight first"
         writers = self.background.writers_world(timeout_s)
-        staged = writes.stage(self.world, self.output_dir, states, step, notes, derived, True)
+        pool, self._pool = self._pool, []
+        staged = writes.stage(self.world, self.output_dir, states, step, notes, derived, True, pool)
+        self._pool = staged.buffers  # reused once this save is written (staging.py)
+        staged.validate = validate
         self.background.start(step, partial(writes.write, writers, self.lineage, staged))
         return staged
 

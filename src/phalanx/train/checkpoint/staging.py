@@ -16,8 +16,15 @@ The copy is what the writer will write, made before the next step changes it:
 
 On a GPU the copy goes to pinned memory with non-blocking copies, then one
 synchronize: the step after waits for nothing else. On the CPU it is a copy:
-benchmarks/async_save.py measured it against a copy-on-write fork (docs/trainer.md,
-"Background saves").
+benchmarks/async_staging.py measured it against a copy-on-write fork
+(docs/trainer.md, "Background saves").
+
+The memory of one save's copy is the next one's (`pool`): a fresh allocation
+costs a page fault per 4 KB page, 3 to 5 times the copy itself on the 2-core
+machine (async_staging.py, `copy` against `reused`), and pinned memory is slow
+to allocate. So a run that saves in the background keeps host memory the size
+of its part of the state between saves, as DCP's cached staging does; a buffer
+of a size the next state no longer has is let go.
 """
 
 from __future__ import annotations
@@ -33,10 +40,15 @@ import torch
 class Stager:
     """Copies one checkpoint's state to host memory; `bytes` counts what it copied."""
 
-    def __init__(self, pin: bool) -> None:
+    def __init__(self, pin: bool, pool: list[torch.Tensor] | None = None) -> None:
         self.pin = pin
         """Pinned host memory (a CUDA state): the device copies run without a sync each."""
         self.bytes = 0
+        self.buffers: list[torch.Tensor] = []
+        """The byte buffers this copy lives in: the next copy's pool, once this is written."""
+        self._pool: dict[int, list[torch.Tensor]] = {}
+        for buffer in pool or ():
+            self._pool.setdefault(buffer.numel(), []).append(buffer)
         self._storages: dict[tuple[str, int], torch.Tensor] = {}
         self._device_copies = False
 
@@ -73,8 +85,9 @@ class Stager:
             local = self._whole(tensor._local_tensor.detach())
             return DTensor(local, tensor._spec, requires_grad=False)
         tensor = tensor.detach()
-        plain = tensor.layout == torch.strided and not tensor.is_quantized
-        if not plain or tensor.is_nested or tensor.untyped_storage().data_ptr() == 0:
+        if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_nested:
+            return tensor.to("cpu", copy=True)  # no storage to share: as it is
+        if tensor.untyped_storage().data_ptr() == 0:
             return self._whole(tensor)
         storage = self._storage(tensor)
         view = torch.empty(0, dtype=tensor.dtype)
@@ -99,8 +112,16 @@ class Stager:
         return out
 
     def _empty(self, like: torch.Tensor) -> torch.Tensor:
-        pin = self.pin and like.device.type == "cuda" and like.numel() > 0
-        return torch.empty(like.size(), dtype=like.dtype, pin_memory=pin)
+        """Host memory shaped as `like` (contiguous): a buffer of the pool, or a new one."""
+        nbytes = like.numel() * like.element_size()
+        spare = self._pool.get(nbytes)
+        if spare:
+            buffer = spare.pop()
+        else:
+            pin = self.pin and like.device.type == "cuda" and nbytes > 0
+            buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        self.buffers.append(buffer)
+        return buffer.view(like.dtype).view(like.size())
 
     def _copy_into(self, out: torch.Tensor, source: torch.Tensor) -> None:
         device = source.device.type != "cpu"
@@ -110,7 +131,8 @@ class Stager:
 
 
 def stage(obj: Any, pin: bool = False) -> tuple[Any, int]:
-    """`obj` copied to host memory (the Stager's rules), complete; and the bytes copied."""
+    """`obj` copied to host memory (the Stager's rules, fresh memory), complete; and the
+    bytes copied."""
     stager = Stager(pin)
     staged = stager.copy(obj)
     stager.finish()

@@ -22,6 +22,14 @@ After each turn all ranks meet in `World.barrier_or_raise`: a failure on any
 rank (a full disk, a read-only directory, a state that cannot be pickled) is
 one `CheckpointError` on every rank, saying which file and why; rank 0 then
 removes the partial `.tmp`, and the previous checkpoints stay as they were.
+
+A copied state (a background save, on the writer thread) takes no turns: every
+rank checks its copy (`validate`: a NaN model) and writes its parts with no
+collective (the sharded ones in DCP's format, each rank's plan computed alone:
+dcp_local.py; rank 0 its files), one all-gather agrees that all did, rank 0
+writes the `.metadata` files and the derived ones, seals and rotates, and one
+broadcast says how that ended: two exchanges per save, the same failure on
+every rank.
 """
 
 from __future__ import annotations
@@ -33,8 +41,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from phalanx import errors
 from phalanx.errors import CheckpointError, PhalanxError
 from phalanx.runtime import World
+from phalanx.train.checkpoint.dcp_local import LocalPlan, metadata, write_metadata, write_part
 from phalanx.train.checkpoint.directory import (
     PREFIX,
     begin,
@@ -96,8 +106,13 @@ class Staged:
     """Rank 0: the manifest entries of the files it wrote (hashed on the way)."""
     failure: BaseException | None = None
     """Why this rank could not take its part (raised in the write's first turn)."""
+    validate: Callable[[Staged], PhalanxError | None] | None = None
+    """Run by every rank's writer on the copy before a byte is written: a refusal (a NaN
+    model) fails the save on every rank, as a failed write does."""
     bytes: int = 0
     """Host memory the copy took on this rank."""
+    buffers: list[Any] = field(default_factory=list)
+    """The byte buffers the copy lives in (the next save's pool once this one is written)."""
     blocked_s: float = 0.0
 
 
@@ -118,8 +133,10 @@ def stage(
     notes: Mapping[str, bytes] | None,
     derived: Derived | None,
     copy: bool,
+    pool: list[Any] | None = None,
 ) -> Staged:
-    """Collective: the save's first half (module docstring); `copy`: to host memory."""
+    """Collective: the save's first half (module docstring); `copy`: to host memory, into
+    the buffers of `pool` where their sizes fit (staging.py)."""
     started = time.perf_counter()
     placements = {name: placement_of(entry) for name, entry in states.items()}
     per_rank = {
@@ -131,7 +148,7 @@ def stage(
     staged = Staged(step, tmp, placements, started, dict(notes or {}), derived, copy)
     if world.is_main:
         staged.per_rank = per_rank
-    stager = Stager(pin=world.device.type == "cuda")
+    stager = Stager(pin=world.device.type == "cuda", pool=pool)
     try:
         for name, entry in states.items():
             if placements[name] == "sharded":
@@ -143,16 +160,18 @@ def stage(
         stager.finish()
     except Exception as exc:  # raised, on every rank together, in the write's first turn
         staged.failure = exc
-    staged.bytes = stager.bytes
+    staged.bytes, staged.buffers = stager.bytes, stager.buffers
     staged.blocked_s = time.perf_counter() - started
     return staged
 
 
 def write(world: World, lineage: Lineage, staged: Staged) -> Saved:
     """Collective over `world`: the save's second half (module docstring)."""
+    if staged.copied:
+        return _write_agreed(world, lineage, staged)
     turn = partial(_turn, world, lineage.output_dir, staged)
     for name, part in staged.sharded.items():
-        turn(partial(_write_sharded, staged, name, part, world), everyone=True, part=name)
+        turn(partial(_write_sharded, staged, name, part), everyone=True, part=name)
     turn(partial(_write_on_main, staged), everyone=False)
     sizes: list[int] = []
 
@@ -168,18 +187,103 @@ def write(world: World, lineage: Lineage, staged: Staged) -> Saved:
     return Saved(path, size, seconds, staged.blocked_s if staged.copied else seconds)
 
 
-def _write_sharded(staged: Staged, name: str, part: Any, world: World) -> None:
+def _write_sharded(staged: Staged, name: str, part: Any) -> None:
     _raise_failure(staged)
-    directory = staged.tmp / name
-    if staged.copied:  # a copied state: written here, over the writers' group
-        import torch.distributed.checkpoint as dcp
+    sharded_of(name, part).save_sharded(staged.tmp / name)
 
-        dcp.save(part, checkpoint_id=str(directory), process_group=world.process_group)
-    else:
-        sharded_of(name, part).save_sharded(directory)
+
+def _write_agreed(world: World, lineage: Lineage, staged: Staged) -> Saved:
+    """A copied state's write, in two collectives whatever its size and entries: every rank
+    writes its parts with none (dcp_local.py: DCP's format, the plan computed alone), rank 0
+    its own files too; one all-gather agrees that all did and carries each rank's item
+    lengths; rank 0 writes each entry's `.metadata`, the derived files, seals and rotates;
+    one broadcast says how that ended. A failure anywhere is raised on every rank."""
+    plans: dict[str, LocalPlan] = {}
+    mine: dict[str, Any] = {"error": None, "lengths": {}}
+    error: PhalanxError | None = None
+    try:
+        _raise_failure(staged)
+        refused = staged.validate(staged) if staged.validate is not None else None
+        if refused is not None:
+            raise refused
+        for name, part in staged.sharded.items():
+            plans[name] = LocalPlan(part, world.rank)
+            mine["lengths"][name] = write_part(plans[name], staged.tmp / name)
+        if world.is_main:
+            _write_files(staged)
+    except PhalanxError as exc:
+        error = exc
+    except failures() as exc:
+        part = next((n for n in staged.sharded if n not in mine["lengths"]), None)
+        error = CheckpointError(
+            _write_failure(lineage.output_dir, staged.tmp, staged.step, exc, part)
+        )
+    if error is not None:
+        mine["error"] = [type(error).__name__, str(error)]
+    agreed = world.all_gather_json(mine)  # the agreement: every rank's part is written
+    outcome: dict[str, Any] | None = None
+    if world.is_main:
+        outcome = _seal_agreed(lineage, staged, plans, agreed)
+    outcome = world.broadcast_json(outcome)  # how rank 0's seal ended
+    if outcome["error"] is not None:
+        rank, kind, message = outcome["error"]
+        if rank == world.rank and error is not None:
+            raise error
+        raise getattr(errors, kind, PhalanxError)(
+            message if rank == 0 else f"rank {rank}: {message}"
+        )
+    path = lineage.output_dir / f"{PREFIX}{staged.step}"
+    return Saved(path, outcome["size"], time.perf_counter() - staged.started, staged.blocked_s)
+
+
+def _raise_agreed(failure: list[Any], rank: int, mine: PhalanxError | None) -> None:
+    """The agreed failure, as barrier_or_raise raises one: the failing rank its own, the
+    others its message prefixed with its rank."""
+    failing, kind, message = failure
+    cls = getattr(errors, kind, PhalanxError)
+    if failing == rank:
+        raise mine if mine is not None else cls(message)
+    raise cls(f"rank {failing}: {message}")
+
+
+def _seal_agreed(
+    lineage: Lineage, staged: Staged, plans: dict[str, LocalPlan], agreed: list[Any]
+) -> dict[str, Any]:
+    """Rank 0, once every rank said how its part went: the first failure, or the metadata,
+    the derived files, the seal and the rotation; the partial staging folder goes on any
+    failure."""
+    failed = [(rank, a["error"]) for rank, a in enumerate(agreed) if a["error"] is not None]
+    if failed:
+        discard(staged.tmp)
+        rank, (kind, message) = failed[0]
+        return {"error": [rank, kind, message]}
+    try:
+        for name, plan in plans.items():
+            lengths = [a["lengths"][name] for a in agreed]
+            write_metadata(metadata(plan, lengths), staged.tmp / name)
+        if staged.derived is not None:
+            staged.derived(staged.tmp, staged.placements)
+        sealed = lineage.seal(staged.tmp, staged.step, staged.placements, staged.written)
+        size = checkpoint_bytes(read_manifest(sealed))  # before anything is deleted
+        lineage.rotate()
+    except PhalanxError as exc:
+        discard(staged.tmp)
+        return {"error": [0, type(exc).__name__, str(exc)]}
+    except failures() as exc:
+        discard(staged.tmp)
+        why = _write_failure(lineage.output_dir, staged.tmp, staged.step, exc, None)
+        return {"error": [0, "CheckpointError", why]}
+    return {"error": None, "size": size}
 
 
 def _write_on_main(staged: Staged) -> None:
+    _write_files(staged)
+    if staged.derived is not None:
+        staged.derived(staged.tmp, staged.placements)
+
+
+def _write_files(staged: Staged) -> None:
+    """Rank 0's files: the replicated entries, every rank's per-rank ones, the notes."""
     _raise_failure(staged)
     written, tmp = staged.written, staged.tmp
     for name, part in staged.replicated.items():
@@ -190,8 +294,6 @@ def _write_on_main(staged: Staged) -> None:
             written[per_rank_file(name, rank)] = write_file(tmp, per_rank_file(name, rank), state)
     for file, data in staged.notes.items():
         written[file] = write_file(tmp, file, data)
-    if staged.derived is not None:
-        staged.derived(tmp, staged.placements)
 
 
 def _raise_failure(staged: Staged) -> None:
