@@ -197,7 +197,10 @@ def _full_disk_on_save(rank: int, world: int, disk: str, stage: int) -> dict[str
     phalanx.init(backend="gloo")
     out = Path(disk) / "run"
     box: list[Trainer] = []
-    box.append(_trainer(out, _filling_after(2, Path(disk), rank, box), zero_stage=stage))
+    # Saves written there and then: the disk fills once checkpoint-2 is in place (a
+    # background write of it could meet the full disk too: tests/faults/test_async_faults.py).
+    filling = _filling_after(2, Path(disk), rank, box)
+    box.append(_trainer(out, filling, zero_stage=stage, save_async=False))
     result: dict[str, Any] = {"error": _error_of(box[0].train)}
     dist.barrier()
     result["left"] = sorted(p.name for p in out.iterdir())

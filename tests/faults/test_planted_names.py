@@ -24,9 +24,9 @@ from torch import Tensor, nn
 from torch.utils.data import TensorDataset
 
 from phalanx.train import Trainer, TrainingArguments
-from phalanx.train.checkpoint.checkpointer import _probe
 from phalanx.train.checkpoint.consolidate import write_atomically
 from phalanx.train.checkpoint.directory import verify_checkpoint
+from phalanx.train.checkpoint.failures import probe as _probe
 from phalanx.train.checkpoint.hf_export import staging_beside
 from phalanx.train.checkpoint.outputdir import check_writable
 from phalanx.train.logging.metrics import JSONL_NAME, JsonlSink, forget_after

@@ -311,6 +311,10 @@ class ZeroRedundancyOptimizer(Optimizer):
         """Collective: every rank writes its pieces to `directory` (torch DCP format)."""
         zero_checkpoint.save_sharded(self.pieces(), directory)
 
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """What `save_sharded` writes, as DCP's state dict (this rank's pieces as DTensors)."""
+        return zero_checkpoint.sharded_state_dict(self.pieces())
+
     def load_sharded(self, directory: Path) -> None:
         """Collective: read this rank's pieces from a `save_sharded` directory, any world size."""
         self._adopt_groups(zero_checkpoint.load_sharded(self.pieces(), directory))

@@ -46,10 +46,9 @@ def _as_dtensor(local: torch.Tensor, piece: Piece, mesh: DeviceMesh) -> DTensor:
     )
 
 
-def save_sharded(view: PieceOptimizer, directory: Path) -> None:
-    """Collective: write this rank's pieces (and, once, the scalars and groups) to `directory`."""
-    import torch.distributed.checkpoint as dcp
-
+def sharded_state_dict(view: PieceOptimizer) -> dict[str, Any]:
+    """What `save_sharded` hands DCP: this rank's pieces as DTensors, the scalars, the groups
+    and the whole shapes (local work: a background save copies it and writes it later)."""
     mesh = _mesh(view)
     state: dict[str, dict[str, Any]] = {}
     for i, entry in view.optim.state_dict()["state"].items():
@@ -61,11 +60,14 @@ def save_sharded(view: PieceOptimizer, directory: Path) -> None:
     groups = {str(g): group for g, group in enumerate(view.plain_groups())}
     # The whole shapes, so a consolidation without the model can restore them.
     shapes = {str(i): list(shape) for i, shape in enumerate(view.shapes)}
-    dcp.save(
-        {"state": state, "param_groups": groups, "shapes": shapes},
-        checkpoint_id=str(directory),
-        process_group=view.group,
-    )
+    return {"state": state, "param_groups": groups, "shapes": shapes}
+
+
+def save_sharded(view: PieceOptimizer, directory: Path) -> None:
+    """Collective: write this rank's pieces (and, once, the scalars and groups) to `directory`."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(sharded_state_dict(view), checkpoint_id=str(directory), process_group=view.group)
 
 
 def load_sharded(view: PieceOptimizer, directory: Path) -> list[dict[str, Any]]:

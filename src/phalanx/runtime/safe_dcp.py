@@ -21,7 +21,8 @@ refused without being opened); every byte range inside its file and apart
 from the others; every tensor's chunks inside its declared size, covering it
 exactly, each backed by at least its bytes of storage. So a declared size
 cannot make a reader allocate more than the files hold. Every file this
-reader opens is opened without following a link and without blocking.
+reader opens is opened without following a link and without blocking. Each
+tensor is read by the rows a rank asks for, not whole (dcp_ranges.py).
 
 Import this module where it is used: torch.distributed.checkpoint costs
 seconds of CPU at import.
@@ -131,6 +132,16 @@ class SafeReader(FileSystemReader):
     def __init__(self, path: str | Path) -> None:
         super().__init__(path)
         self.fs = _NoFollowFileSystem()
+        self.bytes_read = 0
+        """Bytes read so far by read_data (dcp_ranges.py: each tensor by its rows)."""
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        """torch's read_data, reading of each tensor item only the rows asked for."""
+        from phalanx.runtime import dcp_ranges
+
+        done, read = dcp_ranges.read_data(self, plan, planner, Path(self.path), self.storage_data)
+        self.bytes_read += read
+        return done
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))

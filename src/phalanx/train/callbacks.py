@@ -219,6 +219,17 @@ class Callbacks:
         self._failure: str | None = None
         """The first exception a callback raised on this rank, until the ranks agree on it."""
 
+    def listen_to(self, event: str) -> bool:
+        """Whether some callback does something on `event`: a method of its own, not the
+        base class's no-op (phalanx's TrainerCallback, or transformers')."""
+        for callback in self.callbacks:
+            method = getattr(callback, event, None)
+            function = getattr(method, "__func__", method)
+            name = getattr(function, "__qualname__", "")
+            if callable(method) and name != f"TrainerCallback.{event}":
+                return True
+        return False
+
     def log(self, logs: dict[str, float]) -> None:
         """A log line (training or evaluation): into state.log_history, then on_log."""
         if not self.callbacks:

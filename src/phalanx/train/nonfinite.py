@@ -28,13 +28,13 @@ ones. So:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import Tensor, nn
 
-from phalanx.errors import NonFiniteError, PhalanxError
+from phalanx.errors import NonFiniteError
 from phalanx.runtime import World
 
 if TYPE_CHECKING:
@@ -117,15 +117,20 @@ def first_nonfinite(model: nn.Module) -> str | None:
     Rank-local: a stage-3 (DTensor) parameter is looked at through its local shard, which
     may be empty; the DTensor itself would make every norm a collective.
     """
-    named = [(name, _local(p.detach())) for name, p in model.named_parameters()]
-    named = [(name, t) for name, t in named if t.numel()]
-    if not named:
+    return first_nonfinite_in((name, p.detach()) for name, p in model.named_parameters())
+
+
+def first_nonfinite_in(named: Iterable[tuple[str, Tensor]]) -> str | None:
+    """The first name whose tensor (a DTensor: its local shard) holds a NaN or an inf."""
+    tensors = [(name, _local(t)) for name, t in named]
+    tensors = [(name, t) for name, t in tensors if t.numel() and t.is_floating_point()]
+    if not tensors:
         return None
     # The largest magnitude: NaN and inf show, and unlike a 2-norm it cannot overflow.
-    worst = torch.nn.utils.get_total_norm([p for _, p in named], norm_type=math.inf)
+    worst = torch.nn.utils.get_total_norm([t for _, t in tensors], norm_type=math.inf)
     if bool(torch.isfinite(worst)):
         return None
-    return next(name for name, p in named if not bool(torch.isfinite(p).all()))
+    return next(name for name, t in tensors if not bool(torch.isfinite(t).all()))
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -133,15 +138,17 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else tensor
 
 
+def nonfinite_error(name: str, step: int) -> NonFiniteError:
+    """Why checkpoint-<step> is not written: parameter `name` is not finite."""
+    return NonFiniteError(
+        f"parameter {name!r} is not finite (NaN or inf) at step {step}, so "
+        f"checkpoint-{step} is not written and the checkpoints already saved stay as they "
+        "are — resume from the newest of them, with a lower learning rate or "
+        "on_nonfinite_grad='stop'"
+    )
+
+
 def check_parameters(model: nn.Module, world: World, step: int) -> None:
     """Collective: raise NonFiniteError on every rank if any rank's parameters are not finite."""
     name = first_nonfinite(model)
-    error: PhalanxError | None = None
-    if name is not None:
-        error = NonFiniteError(
-            f"parameter {name!r} is not finite (NaN or inf) at step {step}, so "
-            f"checkpoint-{step} is not written and the checkpoints already saved stay as they "
-            "are — resume from the newest of them, with a lower learning rate or "
-            "on_nonfinite_grad='stop'"
-        )
-    world.barrier_or_raise(error)
+    world.barrier_or_raise(None if name is None else nonfinite_error(name, step))

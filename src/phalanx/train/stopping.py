@@ -10,9 +10,11 @@ written at that step, and `train()` raises `TrainingStopped`: a `SystemExit`
 with the status a shell gives a process the signal ended (128 + its number),
 which a launcher or scheduler reads as "stopped by the signal".
 
-A second Ctrl-C stops at once (KeyboardInterrupt), while the first one's
-save is still running if need be: the checkpoint being written is then left
-as a `.tmp` directory, which is never loaded.
+A save being written in the background when the ranks agree to stop is
+completed first, then the stop's own save is written (unless it is the same
+step), then the exit. A second Ctrl-C stops at once (KeyboardInterrupt), while
+the first one's save is still running if need be: the checkpoint being written
+is then left as a `.tmp` directory, which is never loaded.
 """
 
 from __future__ import annotations
@@ -97,22 +99,30 @@ class StopRequests:
             raise KeyboardInterrupt  # the second Ctrl-C: stop at once
         self.received.append(signum)
 
-    def agree(self) -> Stop | None:
+    def agree(self, writing: bool | None = None) -> tuple[Stop | None, bool]:
         """Collective at a step boundary: the signal every rank stops for, and the ranks that
-        received it; None to go on. SIGTERM wins over SIGINT when ranks received different
-        ones."""
-        if not self.enabled:
-            return None
+        received it (None to go on; SIGTERM wins over SIGINT when ranks received different
+        ones); and whether every rank's background save has ended.
+
+        `writing`: None when no save is in flight (the same on every rank), else whether
+        this rank's part of it has ended. It rides on the same all-reduce, so every rank
+        collects the save at the same step, and costs a collective of its own only when
+        stops are not agreed (save_on_signal=False) and a save is in flight.
+        """
+        if not self.enabled and writing is None:
+            return None, False
         world, rank = self.world.world_size, self.world.rank
-        mine = [0.0] * (world * len(STOP_SIGNALS))
-        for k, signum in enumerate(STOP_SIGNALS):
+        signals = STOP_SIGNALS if self.enabled else ()
+        mine = [0.0] * (world * len(signals)) + ([float(writing)] if writing is not None else [])
+        for k, signum in enumerate(signals):
             mine[k * world + rank] = float(signum in self.received)
         votes = self.world.all_reduce_sum(mine) if self.world.is_distributed else mine
-        for k, signum in enumerate(STOP_SIGNALS):
+        written = writing is not None and votes[-1] == world
+        for k, signum in enumerate(signals):
             ranks = [r for r in range(world) if votes[k * world + r]]
             if ranks:
-                return Stop(signum, ranks)
-        return None
+                return Stop(signum, ranks), written
+        return None, written
 
 
 class Stop(NamedTuple):

@@ -12,7 +12,6 @@ between steps, on every rank together.
 
 from __future__ import annotations
 
-import json
 import math
 import warnings
 from collections.abc import Iterator
@@ -31,12 +30,10 @@ from phalanx.train.checkpoint import hf_save
 from phalanx.train.checkpoint.directory import PREFIX
 from phalanx.train.checkpoint.outputdir import prepare_output_dir, restart_note
 from phalanx.train.checkpoint.rng import seed_everything
-from phalanx.train.cluster import ClusterRun
 from phalanx.train.evaluation import EvalSetup, evaluate_model
-from phalanx.train.flow import due_after_step, metric_key, record_evaluation, record_save
-from phalanx.train.logging.report import human_size
+from phalanx.train.flow import due_after_step, metric_key, record_evaluation
 from phalanx.train.logging.runlog import emit
-from phalanx.train.nonfinite import check_parameters
+from phalanx.train.saving import CheckpointSaves
 from phalanx.train.stopping import Stop, TrainingStopped
 from phalanx.train.trainer_state import (
     ResumeWarning,
@@ -61,12 +58,12 @@ class TrainOutput:
     """Who started the run: `World.launcher` ("env", "ray", "slurm", "mpi", "none")."""
 
 
-class Trainer(ClusterRun):
+class Trainer(CheckpointSaves):
     """Train `model` on `train_dataset` as `args` says; see docs/trainer.md.
 
     Its construction (joining the world, the model, the data, the callbacks) is
-    `TrainerSetup`'s (trainer_setup.py), what Ray Train adds `ClusterRun`'s (cluster.py);
-    the loop, logging, evaluation and saving are here.
+    `TrainerSetup`'s (trainer_setup.py), what Ray Train adds `ClusterRun`'s (cluster.py), its
+    saves `CheckpointSaves`' (saving.py); the loop, logging and evaluation are here.
     """
 
     # ------------------------------------------------------------------ train
@@ -97,9 +94,13 @@ class Trainer(ClusterRun):
                     self._live.finish()
                 if self._stopped_by is not None:
                     raise self._stop_and_save(self._stopped_by)
+                self._collect_save()
             self._load_best_model()
             self._callbacks.fire("on_train_end")
             self._callbacks.agree()
+        except Exception:
+            self._settle_save()  # a save in flight completes before the error leaves
+            raise
         finally:
             self._report.close()
         return self._output(resumed_from)
@@ -228,7 +229,12 @@ class Trainer(ClusterRun):
                     steps = self._epoch_steps()
 
     def _stop_agreed(self) -> bool:
-        self._stopped_by = self._stop_requests.agree()
+        """The boundary vote (stopping.py): a stop, and whether the save in flight is
+        written on every rank, which is then collected here, at the same step everywhere."""
+        self._stopped_by, written = self._stop_requests.agree(self._save_vote())
+        if written:
+            self._collect_save()
+            self._callbacks.agree()  # what on_save asked for
         return self._stopped_by is not None
 
     def _epoch_steps(self) -> Iterator[tuple[list[Any], int]]:
@@ -285,7 +291,7 @@ class Trainer(ClusterRun):
             best = record_evaluation(args, self.state, self.evaluate())
             save = save or (args.save_strategy == "best" and best)
         if save:
-            self.save_checkpoint()
+            self._save(background=self._saves_in_background())
         if due.log or due.evaluate or save:
             self._callbacks.agree()  # what on_log, on_evaluate and on_save asked for
 
@@ -294,6 +300,7 @@ class Trainer(ClusterRun):
         the console and to the launcher, whose summary then names the rank signalled."""
         step = self.state.global_step
         path = Path(self.args.output_dir) / f"{PREFIX}{step}"
+        self._collect_save()  # a save in flight is completed first
         if self._saved_step != step:
             path = self.save_checkpoint()
         stopped = TrainingStopped(stop.signum, step, path.name, stop.received_by)
@@ -314,13 +321,6 @@ class Trainer(ClusterRun):
         if self.args.on_nonfinite_grad == "skip":
             extra["skipped_steps"] = float(state.skipped_steps)
         self._callbacks.log(self._runlog.log(state.global_step, extra))
-
-    def _sync_loss(self) -> dict[str, float]:
-        """Collective: fold this call's step losses into state.loss_sum; the call's summary."""
-        if self._runlog is None:
-            return {}
-        self.state.loss_sum, summary = self._runlog.settle_loss(self.counted_steps())
-        return summary
 
     def _mean_loss(self) -> float:
         steps = self.state.global_step - self.state.skipped_steps
@@ -362,32 +362,6 @@ class Trainer(ClusterRun):
         self._callbacks.log(metrics)
         self._callbacks.fire("on_evaluate", metrics=metrics)
         return metrics
-
-    def save_checkpoint(self) -> Path:
-        """Write output_dir/checkpoint-<step>/ now (every rank must call it)."""
-        self._check_open()
-        if self.sampler is None and self.stream is None:
-            raise ConfigurationError("save_checkpoint() needs a train_dataset — pass one")
-        step = self.state.global_step
-        check_parameters(self.model, self.world, step)  # never a NaN checkpoint over good ones
-        self._sync_loss()
-        notes = {"args.json": json.dumps(self.args.to_dict(), indent=1).encode()}
-        notes.update(hf_save.checkpoint_notes(self.model, self._tied))  # config.json, for export
-        derived = hf_save.derived_weights(self.args, self._tied)
-        best = self.state.best_model_checkpoint
-        self._checkpointer.protect = (
-            Path(best) if self.args.load_best_model_at_end and best else None
-        )
-        with timelines.span_of(self.timeline, "checkpoint save"):
-            saved = self._checkpointer.save(self.checkpoint_states(), step, notes, derived)
-        self._saved_step = step
-        record_save(self.state, saved.path)
-        self._callbacks.fire("on_save")
-        self._report.say(
-            f"saved {saved.path.name} ({human_size(saved.bytes)}, {saved.seconds:.2f} s)"
-        )
-        self._checkpoint_done(saved.path)  # sealed: Ray Train gets it (cluster.py)
-        return saved.path
 
     def save_model(self, output_dir: str | Path | None = None) -> Path:
         """The model alone, in Hugging Face's format, into `output_dir` (args.output_dir by

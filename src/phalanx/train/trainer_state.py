@@ -279,6 +279,12 @@ class ShardedModel:
         else:
             zero3.save_optimizer_sharded(self.model, self.optimizer, directory)
 
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """What save_sharded writes (DTensor shards): a background save copies it."""
+        if self.optimizer is None:
+            return zero3.model_state_to_save(self.model)
+        return zero3.optimizer_state_to_save(self.model, self.optimizer)
+
     def load_sharded(self, directory: Path) -> None:
         if self.optimizer is None:
             zero3.load_model_sharded(self.model, directory)

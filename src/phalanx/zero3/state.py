@@ -80,12 +80,18 @@ def full_optimizer_state_dict(
     return plain_optimizer_state(state)
 
 
+def model_state_to_save(model: nn.Module) -> dict[str, Any]:
+    """What `save_model_sharded` hands DCP: {"model": its sharded state dict} (local work)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return {"model": get_model_state_dict(model)}
+
+
 def save_model_sharded(model: nn.Module, directory: Path) -> None:
     """Collective: every rank writes its shards (and rank 0 the replicated rest) with DCP."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(directory))
+    dcp.save(model_state_to_save(model), checkpoint_id=str(directory))
 
 
 def load_model_sharded(model: nn.Module, directory: Path) -> None:
@@ -100,11 +106,17 @@ def load_model_sharded(model: nn.Module, directory: Path) -> None:
     set_model_state_dict(model, state["model"])
 
 
-def save_optimizer_sharded(model: nn.Module, optim: Optimizer, directory: Path) -> None:
-    import torch.distributed.checkpoint as dcp
+def optimizer_state_to_save(model: nn.Module, optim: Optimizer) -> dict[str, Any]:
+    """What `save_optimizer_sharded` hands DCP: {"optimizer": its sharded state dict}."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    dcp.save({"optimizer": get_optimizer_state_dict(model, optim)}, checkpoint_id=str(directory))
+    return {"optimizer": get_optimizer_state_dict(model, optim)}
+
+
+def save_optimizer_sharded(model: nn.Module, optim: Optimizer, directory: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(optimizer_state_to_save(model, optim), checkpoint_id=str(directory))
 
 
 def load_optimizer_sharded(model: nn.Module, optim: Optimizer, directory: Path) -> None:

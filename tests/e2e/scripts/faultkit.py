@@ -9,14 +9,16 @@ import contextlib
 import json
 import os
 import signal
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-import phalanx.train.checkpoint.checkpointer as checkpointer
 import phalanx.train.checkpoint.lineage as lineage
+import phalanx.train.checkpoint.writes as writes
 from phalanx.offload import Streamer, streamer_of
 from phalanx.train import Trainer
 
@@ -56,34 +58,90 @@ def kill_in_save(trainer: Trainer, where: str) -> None:
     step, rank, point = where.split(":")
     if int(rank) != trainer.world.rank or not first_attempt():
         return
-    armed = lambda: trainer.state.global_step == int(step)  # noqa: E731
+    # The save's own step, not the loop's: a background save is written while the loop
+    # trains on (its files live in checkpoint-STEP.<random>.tmp, its seal names the step).
     die = lambda: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
-    save, write_file, seal = trainer._checkpointer.save, checkpointer.write_file, lineage.seal
+    checkpoints = trainer._checkpointer
+    save, background = checkpoints.save, checkpoints.start_background
+    write_file, seal = writes.write_file, lineage.seal
     written = [0]
 
-    def save_then(*args: Any, **kwargs: Any) -> Any:
+    def entered(save_step: int) -> None:
         written[0] = 0
-        if armed() and point == "enter":
+        if save_step == int(step) and point == "enter":
             die()
-        return save(*args, **kwargs)
 
-    def write_file_then(*args: Any) -> Any:
-        if armed() and point == f"file{written[0]}":
-            die()
-        written[0] += 1
-        return write_file(*args)
+    def save_then(states: Any, save_step: int, *args: Any) -> Any:
+        entered(save_step)
+        return save(states, save_step, *args)
 
-    def seal_then(*args: Any) -> Any:
-        if armed() and point == "seal":
+    def background_then(states: Any, save_step: int, *args: Any) -> Any:
+        entered(save_step)
+        return background(states, save_step, *args)
+
+    def write_file_then(directory: Path, *args: Any) -> Any:
+        if directory.name.startswith(f"checkpoint-{step}."):
+            if point == f"file{written[0]}":
+                die()
+            written[0] += 1
+        return write_file(directory, *args)
+
+    def seal_then(tmp: Path, save_step: int, *args: Any) -> Any:
+        if save_step == int(step) and point == "seal":
             die()
-        sealed = seal(*args)
-        if armed() and point == "sealed":
+        sealed = seal(tmp, save_step, *args)
+        if save_step == int(step) and point == "sealed":
             die()
         return sealed
 
-    trainer._checkpointer.save = save_then  # type: ignore[method-assign]
-    checkpointer.write_file = write_file_then  # type: ignore[assignment]
+    checkpoints.save = save_then  # type: ignore[method-assign,assignment]
+    checkpoints.start_background = background_then  # type: ignore[method-assign,assignment]
+    writes.write_file = write_file_then  # type: ignore[assignment]
     lineage.seal = seal_then  # type: ignore[assignment]
+
+
+def kill_in_background_write(trainer: Trainer, where: str, marker: Path) -> None:
+    """SIGKILL this process at event N of the background write of checkpoint-STEP
+    ("STEP:N"): the writer thread traces itself (sys.settrace: every call, line and return
+    of Python it runs, DCP's and the seal's included), and at its N-th event it writes
+    `marker` (which event, in which function) and kills the process, wherever the training
+    thread is. N = -1 counts the write's events into `marker` instead, the event at which
+    rank 0 begins to seal it (hash, manifest, rename, rotate) and the one at which the
+    rename is done: a reference run says how many there are, so a trial can pick one.
+    """
+    step, nth = (int(part) for part in where.split(":"))
+    original = writes.write
+
+    def traced_write(world: Any, lineage: Any, staged: writes.Staged) -> writes.Saved:
+        on_writer = threading.current_thread() is not threading.main_thread()
+        if staged.step != step or not on_writer or not first_attempt():
+            return original(world, lineage, staged)
+        count, seal_at, renamed_at = [0], [0], [0]
+
+        def trace(frame: Any, event: str, arg: Any) -> Any:
+            count[0] += 1
+            name = frame.f_code.co_name
+            if event == "call" and name == "seal" and not seal_at[0]:
+                seal_at[0] = count[0]
+            if event == "return" and name == "_replace_dir" and not renamed_at[0]:
+                renamed_at[0] = count[0]
+            if count[0] == nth:
+                code = frame.f_code
+                place = f"{code.co_name} ({Path(code.co_filename).name}:{frame.f_lineno})"
+                marker.write_text(json.dumps({"event": nth, "where": place}))
+                os.kill(os.getpid(), signal.SIGKILL)
+            return trace
+
+        sys.settrace(trace)
+        try:
+            return original(world, lineage, staged)
+        finally:
+            sys.settrace(None)
+            if nth < 0:
+                counted = {"events": count[0], "seal_at": seal_at[0], "renamed_at": renamed_at[0]}
+                marker.write_text(json.dumps(counted))
+
+    writes.write = traced_write
 
 
 def _streamer(trainer: Trainer) -> Streamer:

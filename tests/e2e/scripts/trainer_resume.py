@@ -3,6 +3,7 @@
 Usage: trainer_resume.py OUTPUT_DIR RESULT_FILE [--kill-after-step N] [--kill-rank R] [--resume]
                          [--save-steps N] [--max-steps N] [--kill-on-first-attempt-only]
                          [--zero-stage {0,1,2,3}] [--kill-in-save STEP:RANK:POINT]
+                         [--kill-in-background-write STEP:N]
                          [--zero-offload-dir DIR [--kill-in-offload-step STEP:RANK:WINDOW:POINT]
                           [--offload-report DIR]]
                          [--signal-after-step N --signal NAME [--signal-rank R]
@@ -18,6 +19,9 @@ restarted the job yet (PHALANX_RESTART_COUNT 0), so `--max-restarts 1` brings
 the job back, and `--resume` carries it on from the last checkpoint.
 With --kill-in-save, rank RANK
 SIGKILLs itself inside the save of checkpoint-STEP (faultkit.py says where).
+With --kill-in-background-write STEP:N the process SIGKILLs itself at
+event N of checkpoint-STEP's background write (N = -1: counts them), writing
+OUTPUT_DIR.killed first (faultkit.py says how).
 With --signal-after-step N, rank R sends itself (or, with --signal-launcher,
 its parent, the launcher) the signal C times during step N + 1.
 With --zero-stage 1 or 2 the Trainer shards its AdamW (and the checkpoints); with 3 the model too.
@@ -39,7 +43,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from faultkit import kill_in_offload_step, kill_in_save, offload_report, signal_in_step
+from faultkit import (
+    kill_in_background_write,
+    kill_in_offload_step,
+    kill_in_save,
+    offload_report,
+    signal_in_step,
+)
 from torch import Tensor, nn
 from torch.utils.data import TensorDataset
 
@@ -71,6 +81,7 @@ def main() -> None:
     parser.add_argument("--kill-after-step", type=int, default=0)
     parser.add_argument("--kill-rank", type=int, default=0)
     parser.add_argument("--kill-in-save", default="")
+    parser.add_argument("--kill-in-background-write", default="")
     parser.add_argument("--signal-after-step", type=int, default=0)
     parser.add_argument("--signal", default="SIGTERM")
     parser.add_argument("--signal-rank", type=int, default=0)
@@ -127,6 +138,9 @@ def main() -> None:
     trainer = Trainer(model=model, args=args, train_dataset=dataset(), loss_fn=loss_fn)
     if opts.kill_in_save:
         kill_in_save(trainer, opts.kill_in_save)
+    if opts.kill_in_background_write:
+        marker = Path(opts.output_dir).with_suffix(".killed")
+        kill_in_background_write(trainer, opts.kill_in_background_write, marker)
     if opts.kill_in_offload_step:
         marker = Path(opts.output_dir).with_suffix(".killed")
         kill_in_offload_step(trainer, opts.kill_in_offload_step, marker)

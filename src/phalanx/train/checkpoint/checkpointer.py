@@ -1,22 +1,8 @@
 """Save and load a `dict[str, Stateful]` on every rank at once, failing on every rank together.
 
-Saving takes turns in one temporary directory (directory.py makes it atomic):
-
-1. every rank hands rank 0 its per-rank states (one gather), and rank 0
-   makes the empty `checkpoint-<step>.<random>.tmp/` and tells the others its name;
-2. every rank calls `save_sharded(<tmp>/<name>)` of each sharded entry (DCP:
-   each rank writes its own files);
-3. rank 0 writes the replicated entries as `<name>.pt` and the per-rank ones
-   as `<name>/rank-XXXXX.pt`;
-4. after a barrier, rank 0 hashes and fsyncs every file, including the ones
-   the other ranks wrote, writes the manifest, renames, rotates (within the
-   run's own lineage: lineage.py).
-
-After each turn all ranks meet in `World.barrier_or_raise`: a failure on any
-rank (a full disk, a read-only directory, a state that cannot be pickled) is
-one `CheckpointError` on every rank, saying which file and why; rank 0 then
-removes the partial `.tmp`, and the previous checkpoints stay as they were.
-Sharded entries need a file system every rank sees (as DCP does).
+Saving is writes.py's two halves: `stage` at the step boundary, then `write`,
+either there and then (`save`: complete on return) or on a writer thread while
+training goes on (`start_background`, at most one in flight; background.py).
 
 Loading: rank 0 verifies the checkpoint against its manifest (falling back
 past corrupt ones when choosing the newest written); every rank then loads the
@@ -26,59 +12,40 @@ the sharded ones.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import sys
-import time
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from phalanx.errors import CheckpointError, PhalanxError
-from phalanx.ground.safe_files import create_file
 from phalanx.runtime import World
+from phalanx.train.checkpoint import writes
+from phalanx.train.checkpoint.background import BackgroundWriter
 from phalanx.train.checkpoint.directory import (
-    PREFIX,
-    begin,
-    checkpoint_bytes,
     describe_os_error,
-    discard,
     linked_checkpoints,
     load_file,
     ranks_saved,
     read_manifest,
     verify_checkpoint,
-    write_file,
 )
-from phalanx.train.checkpoint.lineage import Lineage, find_latest_valid, resume_order
+from phalanx.train.checkpoint.failures import failures, first_line
+from phalanx.train.checkpoint.lineage import Lineage, find_latest_valid
 from phalanx.train.checkpoint.stateful import (
     Entry,
     Placement,
-    ShardedStateful,
-    Stateful,
     per_rank_file,
     placement_of,
     replicated_file,
 )
+from phalanx.train.checkpoint.writes import Saved, sharded_of, stateful_of
 
-_PROBE_BYTES = 1 << 20
+__all__ = ["CheckpointFallbackWarning", "Checkpointer", "Saved"]
 
 
 class CheckpointFallbackWarning(UserWarning):
     """resume_from_checkpoint=True skipped a newer checkpoint that failed verification."""
-
-
-@dataclass(frozen=True)
-class Saved:
-    """What `Checkpointer.save` wrote."""
-
-    path: Path
-    bytes: int
-    """Every file of the checkpoint, all ranks' parts included."""
-    seconds: float
 
 
 class Checkpointer:
@@ -97,6 +64,10 @@ class Checkpointer:
         self.lineage = Lineage(output_dir, keep, say)
         """Rank 0's: which checkpoints are the run's own (what rotation may delete)."""
         self.say = say
+        self.background: BackgroundWriter[Saved] = BackgroundWriter(world)
+        """The save written while training goes on, if one is in flight."""
+        self._pool: list[Any] = []
+        """The last background save's host memory, for the next one's copy (staging.py)."""
 
     @property
     def protect(self) -> Path | None:
@@ -113,100 +84,48 @@ class Checkpointer:
         states: Mapping[str, Entry],
         step: int,
         notes: Mapping[str, bytes] | None = None,
-        derived: Callable[[Path, Mapping[str, Placement]], None] | None = None,
+        derived: writes.Derived | None = None,
     ) -> Saved:
-        """Write every entry of `states` as checkpoint-<step>; `notes`: extra files for people.
+        """Write every entry of `states` as checkpoint-<step> now; `notes`: extra files for
+        people. Complete on return.
 
         `derived(staging_dir, placements)` runs on rank 0 once every entry is written,
         to add files made from them (the model in Hugging Face's format); they are
         sealed with the rest.
         """
-        started = time.perf_counter()
-        placements = {name: placement_of(entry) for name, entry in states.items()}
-        per_rank = {
-            name: self.world.all_gather_state(_stateful(name, entry).state_dict())
-            for name, entry in states.items()
-            if placements[name] == "per_rank"
-        }
-        tmp = self._begin(step)
-        for name, entry in states.items():
-            if placements[name] == "sharded":
-                save = partial(_sharded(name, entry).save_sharded, tmp / name)
-                self._turn(tmp, step, save, everyone=True, part=name)
-        written: dict[str, dict[str, Any]] = {}
+        staged = writes.stage(self.world, self.output_dir, states, step, notes, derived, False)
+        return writes.write(self.world, self.lineage, staged)
 
-        def write_on_main() -> None:
-            for name, entry in states.items():
-                if placements[name] == "replicated":
-                    file = replicated_file(name)
-                    written[file] = write_file(tmp, file, _stateful(name, entry).state_dict())
-                for rank, state in enumerate(per_rank.get(name, [])):
-                    written[per_rank_file(name, rank)] = write_file(
-                        tmp, per_rank_file(name, rank), state
-                    )
-            for file, data in (notes or {}).items():
-                written[file] = write_file(tmp, file, data)
-            if derived is not None:
-                derived(tmp, placements)
-
-        self._turn(tmp, step, write_on_main, everyone=False)
-        sizes: list[int] = []
-
-        def seal_on_main() -> None:
-            sealed = self.lineage.seal(tmp, step, placements, written)
-            sizes.append(checkpoint_bytes(read_manifest(sealed)))  # before anything is deleted
-            self.lineage.rotate()
-
-        self._turn(tmp, step, seal_on_main, everyone=False)
-        size = int(self.world.broadcast_json(sizes[0] if sizes else 0))
-        return Saved(self.output_dir / f"{PREFIX}{step}", size, time.perf_counter() - started)
-
-    def _begin(self, step: int) -> Path:
-        """Rank 0 makes the staging folder (a random name) and every rank learns it."""
-        made: list[Path] = []
-        self._turn(None, step, lambda: made.append(begin(self.output_dir, step)), everyone=False)
-        return Path(self.world.broadcast_json(str(made[0]) if made else None))
-
-    def _turn(
+    def start_background(
         self,
-        tmp: Path | None,
+        states: Mapping[str, Entry],
         step: int,
-        action: Callable[[], object],
-        everyone: bool,
-        part: str | None = None,
-    ) -> None:
-        """Run `action` (on rank 0, or on every rank), then meet; any failure fails all.
+        notes: Mapping[str, bytes] | None = None,
+        derived: writes.Derived | None = None,
+        timeout_s: float | None = None,
+        validate: Callable[[writes.Staged], PhalanxError | None] | None = None,
+    ) -> writes.Staged:
+        """Collective: copy every rank's part of checkpoint-<step> to host memory now, and
+        write it on the writer thread while training goes on; `background.collect()`
+        returns its `Saved` (or raises its error). The previous one must be collected.
+        `timeout_s`: how long the writers' collectives may block (its group is made at the
+        first background save); `validate`: run on every rank's copy before it is written
+        (a refusal fails the save on every rank)."""
+        assert not self.background.in_flight, "collect the save in flight first"
+        writers = self.background.writers_world(timeout_s)
+        pool, self._pool = self._pool, []
+        staged = writes.stage(self.world, self.output_dir, states, step, notes, derived, True, pool)
+        self._pool = staged.buffers  # reused once this save is written (staging.py)
+        staged.validate = validate
+        self.background.start(step, partial(writes.write, writers, self.lineage, staged))
+        return staged
 
-        `part` names the sharded entry every rank is writing, for the message.
-        """
-        error: PhalanxError | None = None
-        if everyone or self.world.is_main:
-            try:
-                action()
-            except PhalanxError as exc:
-                error = exc
-            except _failures() as exc:  # DCP's is a BaseException
-                error = CheckpointError(self._write_failure(tmp, step, exc, part))
-        try:
-            self.world.barrier_or_raise(error)
-        except PhalanxError:
-            if self.world.is_main and tmp is not None:
-                discard(tmp)  # every rank is past its writes: nothing is still writing here
-            raise
+    def can_write_in_background(self, states: Mapping[str, Entry]) -> bool:
+        """Whether every sharded entry can hand its state over to be copied (writes.py), and
+        the run's group is the default one (the writers' group is made over its ranks)."""
+        import torch.distributed as dist
 
-    def _write_failure(
-        self, tmp: Path | None, step: int, exc: BaseException, part: str | None
-    ) -> str:
-        existing = resume_order(self.output_dir)
-        kept = f"{existing[0].name} is intact" if existing else "there is no earlier checkpoint"
-        where = self.output_dir if tmp is None else tmp if part is None else tmp / part
-        reason, on_disk = _reason(exc, where)
-        fix = (
-            f"free space or fix permissions in {self.output_dir}"
-            if on_disk
-            else "keep every state to tensors and plain values"
-        )
-        return f"could not write {PREFIX}{step}: {reason} — {fix}; {kept}"
+        return self.world.process_group is dist.group.WORLD and writes.can_stage(states)
 
     # ------------------------------------------------------------------ choose
     def choose(self, resume: bool | str | Path) -> Path | None:
@@ -279,16 +198,16 @@ class Checkpointer:
                 placement = placement_of(entry)
                 if placement == "replicated":
                     state = load_file(path, replicated_file(name), manifest)
-                    _stateful(name, entry).load_state_dict(state)
+                    stateful_of(name, entry).load_state_dict(state)
                 elif placement == "per_rank":
                     rank = self.world.rank % ranks_saved(manifest, name)
                     state = load_file(path, per_rank_file(name, rank), manifest)
-                    _stateful(name, entry).load_state_dict(state)
+                    stateful_of(name, entry).load_state_dict(state)
 
         self._load_turn(path, load_local)
         for name, entry in states.items():
             if placement_of(entry) == "sharded":
-                self._load_turn(path, partial(_sharded(name, entry).load_sharded, path / name))
+                self._load_turn(path, partial(sharded_of(name, entry).load_sharded, path / name))
 
     def _load_turn(self, path: Path, action: Callable[[], None]) -> None:
         error: PhalanxError | None = None
@@ -296,30 +215,12 @@ class Checkpointer:
             action()
         except PhalanxError as exc:
             error = exc
-        except _failures() as exc:  # load_state_dict mismatches, DCP
+        except failures() as exc:  # load_state_dict mismatches, DCP
             error = CheckpointError(
                 f"{path} does not fit this model or optimizer ({type(exc).__name__}: "
-                f"{_first_line(exc)}) — resume with the model and optimizer that wrote it"
+                f"{first_line(exc)}) — resume with the model and optimizer that wrote it"
             )
         self.world.barrier_or_raise(error)
-
-
-def _stateful(name: str, entry: object) -> Stateful:
-    if not isinstance(entry, Stateful):
-        raise CheckpointError(
-            f"checkpoint entry {name!r} has no state_dict/load_state_dict — give it those "
-            "methods, or declare it sharded (save_sharded/load_sharded)"
-        )
-    return entry
-
-
-def _sharded(name: str, entry: object) -> ShardedStateful:
-    if not isinstance(entry, ShardedStateful):
-        raise CheckpointError(
-            f"checkpoint entry {name!r} is declared sharded but has no save_sharded/"
-            "load_sharded — give it those methods, or declare it replicated"
-        )
-    return entry
 
 
 def _check_placement(path: Path, name: str, mine: Placement, saved: Mapping[str, str]) -> None:
@@ -334,57 +235,3 @@ def _check_placement(path: Path, name: str, mine: Placement, saved: Mapping[str,
             "resume with the settings that wrote it (zero_stage decides the optimizer's; "
             "see its args.json)"
         )
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
-def _reason(exc: BaseException, tmp: Path) -> tuple[str, bool]:
-    """Why a write failed, in the system's words where they can be found; and whether the
-    file system (not the state) is to blame."""
-    if isinstance(exc, OSError):
-        return describe_os_error(exc), True
-    if isinstance(exc, _dcp_errors()):
-        failures: dict[int, Any] = exc.failures  # type: ignore[attr-defined]
-        ranks = sorted(failures)
-        # torch.save turns a failed write into "unexpected pos"; probing the same
-        # directory brings the system's reason back.
-        probed = _probe(tmp)
-        cause = probed or _first_line(failures[ranks[0]][0])
-        return f"rank(s) {ranks} could not write their shards ({cause})", probed is not None
-    probed = _probe(tmp) if "unexpected pos" in str(exc) else None
-    if probed is not None:
-        return probed, True
-    return f"{type(exc).__name__}: {_first_line(exc)}", False
-
-
-def _probe(directory: Path) -> str | None:
-    """Write and sync a small file in `directory`: the reason it fails, or None."""
-    probe: Path | None = None
-    try:
-        probe, file = create_file(directory, ".phalanx-probe")
-        with file:
-            file.write(bytes(_PROBE_BYTES))
-            file.flush()
-            os.fsync(file.fileno())
-    except OSError as exc:
-        return describe_os_error(OSError(exc.errno, exc.strerror), directory)
-    finally:
-        if probe is not None:
-            with contextlib.suppress(OSError):
-                probe.unlink()
-    return None
-
-
-def _dcp_errors() -> tuple[type[BaseException], ...]:
-    """DCP's CheckpointException, once torch.distributed.checkpoint is loaded (only
-    sharded state loads it, lazily: seconds of import); before, none can be raised."""
-    api = sys.modules.get("torch.distributed.checkpoint.api")
-    return (api.CheckpointException,) if api is not None else ()
-
-
-def _failures() -> tuple[type[BaseException], ...]:
-    """What a save or load step may raise that becomes a CheckpointError."""
-    return (Exception, *_dcp_errors())

@@ -16,6 +16,12 @@ the entries are, only where each one's state lives (its *placement*):
   (ZeroRedundancyOptimizer). DCP reshards on load, so a sharded entry can
   resume at another world size.
 
+A sharded entry that can also hand over its state as a DCP state dict
+(`sharded_state_dict()`, tensors as DTensors of its shards: `DcpStateful`) can
+be saved in the background: the checkpointer copies that state to host memory
+at the step boundary and writes it with DCP while training goes on. Without
+the method, its saves are written before the loop goes on.
+
 An object declares its placement with a `checkpoint_placement` attribute;
 without one, an object that has `save_sharded`/`load_sharded` is sharded and
 anything else is replicated.
@@ -46,6 +52,16 @@ class ShardedStateful(Protocol):
     def save_sharded(self, directory: Path) -> None: ...
 
     def load_sharded(self, directory: Path) -> None: ...
+
+
+@runtime_checkable
+class DcpStateful(ShardedStateful, Protocol):
+    """A sharded entry whose state the checkpointer can copy and write itself, later."""
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """The state `save_sharded` writes, as the dict it hands DCP (its tensors this rank's
+        shards as DTensors): local work only, no collective."""
+        ...
 
 
 Entry = Stateful | ShardedStateful

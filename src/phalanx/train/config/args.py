@@ -170,6 +170,15 @@ class TrainingArguments(Config):
     "best" (each time metric_for_best_model improves), or "no"."""
     save_steps: int = 500
     """Write a checkpoint every this many steps and at the end; 0 never saves."""
+    save_async: bool = True
+    """Write each checkpoint in the background: at the step boundary every rank copies its
+    state to host memory (the loop waits for that alone), a writer thread writes it while
+    training goes on, and the checkpoint is renamed into place, with its manifest and the
+    save_total_limit rotation, once every rank's part is written; a save due while the
+    previous is still writing waits for it (and says so). False: the loop waits for every
+    save to reach the disk. Saves are written there and then whatever this says under
+    fault_tolerance="live", on a preemption signal, and by Trainer.save_checkpoint()
+    (docs/trainer.md, "Background saves")."""
     save_total_limit: int | None = None
     """Keep only the newest this-many checkpoints of the run's own lineage (and the best
     one, with load_best_model_at_end); another branch's, left by a rollback, are never
