@@ -202,6 +202,9 @@ def test_a_loss_during_the_rebuild_is_one_more_recovery(tmp_path: Path) -> None:
     worlds = _check_epochs(tmp_path / "ledger", 110)  # every step once, every sample once
     assert worlds[:10] == [3] * 10 and 3 not in worlds[10:], worlds
     log = (tmp_path / "run" / "live_membership.jsonl").read_text().splitlines()
-    last = json.loads(log[-1])  # generation 1 (r0, r2) formed, then lost r2 in its rebuild
-    assert (last["generation"], last["members"], last["step"]) == (2, ["r0"], 10), log
+    formed = {entry["generation"]: entry for entry in map(json.loads, log)}
+    alone = formed[2]  # generation 1 (r0, r2) formed, then lost r2 in its rebuild
+    assert (alone["members"], alone["step"]) == (["r0"], 10), log
+    # r1's replacement may come in time to join r0 before the run ends, or not
+    assert max(formed) == 2 or formed[3]["members"] == ["r0", "j1"], log
     assert "Traceback" not in out and "PeerLost" not in out, out

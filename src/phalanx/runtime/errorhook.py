@@ -24,7 +24,9 @@ from __future__ import annotations
 import os
 import sys
 import traceback
+from collections.abc import Callable
 from types import TracebackType
+from typing import Any
 
 from phalanx.errors import TRACEBACK_ENV, TRACEBACK_FILE_ENV, ExitCode, PhalanxError
 
@@ -96,14 +98,17 @@ def _has_printer(hook: object) -> bool:
     return False
 
 
-def _printer(previous: object) -> object:
+Hook = Callable[[type[BaseException], BaseException, TracebackType | None], Any]
+
+
+def _printer(previous: Hook) -> Hook:
     def print_error(
         kind: type[BaseException], error: BaseException, tb: TracebackType | None
     ) -> None:
         if isinstance(error, PhalanxError) and os.environ.get(TRACEBACK_ENV, "") in ("", "0"):
             _one_line(kind, error, tb)
         else:
-            previous(kind, error, tb)  # type: ignore[operator]
+            previous(kind, error, tb)
 
     print_error._phalanx_printer = True  # type: ignore[attr-defined]
     return print_error

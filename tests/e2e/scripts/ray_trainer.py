@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -41,23 +42,31 @@ def loss_fn(outputs: torch.Tensor, batch: list[torch.Tensor]) -> torch.Tensor:
 
 
 class KillOnce(phalanx.TrainerCallback):
-    """Rank 1 dies by SIGKILL at step KILL_AT of the first attempt, once Ray has registered
-    checkpoint-2: its controller collects reports a poll after they are made, and a death
-    before that poll loses the report (Ray restores the one before)."""
+    """Rank 1 dies by SIGKILL once, from step KILL_AT of the first attempt on, at the first
+    step end where Ray has registered checkpoint-2: its controller collects reports a poll
+    after they are made, and a death before that poll loses the report (Ray restores the
+    one before). A background save is reported when it is collected, a step or two after it
+    began; by the end of step KILL_AT + 2 it has been (the save at step 4 waited for it), so
+    the callback waits there for Ray's poll. The marker holds the newest checkpoint Ray had
+    registered at the kill: the one the next attempt must resume."""
 
     def __init__(self, marker: Path, run_dir: Path) -> None:
         self.marker = marker
         self.snapshot = run_dir / "checkpoint_manager_snapshot.json"  # Ray's, per run
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if state.global_step != KILL_AT or int(os.environ["RANK"]) != 1 or self.marker.exists():
+        step = state.global_step
+        if step < KILL_AT or int(os.environ["RANK"]) != 1 or self.marker.exists():
             return
         deadline = time.monotonic() + 60
         while f"{PREFIX}2" not in _read(self.snapshot):
+            if step < KILL_AT + 2:
+                return  # not reported yet: train on
             if time.monotonic() > deadline:
                 raise TimeoutError(f"Ray never registered {PREFIX}2 in {self.snapshot}")
             time.sleep(0.05)
-        self.marker.write_text("killed")
+        registered = re.findall(rf"{PREFIX}(\d+)", _read(self.snapshot))
+        self.marker.write_text(f"{PREFIX}{max(int(n) for n in registered)}")
         os.kill(os.getpid(), signal.SIGKILL)
 
 

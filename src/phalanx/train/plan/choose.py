@@ -24,6 +24,9 @@ FRACTIONS = (0.25, 0.5, 0.75, 1.0)
 HEADROOM = 0.05
 """The share of the budget left unplanned: the predictions' error measured over the grid
 (docs/planner.md) stays inside it."""
+TIME_SLACK = 0.1
+"""Step times predicted within this share of the fastest are a tie (the probe's rates move
+by more than that on a loaded machine): the simplest of them is chosen."""
 
 
 class NothingFits(ConfigurationError):
@@ -113,8 +116,16 @@ def choose(
             f"needs {_size(need)}: {smallest.config.describe()}; give each rank that much, or "
             "add ranks"
         )
-    best = min(fitting, key=lambda c: (c.step_s, c.memory.total))
-    return Choice(best, budget, budget_source, tuple(weighed))
+    fastest = min(c.step_s for c in fitting)
+    tied = [c for c in fitting if c.step_s <= fastest * (1 + TIME_SLACK)]
+    return Choice(min(tied, key=_simplicity), budget, budget_source, tuple(weighed))
+
+
+def _simplicity(candidate: Candidate) -> tuple[float, ...]:
+    """Fewer moving parts first: a lower stage, no offload, less in files, fewer micro-batches."""
+    config = candidate.config
+    tier = ("none", "cpu", "disk").index(config.offload)
+    return (config.stage, tier, config.fraction, config.accumulation, candidate.step_s)
 
 
 def _size(nbytes: float) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from phalanx.train.plan.choose import Candidate, Choice
+from phalanx.train.plan.choose import TIME_SLACK, Candidate, Choice
 from phalanx.train.plan.count import ModelCount
 from phalanx.train.plan.predict import Parts
 from phalanx.train.plan.probe import Rates
@@ -47,11 +47,17 @@ def columns(choice: Choice) -> list[Candidate]:
 
 
 def _reason(candidate: Candidate, choice: Choice) -> str:
+    ratio = candidate.step_s / choice.chosen.step_s
     if candidate is choice.chosen:
-        return "chosen: the fastest that fits"
+        fastest = min(c.step_s for c in choice.candidates if c.fits)
+        if candidate.step_s <= fastest:
+            return "chosen: the fastest that fits"
+        return f"chosen: the simplest within {TIME_SLACK:.0%} of the fastest that fits"
     if not candidate.fits:
         return f"does not fit: needs {_mb(candidate.memory.total)}"
-    return f"fits, {candidate.step_s / choice.chosen.step_s:.2f}x slower"
+    if ratio < 1:
+        return f"fits, {ratio:.2f}x the time: a tie, and less simple"
+    return f"fits, {ratio:.2f}x slower"
 
 
 def render(choice: Choice, world: int, global_batch: int) -> str:
