@@ -157,6 +157,7 @@ def test_an_fsdp2_tutorial_script_runs_unchanged(tmp_path: Path) -> None:
     _fsdp2_train(tmp_path, 2)
 
 
+@pytest.mark.slow  # torchtitan itself runs in make test (tests/e2e/test_torchtitan.py)
 @pytest.mark.timeout(600)
 def test_a_torchtitan_style_loop_runs_unchanged(tmp_path: Path) -> None:
     _titan_loop(tmp_path, 2)

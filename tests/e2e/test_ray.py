@@ -153,6 +153,7 @@ def test_a_killed_worker_resumes_rays_checkpoint_bit_identically(
         assert tensor.equal(theirs[name]), name
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(FIT_TIMEOUT_S)
 def test_zero_stage_3(undisturbed: Fit, tmp_path: Path) -> None:
     sharded = _fit(tmp_path, stage=3, kill=False)

@@ -68,7 +68,7 @@ def _digests(out: str) -> set[str]:
 
 
 @pytest.mark.timeout(170)
-@pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
+@pytest.mark.parametrize("how", [pytest.param("SIGKILL", marks=pytest.mark.slow), "SIGSTOP"])
 def test_survivors_go_on_and_a_replacement_joins(tmp_path: Path, how: str) -> None:
     code, out = _run(tmp_path, "--max-restarts 1", KILL_MEMBER="r1", KILL_STEP="10",
                      KILL_SIGNAL=how, HOLD_STEP="13", HOLD_WORLD="3")  # fmt: skip

@@ -106,7 +106,7 @@ def _fit(out: str) -> float:
     ("sync", "how"),
     [
         ("ddp", "SIGKILL"),
-        ("ddp", "SIGSTOP"),
+        pytest.param("ddp", "SIGSTOP", marks=pytest.mark.slow),  # test_live.py stops one
         ("diloco", "SIGKILL"),
         pytest.param("local_sgd", "SIGSTOP", marks=pytest.mark.slow),
     ],
@@ -125,6 +125,7 @@ def test_the_run_goes_on_and_grows_back(tmp_path: Path, sync: str, how: str) -> 
     assert len(losses) == 1, out  # one train_loss on every member, the replacement's too
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_checkpoint_after_a_recovery_resumes_exactly(tmp_path: Path) -> None:
     first = _train(tmp_path / "a", tmp_path / "ledger_a", 150, KILL_MEMBER="r2", KILL_STEP="8",
@@ -155,6 +156,7 @@ def test_a_replayed_membership_ends_bit_identical(tmp_path: Path) -> None:
     assert len(set(_digests(first))) == 1 and set(_digests(replay)) == set(_digests(first))
 
 
+@pytest.mark.slow  # about 80 s: the replay test holds recovery to the bit in make test
 @pytest.mark.timeout(400)
 def test_one_recovery_ends_within_the_loss_noise_of_a_run_without(tmp_path: Path) -> None:
     """The noise: the spread of the final loss over seeds (data order, dropout) without a

@@ -36,7 +36,7 @@ def _digests(out: str) -> set[str]:
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize(
     "stage",
-    ["1", pytest.param("2", marks=pytest.mark.slow), "3",
+    [pytest.param("1", marks=pytest.mark.slow), pytest.param("2", marks=pytest.mark.slow), "3",
      pytest.param("3-disk", marks=pytest.mark.slow)],
 )  # fmt: skip
 def test_a_loss_rolls_back_to_the_neighbours_copy_and_ends_as_its_replay(
