@@ -82,6 +82,7 @@ def test_survivors_go_on_and_a_replacement_joins(tmp_path: Path, how: str) -> No
     assert len(_digests(out)) == 1 and out.count("done step=") == 3, out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_replacement_the_run_no_longer_needs_exits_0(tmp_path: Path) -> None:
     """Lost in the last step: the survivors finish before the replacement has started; it

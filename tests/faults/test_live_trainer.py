@@ -105,9 +105,9 @@ def _fit(out: str) -> float:
 @pytest.mark.parametrize(
     ("sync", "how"),
     [
-        ("ddp", "SIGKILL"),
+        pytest.param("ddp", "SIGKILL", marks=pytest.mark.slow),  # the replay test kills one
         pytest.param("ddp", "SIGSTOP", marks=pytest.mark.slow),  # test_live.py stops one
-        ("diloco", "SIGKILL"),
+        pytest.param("diloco", "SIGKILL", marks=pytest.mark.slow),
         pytest.param("local_sgd", "SIGSTOP", marks=pytest.mark.slow),
     ],
 )
