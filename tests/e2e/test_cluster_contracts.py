@@ -107,7 +107,14 @@ def torchrun(index: int, port: int, out: Path) -> Pod:
 
 
 @pytest.mark.timeout(2 * TIMEOUT_S + 30)
-@pytest.mark.parametrize("contract", [pytorchjob, trainer_v2, jobset, torchrun])
+@pytest.mark.parametrize(
+    "contract",  # the other two read PET_*: unit-tested (tests/unit/test_cluster_env.py)
+    [
+        pytorchjob,
+        jobset,
+        *(pytest.param(c, marks=pytest.mark.slow) for c in (trainer_v2, torchrun)),
+    ],
+)
 def test_two_pods_train_as_phalanx_launch_does(
     contract: Callable[[int, int, Path], Pod], reference: list[dict[str, Any]], tmp_path: Path
 ) -> None:

@@ -63,6 +63,7 @@ def test_a_loss_rolls_back_to_the_neighbours_copy_and_ends_as_its_replay(
     assert _fit(replay) == _fit(lost)
 
 
+@pytest.mark.slow  # choose()'s verdict is unit-tested (tests/unit/test_live_snapshots.py)
 @pytest.mark.timeout(400)
 def test_two_neighbours_lost_together_fall_back_to_the_checkpoint(tmp_path: Path) -> None:
     """r1 dies at step 13, then r2 (which kept r1's pieces) inside the rebuild: r1's pieces
