@@ -35,6 +35,10 @@ def _form(rank: int, world_size: int, port: int, secrets: list[str]) -> str:
         group = LiveGroup(store, rank, world_size, timedelta(seconds=20), RunKey.from_env())
     except NotAMember as exc:
         return f"NotAMember: {exc}"
+    finally:  # rank 0 serves the store: it stays until every rank is done with it
+        store.set(f"left/{rank}", "1")
+        if rank == 0:
+            store.wait([f"left/{r}" for r in range(world_size)])
     group._end_watch()
     return f"formed {group.members}"
 
