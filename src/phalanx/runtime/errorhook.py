@@ -17,10 +17,15 @@ transport errors) then exits 203 instead of Python's 1, since under Kubeflow's
 job where a restart would resume it. A SystemExit raised by a hook is how
 CPython lets it choose the status (pythonrun.c: the hook's SystemExit is handled
 as the process's own): the interpreter then exits normally, atexit included.
+torch's `init_process_group` wraps whatever hook is there: while it runs, `sys.stderr`
+is a StringIO that torch copies out (each line tagged `[rank<N>]: `) only when the hook
+returns; a hook that raises SystemExit skips that copy, so before raising it this one
+writes out what it put there itself (`_flush_torch_buffer`).
 """
 
 from __future__ import annotations
 
+import io
 import os
 import sys
 import traceback
@@ -68,10 +73,24 @@ def install_error_hook() -> None:
         else:
             _one_line(kind, error, tb)
         if code != ExitCode.FAILED:
+            _flush_torch_buffer()
             raise SystemExit(code)
 
     hook._phalanx = True  # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+def _flush_torch_buffer() -> None:
+    """Under torch's wrapping hook (module docstring), write what this hook printed to the
+    real stderr now: the SystemExit that follows skips torch's own copy of it."""
+    stream, real = sys.stderr, sys.__stderr__
+    if not isinstance(stream, io.StringIO) or real is None or stream is real:
+        return
+    text = stream.getvalue()
+    stream.seek(0)
+    stream.truncate()
+    real.write(text)
+    real.flush()
 
 
 def _one_line(kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:
