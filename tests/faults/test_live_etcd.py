@@ -136,3 +136,52 @@ def test_losing_node_0_leaves_the_run_going_and_a_new_node_0_joins(
     assert "node 0 is back" in one and "nodes lost during the run: 0" in one, one
     done = _digests(one + back)
     assert len(done) == 1 and (one + back).count(f"done step={STEPS}") == 2, one + back
+
+
+TRAINER = FAULT_SCRIPTS / "live_trainer.py"
+
+
+def _step_of(checkpoint: Path) -> int:
+    return int(checkpoint.name.rpartition("-")[2])
+
+
+@pytest.mark.timeout(150)
+def test_a_lost_quorum_stops_every_rank_in_one_line_and_keeps_the_checkpoint(
+    etcd_cluster: EtcdCluster, tmp_path: Path
+) -> None:
+    from phalanx.train.checkpoint.directory import verify_checkpoint
+
+    run, ledger, log = tmp_path / "run", tmp_path / "ledger", tmp_path / "launch.log"
+    ledger.mkdir()
+    flags = (
+        f"--nproc-per-node 2 --rdzv-backend etcd --rdzv-endpoint {etcd_cluster.endpoints} "
+        "--rdzv-conf read_timeout=3 --live-recovery --live-stall-timeout 2"
+    )
+    env = clean_env(LEDGER_DIR=str(ledger), OMP_NUM_THREADS="1", SAVE_STEPS="10")
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [*LAUNCH, *flags.split(), str(TRAINER), str(run), "100000"],
+            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + EVENT_S
+        while not (run / "checkpoint-20" / "manifest.json").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        etcd_cluster.stop(1)
+        etcd_cluster.stop(2)  # one member of three left: no quorum
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    said = log.read_text(errors="replace")
+    assert proc.returncode == 203, said
+    for rank in (0, 1):
+        lines = [line for line in said.splitlines() if line.startswith(f"[rank {rank}]")]
+        lost = [line for line in lines if "StoreLost: the job's store, etcd at" in line]
+        assert len(lost) == 1, said
+    assert "Traceback" not in said, said
+    newest = max(run.glob("checkpoint-*"), key=_step_of)
+    assert _step_of(newest) >= 20
+    verify_checkpoint(newest)  # every file there, each matching its checksum

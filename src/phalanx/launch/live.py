@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from phalanx.errors import StoreLost
 from phalanx.ground.live_keys import (
     GENERATION_KEY,
     RESTART_MARK,
@@ -172,6 +173,9 @@ class LiveSupervisor:
                     return code
                 self.replacements -= 1
                 member = _next_member(store)
+        except StoreLost:  # said once already, by the launcher's lease keeper
+            self.say(f"{lost}; the job's store (etcd) has lost its quorum, no replacement")
+            return code
         except OSError as exc:
             unreachable = f"the job's store cannot be reached ({exc})"
             self.say(f"{lost}, and {unreachable}; no replacement")
