@@ -27,6 +27,12 @@ from phalanx.ground.ports import free_port
 __all__ = ["EtcdCluster", "etcd_cluster_of", "etcd_missing"]
 
 READY_S = 30.0
+_PROBE = (
+    "import sys; from phalanx.ground.etcd import Etcd, EtcdKV; "
+    "EtcdKV(Etcd([sys.argv[1]], float(sys.argv[2])), 'phalanx-test/').set('ready', b'1')"
+)
+"""A write through one member, from inside its network namespace (the test's own has no
+route there)."""
 
 
 def etcd_missing() -> str | None:
@@ -108,6 +114,9 @@ class EtcdCluster:
         for member in self.members:
             if member.proc is None:
                 continue
+            if member.wrap:  # in a namespace of its own: asked from inside it
+                self._probe_inside(member)
+                continue
             kv = EtcdKV(Etcd([member.endpoint], READY_S), "phalanx-test/")
             while True:
                 try:
@@ -119,6 +128,13 @@ class EtcdCluster:
                         raise AssertionError(why) from exc
                     time.sleep(0.1)
             kv.close()
+
+    def _probe_inside(self, member: _Member) -> None:
+        argv = [*member.wrap, sys.executable, "-c", _PROBE, member.endpoint, str(READY_S)]
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=READY_S + 30, env=env)
+        if done.returncode != 0:
+            raise AssertionError(f"etcd {member.name} never ready: {done.stderr}\n{self.logs()}")
 
     def stop(self, k: int) -> None:
         """Stop member `k` (SIGKILL: a host gone, not a clean leave)."""

@@ -166,6 +166,7 @@ class NodeWatch:
         self._say = say
         watched = range(1, nnodes) if ranks is None else ranks
         self._seen = {rank: _Seen() for rank in watched}
+        self._last_tick = time.monotonic()
         self.losses: list[int] = []
         """The node ranks declared lost, in order (a node lost twice appears twice)."""
         self._loop = _Loop(addr, _POLL_S, "phalanx-node-watch", self.tick)
@@ -180,6 +181,12 @@ class NodeWatch:
     def tick(self, client: StoreConn) -> None:
         now = time.monotonic()
         store = LiveStore(client, self._key)
+        if now - self._last_tick > self._stall_s / 2:
+            # This watch was blind for a while (the store failed over: an etcd member lost,
+            # a leader elected), and the beats were held up as long: no node is blamed for it.
+            for seen in self._seen.values():
+                seen.changed_at = max(seen.changed_at, now)
+        self._last_tick = now
         for rank, seen in self._seen.items():
             if seen.moved(store.read(node_key(rank, "beat"))):
                 if seen.lost:
