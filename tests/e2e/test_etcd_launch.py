@@ -68,3 +68,28 @@ def test_an_unreachable_etcd_is_one_line(tmp_path: Path) -> None:
     assert result.returncode == 203, result.stderr
     assert "has not answered for 1s" in result.stderr and gone in result.stderr, result.stderr
     assert result.stderr.count("\n") == 1, result.stderr
+
+
+_FAILS_ONCE = """
+import os, sys
+from pathlib import Path
+rank, restart = os.environ["RANK"], os.environ["PHALANX_RESTART_COUNT"]
+Path(sys.argv[1], f"prefix_{rank}_{restart}").write_text(os.environ["PHALANX_ETCD_PREFIX"])
+sys.exit(1 if rank == "1" and restart == "0" else 0)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_restart_meets_under_its_own_prefix(etcd_cluster: EtcdCluster, tmp_path: Path) -> None:
+    """Each attempt's keys live under their own prefix (what a fresh TCPStore per attempt
+    is): the restarted workers are told the new one."""
+    script = tmp_path / "fails_once.py"
+    script.write_text(_FAILS_ONCE)
+    flags = "--nproc-per-node 2 --max-restarts 1 --rdzv-backend etcd --rdzv-id again "
+    flags += f"--rdzv-endpoint {etcd_cluster.endpoints}"
+    result = launch(flags, script, tmp_path, timeout_s=RUN_S)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "restarting the worker group (restart 1 of 1)" in result.stderr, result.stderr
+    prefixes = {p.name: p.read_text() for p in tmp_path.glob("prefix_*")}
+    assert prefixes["prefix_0_0"] == prefixes["prefix_1_0"] == "phalanx/again/a0/", prefixes
+    assert prefixes["prefix_0_1"] == prefixes["prefix_1_1"] == "phalanx/again/a1/", prefixes
