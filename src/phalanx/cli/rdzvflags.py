@@ -131,17 +131,21 @@ def split_endpoint(endpoint: str) -> tuple[str, int | None]:
     return host.strip("[]"), int(port)
 
 
-def store_site(ns: argparse.Namespace, nnodes: int) -> StoreSite:
-    """Every rendezvous flag, checked together; one clear line for each mistake."""
-    backend = ns.rdzv_backend.strip().lower()
+def _backend(ns: argparse.Namespace) -> str:
+    backend = str(ns.rdzv_backend).strip().lower()
     if backend not in ("static", "c10d", "etcd"):
         raise ConfigurationError(
             f"--rdzv-backend {ns.rdzv_backend} is not one phalanx speaks — use c10d (the "
             "launcher on the endpoint's host serves the store), static, or etcd (the store in "
             "an etcd cluster: --rdzv-endpoint h1:2379,h2:2379,h3:2379)"
         )
-    conf = parse_rdzv_conf(ns.rdzv_conf)
-    rdzv_timeout = _seconds(conf, "timeout", ns.rdzv_timeout)
+    return backend
+
+
+def _conf(
+    ns: argparse.Namespace, conf: dict[str, str]
+) -> tuple[Rendezvous, float, tuple[str, ...]]:
+    """--rdzv-conf's timeouts and --rdzv-timeout; the notes for the keys that do nothing."""
     rdzv = Rendezvous(
         join_timeout_s=_seconds(conf, "join_timeout", DEFAULT_JOIN_TIMEOUT_S),
         read_timeout_s=_seconds(conf, "read_timeout", Rendezvous().read_timeout_s),
@@ -153,6 +157,14 @@ def store_site(ns: argparse.Namespace, nnodes: int) -> StoreSite:
         for key in _ELASTIC_KEYS
         if key in conf
     )
+    return rdzv, _seconds(conf, "timeout", ns.rdzv_timeout), notes
+
+
+def store_site(ns: argparse.Namespace, nnodes: int) -> StoreSite:
+    """Every rendezvous flag, checked together; one clear line for each mistake."""
+    backend = _backend(ns)
+    conf = parse_rdzv_conf(ns.rdzv_conf)
+    rdzv, rdzv_timeout, notes = _conf(ns, conf)
     if backend == "etcd":
         return _etcd_site(ns, rdzv, rdzv_timeout, notes)
     addr, port, port_flag = _address(ns, backend)
