@@ -100,19 +100,23 @@ class Run:
         self.secret.chmod(0o600)
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
-    def start(self, netns: str, node_rank: int) -> None:
-        flags = (
-            f"--nnodes 3 --node-rank {node_rank} --nproc-per-node 1 --rdzv-backend etcd "
+    def start(
+        self, netns: str, node_rank: int, script: list[str] | None = None, flags: str = ""
+    ) -> None:
+        """`phalanx launch` of node `node_rank` in `netns`: the live loop, or `script`."""
+        flags += (
+            f" --nnodes 3 --node-rank {node_rank} --nproc-per-node 1 --rdzv-backend etcd "
             f"--rdzv-endpoint {self.endpoints} --rdzv-id hosts --live-recovery "
             f"--live-stall-timeout 2 --rdzv-timeout 60 --run-secret-file {self.secret}"
         )
         env = clean_env(LEDGER_DIR=str(self.ledger), STEPS=str(STEPS), PAUSE_S="0.05",
-                        HOLD_STEP=str(HOLD_STEP), HOLD_WORLD="3", OMP_NUM_THREADS="1")  # fmt: skip
+                        HOLD_STEP=str(HOLD_STEP), HOLD_WORLD="3", OMP_NUM_THREADS="1",
+                        SAVE_STEPS="10")  # fmt: skip
         argv = ["ip", "netns", "exec", netns, sys.executable, "-m", "phalanx", "launch"]
         with self.log(netns).open("wb") as out:
             self.procs[netns] = subprocess.Popen(
-                [*argv, *flags.split(), str(LOOP)], cwd=REPO, env=env, stdout=out,
-                stderr=subprocess.STDOUT,
+                [*argv, *flags.split(), *(script or [str(LOOP)])], cwd=REPO, env=env,
+                stdout=out, stderr=subprocess.STDOUT,
             )  # fmt: skip
 
     def log(self, netns: str) -> Path:
@@ -150,13 +154,9 @@ class Run:
 @pytest.mark.slow  # about 35 s: the loopback version is tests/faults/test_live_etcd.py
 @pytest.mark.timeout(240)
 def test_node_0s_host_and_its_etcd_member_torn_down_the_others_go_on(
-    lan: Lan, tmp_path: Path
+    lan: Lan, three_hosts: tuple[list[str], EtcdCluster], tmp_path: Path
 ) -> None:
-    hosts = [lan.add(f"h{k}", k) for k in (1, 2, 3)]
-    wrap = [["ip", "netns", "exec", netns] for netns in hosts]
-    (tmp_path / "etcd").mkdir()
-    cluster = EtcdCluster(tmp_path / "etcd", [f"{SUBNET}.{k}" for k in (1, 2, 3)], wrap)
-    cluster.start()
+    hosts, cluster = three_hosts
     run = Run(tmp_path, cluster.endpoints)
     try:
         for node_rank, netns in enumerate(hosts):
@@ -177,7 +177,6 @@ def test_node_0s_host_and_its_etcd_member_torn_down_the_others_go_on(
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-        cluster.close()
     said = {netns: run.said(netns) for netns in running}
     assert [run.procs[n].returncode for n in running] == [0, 0, 0], said
     worlds = _check_exact(tmp_path)  # each step once, no sample skipped or seen twice
@@ -190,3 +189,54 @@ def test_node_0s_host_and_its_etcd_member_torn_down_the_others_go_on(
     everything = "".join(said.values())
     assert len(_digests(everything)) == 1, everything
     assert everything.count(f"done step={STEPS}") == 3, everything
+
+
+@pytest.fixture
+def three_hosts(lan: Lan, tmp_path: Path) -> Iterator[tuple[list[str], EtcdCluster]]:
+    """Hosts h1..h3 on the switch, an etcd member on each."""
+    hosts = [lan.add(f"h{k}", k) for k in (1, 2, 3)]
+    wrap = [["ip", "netns", "exec", netns] for netns in hosts]
+    (tmp_path / "etcd").mkdir()
+    cluster = EtcdCluster(tmp_path / "etcd", [f"{SUBNET}.{k}" for k in (1, 2, 3)], wrap)
+    cluster.start()
+    try:
+        yield hosts, cluster
+    finally:
+        cluster.close()
+
+
+@pytest.mark.slow  # about 30 s: the loopback version is tests/faults/test_live_etcd.py
+@pytest.mark.timeout(240)
+def test_two_etcd_members_stopped_every_rank_stops_in_one_line(
+    three_hosts: tuple[list[str], EtcdCluster], tmp_path: Path
+) -> None:
+    from phalanx.train.checkpoint.directory import verify_checkpoint
+
+    hosts, cluster = three_hosts
+    run = Run(tmp_path, cluster.endpoints)
+    out = tmp_path / "run"
+    script = [str(FAULT_SCRIPTS / "live_trainer.py"), str(out), "100000"]
+    try:
+        for node_rank, netns in enumerate(hosts):
+            run.start(netns, node_rank, script, "--rdzv-conf read_timeout=3")
+        saved = out / "checkpoint-20" / "manifest.json"
+        run.wait("checkpoint-20 written", saved.exists, hosts)
+        cluster.stop(1)
+        cluster.stop(2)  # one member of three left: no quorum
+        deadline = time.monotonic() + EVENT_S
+        while any(run.procs[n].poll() is None for n in hosts):
+            assert time.monotonic() < deadline, {n: run.said(n) for n in hosts}
+            time.sleep(0.1)
+    finally:
+        for proc in run.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    said = {n: run.said(n) for n in hosts}
+    assert [run.procs[n].returncode for n in hosts] == [203] * 3, said
+    for rank, netns in enumerate(hosts):
+        lines = [line for line in said[netns].splitlines() if line.startswith(f"[rank {rank}]")]
+        lost = [line for line in lines if "StoreLost: the job's store, etcd at" in line]
+        assert len(lost) == 1 and "Traceback" not in said[netns], said[netns]
+    newest = max(out.glob("checkpoint-*"), key=lambda p: int(p.name.rpartition("-")[2]))
+    verify_checkpoint(newest)  # every file there, each matching its checksum
