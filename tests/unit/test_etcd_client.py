@@ -112,3 +112,18 @@ def test_a_lost_quorum_is_one_line_naming_every_member(etcd_cluster: EtcdCluster
     for member in etcd_cluster.members:
         assert member.endpoint in text
     assert "a majority of its members is down" in text
+
+
+def test_an_add_sent_twice_counts_once(etcd_cluster: EtcdCluster) -> None:
+    """`Etcd.call` sends a request again when its answer is lost or late: an add that had
+    committed must then read as done, not as a conflict to add once more after."""
+    kv = _kv(etcd_cluster)
+    assert kv.add("n", 1) == 1
+    current = kv._kv("n")
+    txn = kv.add_txn("n", current, 2)
+    first, again = (kv.etcd.call("kv/txn", txn) for _ in range(2))
+    assert kv.added(first) and kv.added(again) and kv.get("n") == b"2"
+    stale = kv.add_txn("n", current, 2)  # another adder's, read before the write above
+    assert not kv.added(kv.etcd.call("kv/txn", stale)) and kv.add("n", 1) == 3
+    assert kv.num_keys() == 1  # the markers live outside the view
+    kv.close()

@@ -25,6 +25,7 @@ import base64
 import contextlib
 import http.client
 import json
+import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -61,6 +62,9 @@ so a lost member costs the launchers' beats (every 0.5 s) about a second, not th
 --live-stall-timeout (2 s in the tests) would take for a lost node."""
 _BACKOFF_S = (0.05, 0.1, 0.2, 0.5)
 _POLL_S = 0.05
+_ADD_MARKS = b"\0phalanx-add/"
+"""Where `EtcdKV.add` leaves its markers: outside every view's prefix (no view counts them),
+under the view's lease (they go with the run's keys)."""
 _RETRYABLE = {1, 2, 4, 8, 14}
 """gRPC codes worth asking another member (or again): cancelled, unknown ("context deadline
 exceeded"), deadline exceeded, resource exhausted, unavailable ("no leader", "timed out")."""
@@ -300,22 +304,45 @@ class EtcdKV:
     def add(self, key: str, amount: int) -> int:
         """Add to the counter `key` (0 when new; decimal text, as torch's store keeps it) and
         return its new value: a read, then a put on condition that no one wrote in between."""
-        target = self._key(key)
         while True:
             kv = self._kv(key)
             now = int(_unb64(kv.get("value")) or b"0") if kv else 0
             if amount == 0:  # a read: no write, so a poll of a counter costs one range
                 return now
-            if kv is None:
-                compare = {"key": target, "target": "CREATE", "create_revision": "0"}
-            else:
-                compare = {"key": target, "target": "MOD", "mod_revision": kv["mod_revision"]}
-            put = {"request_put": self._put(key, b"%d" % (now + amount))}
-            reply = self.etcd.call(
-                "kv/txn", {"compare": [{**compare, "result": "EQUAL"}], "success": [put]}
-            )
-            if reply.get("succeeded"):
+            if self.added(self.etcd.call("kv/txn", self.add_txn(key, kv, now + amount))):
                 return now + amount
+
+    def add_txn(self, key: str, kv: dict[str, Any] | None, value: int) -> dict[str, Any]:
+        """The transaction that makes `key` `value` unless someone wrote it since `kv`; it
+        also writes a marker of its own, so that when `Etcd.call` sends it again (the first
+        answer was lost, or came after `_REQUEST_S`) the second reads as the first's
+        success, not as a conflict to add again after."""
+        target = self._key(key)
+        if kv is None:
+            compare = {"key": target, "target": "CREATE", "create_revision": "0"}
+        else:
+            compare = {"key": target, "target": "MOD", "mod_revision": kv["mod_revision"]}
+        marker: dict[str, Any] = {"key": _b64(_ADD_MARKS + secrets.token_bytes(12))}
+        put_marker = {**marker, "value": _b64(b"1")}
+        if self.lease:
+            put_marker["lease"] = str(self.lease)
+        return {
+            "compare": [{**compare, "result": "EQUAL"}],
+            "success": [
+                {"request_put": self._put(key, b"%d" % value)},
+                {"request_put": put_marker},
+            ],
+            "failure": [{"request_range": marker}],
+        }
+
+    @staticmethod
+    def added(reply: dict[str, Any]) -> bool:
+        """Whether `add_txn`'s transaction (this sending of it, or an earlier one) wrote the
+        counter; False: someone else wrote it first, so read it and try again."""
+        if reply.get("succeeded"):
+            return True
+        kvs = reply["responses"][0]["response_range"].get("kvs") or []
+        return bool(kvs)
 
     def delete(self, key: str) -> bool:
         reply = self.etcd.call("kv/deleterange", {"key": self._key(key)})
