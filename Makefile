@@ -10,7 +10,7 @@ RAY    ?= ray[train]==2.60.0
 # (pyproject.toml says why torchtitan itself goes in without its own).
 TORCHTITAN ?= torchtitan==0.3.0
 
-.PHONY: venv test test-slow test-all test-faults gpu-check lint bytecode demo bench bench-comm bench-comm-link clean
+.PHONY: venv test test-slow test-all test-faults gpu-check lint bytecode demo bench bench-comm bench-comm-link etcd clean
 
 venv: $(VENV)/.installed
 
@@ -60,6 +60,11 @@ test-faults: venv
 # whose python already has a CUDA torch: PYTHONPATH=src python -m pytest -q tests/gpu
 gpu-check: venv
 	$(VENV)/bin/pytest -q tests/gpu
+
+# Three etcd members on loopback (Debian: apt-get install -y etcd-server) until Ctrl-C; prints
+# the --rdzv-backend etcd --rdzv-endpoint flags to launch with (tests/etcdkit.py).
+etcd:
+	PYTHONPATH=src $(PYTHON) -m tests.etcdkit
 
 # The main job: 2 ranks through our launcher, first the hand-written loop, then the Trainer.
 demo: $(VENV)/.base

@@ -33,6 +33,7 @@ __all__ = [
     "PortTakenError",
     "ReducerError",
     "RendezvousError",
+    "StoreLost",
     "StoreTampered",
     "UnevenInputsError",
     "UsageError",
@@ -146,6 +147,14 @@ class PeerLost(PhalanxError):
 
 class NoQuorum(PhalanxError):
     """Under live recovery, too few members checked in to form the next group in time."""
+
+    exit_code = ExitCode.INFRASTRUCTURE
+
+
+class StoreLost(PhalanxError):
+    """The job's replicated store (etcd) answers no more: a majority of its members is gone,
+    so nothing can be agreed through it. Every rank and every launcher stops in one line,
+    after a checkpoint where the ranks can still save one together."""
 
     exit_code = ExitCode.INFRASTRUCTURE
 

@@ -111,3 +111,22 @@ def test_a_preempted_run_saves_and_exits_143(tmp_path: Path) -> None:
     assert code == 128 + signal.SIGTERM == documented()["PREEMPTED"], printed
     assert "stopped by SIGTERM (received by rank 0) at step 2; saved checkpoint-2" in printed
     assert (tmp_path / "checkpoint-2" / "manifest.json").exists()
+
+
+_RAISE_AFTER_INIT = """
+import phalanx
+from phalanx.errors import StoreLost
+phalanx.init(backend="gloo")  # torch wraps the process's excepthook here
+raise StoreLost("the store is gone — bring it back")
+"""
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_an_error_after_init_keeps_its_one_line() -> None:
+    """torch's init_process_group wraps the excepthook and buffers stderr while it runs;
+    the one line of an error that exits 203 used to be lost in that buffer."""
+    proc = start([sys.executable, "-c", _RAISE_AFTER_INIT])
+    _out, err = finish(proc, TIMEOUT_S)
+    assert proc.returncode == ExitCode.INFRASTRUCTURE, err
+    assert "StoreLost: the store is gone — bring it back" in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err, err

@@ -102,3 +102,25 @@ def test_the_launcher_reads_garbage_as_absent(port: int) -> None:
         store.put(GENERATION_KEY, "3")
         report_lost(store, "r2", "killed")  # its members unreadable: nothing to end
         assert store.read(abort_key(3)) is None and store.read(lost_key("r2")) == "killed"
+
+
+@pytest.mark.timeout(30)
+def test_a_watch_held_up_by_the_store_blames_no_node(port: int) -> None:
+    """An etcd member lost or a leader elected holds the watch's reads and every node's
+    beat alike: a node whose beat stood still only while the watch could not look is not
+    lost; one that stays silent while it looks is."""
+    said: list[str] = []
+    watch = NodeWatch(("127.0.0.1", port), 2, 0.4, said.append, KEY)
+    watch.stop()  # its ticks are driven here
+    with StoreClient("127.0.0.1", port, 5) as client:
+        LiveStore(client, KEY).put(node_key(1, "beat"), "launcher:1")
+        watch.tick(client)
+        time.sleep(0.6)  # the watch blind for longer than the stall timeout
+        watch.tick(client)
+        assert watch.alive() == 1 and said == [], said
+        deadline = time.monotonic() + EVENT_S
+        while watch.alive() == 1:  # looking, and no beat comes: lost
+            assert time.monotonic() < deadline, "never declared lost"
+            watch.tick(client)
+            time.sleep(0.05)
+        assert "node 1 lost" in said[0], said

@@ -7,6 +7,9 @@
 - static across nodes: node 0 hosts the store at --master-addr:--master-port.
 - c10d across nodes without --node-rank: the launcher on the endpoint's host
   hosts it and is node 0; the others get node ranks in the order they join.
+- etcd: the store is an etcd cluster (--rdzv-endpoint lists its members), on one
+  node or many; no launcher hosts it, so none is a single point of failure.
+  Without --node-rank the nodes get ranks 0.. in the order they join.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import os
 from dataclasses import dataclass, replace
 
 from phalanx.errors import ConfigurationError
+from phalanx.ground.etcd import parse_endpoints
 from phalanx.ground.netif import is_local_address
 from phalanx.launch.config import (
     DEFAULT_CONNECT_TIMEOUT_S,
@@ -127,16 +131,21 @@ def split_endpoint(endpoint: str) -> tuple[str, int | None]:
     return host.strip("[]"), int(port)
 
 
-def store_site(ns: argparse.Namespace, nnodes: int) -> StoreSite:
-    """Every rendezvous flag, checked together; one clear line for each mistake."""
-    backend = ns.rdzv_backend.strip().lower()
-    if backend not in ("static", "c10d"):
+def _backend(ns: argparse.Namespace) -> str:
+    backend = str(ns.rdzv_backend).strip().lower()
+    if backend not in ("static", "c10d", "etcd"):
         raise ConfigurationError(
-            f"--rdzv-backend {ns.rdzv_backend} needs an external service phalanx does not "
-            "talk to — use c10d (the launcher on the endpoint's host serves the store) or static"
+            f"--rdzv-backend {ns.rdzv_backend} is not one phalanx speaks — use c10d (the "
+            "launcher on the endpoint's host serves the store), static, or etcd (the store in "
+            "an etcd cluster: --rdzv-endpoint h1:2379,h2:2379,h3:2379)"
         )
-    conf = parse_rdzv_conf(ns.rdzv_conf)
-    rdzv_timeout = _seconds(conf, "timeout", ns.rdzv_timeout)
+    return backend
+
+
+def _conf(
+    ns: argparse.Namespace, conf: dict[str, str]
+) -> tuple[Rendezvous, float, tuple[str, ...]]:
+    """--rdzv-conf's timeouts and --rdzv-timeout; the notes for the keys that do nothing."""
     rdzv = Rendezvous(
         join_timeout_s=_seconds(conf, "join_timeout", DEFAULT_JOIN_TIMEOUT_S),
         read_timeout_s=_seconds(conf, "read_timeout", Rendezvous().read_timeout_s),
@@ -148,6 +157,16 @@ def store_site(ns: argparse.Namespace, nnodes: int) -> StoreSite:
         for key in _ELASTIC_KEYS
         if key in conf
     )
+    return rdzv, _seconds(conf, "timeout", ns.rdzv_timeout), notes
+
+
+def store_site(ns: argparse.Namespace, nnodes: int) -> StoreSite:
+    """Every rendezvous flag, checked together; one clear line for each mistake."""
+    backend = _backend(ns)
+    conf = parse_rdzv_conf(ns.rdzv_conf)
+    rdzv, rdzv_timeout, notes = _conf(ns, conf)
+    if backend == "etcd":
+        return _etcd_site(ns, rdzv, rdzv_timeout, notes)
     addr, port, port_flag = _address(ns, backend)
     if ns.standalone or nnodes == 1:
         if ns.standalone and nnodes != 1:
@@ -188,6 +207,27 @@ def store_site(ns: argparse.Namespace, nnodes: int) -> StoreSite:
         rdzv_timeout,
         notes + note,
     )
+
+
+def _etcd_site(
+    ns: argparse.Namespace, rdzv: Rendezvous, rdzv_timeout: float, notes: tuple[str, ...]
+) -> StoreSite:
+    """--rdzv-backend etcd: the members from --rdzv-endpoint; MASTER_ADDR/PORT name the first
+    (what the workers' interface choice routes towards; no worker dials it as a store)."""
+    if not ns.rdzv_endpoint:
+        raise ConfigurationError(
+            "--rdzv-backend etcd needs --rdzv-endpoint, the etcd members: e.g. "
+            "--rdzv-endpoint h1:2379,h2:2379,h3:2379"
+        )
+    if ns.standalone:
+        raise ConfigurationError("--standalone hosts its own store — drop it or --rdzv-backend")
+    members = parse_endpoints(ns.rdzv_endpoint)
+    host, port = split_endpoint(members[0])
+    node_rank, note = (0, ()) if ns.node_rank is None else _static_node_rank(ns.node_rank)
+    site_rdzv = replace(
+        rdzv, etcd=members, hosts_store=False, assign_node_rank=ns.node_rank is None
+    )
+    return StoreSite(host, port or 2379, node_rank, site_rdzv, rdzv_timeout, notes + note)
 
 
 def _static_node_rank(given: int | None) -> tuple[int, tuple[str, ...]]:

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from phalanx.errors import StoreTampered
 from phalanx.ground.runauth import RunKey
 
-__all__ = ["KeyValue", "LiveStore"]
+__all__ = ["KeyValue", "LiveStore", "StoreConn"]
 
 _CLAIM_TRIES = 8
 
@@ -32,6 +32,21 @@ class KeyValue(Protocol):
     def check(self, keys: list[str], /) -> bool: ...
 
     def compare_set(self, key: str, expected: bytes, desired: bytes, /) -> bytes: ...
+
+
+class StoreConn(KeyValue, Protocol):
+    """A launcher's connection to the job's store: to a launcher's TCPStore (`StoreClient`)
+    or to etcd (`EtcdKV`, --rdzv-backend etcd), which the launchers' code uses alike."""
+
+    address: str
+
+    def add(self, key: str, amount: int, /) -> int: ...
+
+    def close(self) -> None: ...
+
+    def __enter__(self) -> StoreConn: ...
+
+    def __exit__(self, *exc: object) -> None: ...
 
 
 class LiveStore:

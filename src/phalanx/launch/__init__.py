@@ -11,7 +11,8 @@ Modules (tests/unit/test_layers.py holds this list to the folder):
 - one node's run: `agent` (meet, spawn, watch, stop, restart), `meeting`
   (this node's side of the rendezvous), `rendezvous` (finding the store,
   node ranks), `rollcall` (no worker starts before every node is here; a wait
-  for another host says whom it waits for), `storehost` (hosting the store);
+  for another host says whom it waits for), `storehost` (hosting the store),
+  `etcdmeet` (--rdzv-backend etcd: the store in etcd, hosted by no launcher);
 - the workers: `workers` (one attempt's processes), `workerenv` (their
   environment), `lifeline` (stops them if the launcher dies unseen),
   `procgroup` (signals to process groups), `live` (--live-recovery: a lost

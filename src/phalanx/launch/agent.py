@@ -34,7 +34,7 @@ from phalanx.ground.progress_record import PROGRESS_DIR_VAR, read_stop
 from phalanx.ground.runauth import SECRET_ENV
 from phalanx.launch.config import LaunchConfig
 from phalanx.launch.lifeline import LAUNCH_ID_ENV, Lifeline
-from phalanx.launch.live import LiveSupervisor, take_members
+from phalanx.launch.live import Connect, LiveSupervisor, take_members
 from phalanx.launch.meeting import Meeting
 from phalanx.launch.output import OutputSink
 from phalanx.launch.procgroup import describe_returncode
@@ -71,6 +71,8 @@ class Agent:
         self.python = python
         self.stop_request = StopRequest()
         self._layout: LogLayout | None = None
+        self._connect: Connect | None = None
+        """New connections to the current attempt's store (live recovery's reports)."""
 
     def run(self) -> int:
         """Exit status of the job: 0, the failed worker's, or 128 + signum when stopped."""
@@ -92,8 +94,10 @@ class Agent:
                 if not meeting.begin_attempt(restart):
                     return self._stopped_by(self.stop_request.signum)
                 status: int | None = None  # an exception: no exit barrier
+                self._connect = meeting.connector(restart)
+                own = {**extra, **meeting.worker_env(restart)}
                 try:
-                    status = self._attempt(restart, meeting.port, extra, lifeline, meeting.late)
+                    status = self._attempt(restart, meeting.port, own, lifeline, meeting.late)
                 finally:
                     meeting.end_attempt(last=status is not None, succeeded=status == 0)
                 if status is not None:
@@ -113,10 +117,9 @@ class Agent:
     ) -> int | None:
         """One run of the worker group; None means: failed, and a restart is allowed. A `late`
         node (it took a lost node's place, launch/livenodes.py) starts replacements."""
+        assert self._connect is not None
         members = (
-            take_members(
-                (self.config.master_addr, port), self.config.nproc_per_node, self.config.live_key()
-            )
+            take_members(self._connect, self.config.nproc_per_node, self.config.live_key())
             if late and restart == 0
             else []
         )
@@ -176,9 +179,14 @@ class Agent:
         first, last = cfg.global_rank(0), cfg.global_rank(cfg.nproc_per_node - 1)
         ranks = f"rank {first}" if first == last else f"ranks {first}..{last}"
         joining = f" joining the run as replacement {', '.join(members)}" if members else ""
+        store = (
+            f"store etcd {','.join(cfg.rdzv.etcd)}"
+            if cfg.rdzv.etcd
+            else f"master {cfg.master_addr}:{port}"
+        )
         self.sink.message(
             f"starting {cfg.nproc_per_node} worker{'s' if cfg.nproc_per_node > 1 else ''}: "
-            f"{ranks} of {cfg.world_size}{joining}, master {cfg.master_addr}:{port}"
+            f"{ranks} of {cfg.world_size}{joining}, {store}"
             + (f", restart {restart}" if restart else "")
         )
 
@@ -246,7 +254,7 @@ class Agent:
         members: list[str],
     ) -> LiveSupervisor:
         """--live-recovery: replace lost workers, leave the others running (launch/live.py)."""
-        assert self.config.live is not None
+        assert self.config.live is not None and self._connect is not None
 
         def respawn(local_rank: int, member: str) -> Worker:
             return self._spawn_one(
@@ -255,7 +263,7 @@ class Agent:
 
         return LiveSupervisor(
             group=group,
-            store_addr=(self.config.master_addr, port),
+            connect=self._connect,
             key=self.config.live_key(),
             progress_dir=progress_dir,
             respawn=respawn,

@@ -61,6 +61,9 @@ class Rendezvous:
     report_s: float = DEFAULT_REPORT_S
     """How often a wait for the master or for missing nodes says what it waits for
     (REPORT_ENV)."""
+    etcd: tuple[str, ...] = ()
+    """--rdzv-backend etcd: the etcd members (HOST:PORT) that keep the job's store; no
+    launcher hosts one (launch/etcdmeet.py)."""
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from phalanx.errors import StoreLost
 from phalanx.ground.live_keys import (
     GENERATION_KEY,
     RESTART_MARK,
@@ -28,19 +29,26 @@ from phalanx.ground.live_keys import (
     members_key,
     node_key,
 )
-from phalanx.ground.live_store import LiveStore
+from phalanx.ground.live_store import LiveStore, StoreConn
 from phalanx.ground.runauth import RunKey
 from phalanx.ground.storeclient import StoreClient
 from phalanx.launch.procgroup import describe_returncode, signal_group
 from phalanx.launch.summary import failure_summary
 from phalanx.launch.workers import Failure, StopRequest, Worker, WorkerGroup
 
-__all__ = ["LiveSupervisor", "Respawn", "report_lost", "take_members"]
+__all__ = ["Connect", "LiveSupervisor", "Respawn", "report_lost", "take_members", "tcp_store"]
 
 Respawn = Callable[[int, str], Worker]
 """Start a replacement for local slot `local_rank` as member `member`."""
+Connect = Callable[[], StoreConn]
+"""A new connection to the job's store (the attempt's): a TCPStore's, or etcd's."""
 
 _STORE_TIMEOUT_S = 10.0
+
+
+def tcp_store(addr: tuple[str, int]) -> Connect:
+    """Connections to the TCPStore a launcher hosts at `addr`."""
+    return lambda: StoreClient(*addr, _STORE_TIMEOUT_S)
 
 
 def report_lost(store: LiveStore, member: str, why: str) -> None:
@@ -51,10 +59,10 @@ def report_lost(store: LiveStore, member: str, why: str) -> None:
     _end_generation_of(store, member, why)
 
 
-def take_members(store_addr: tuple[str, int], count: int, key: RunKey) -> list[str]:
+def take_members(connect: Connect, count: int, key: RunKey) -> list[str]:
     """`count` new replacement names (`j<n>`), each claimed once in the store, so no two
     launchers ever start the same member."""
-    with StoreClient(*store_addr, _STORE_TIMEOUT_S) as client:
+    with connect() as client:
         store = LiveStore(client, key)
         return [_next_member(store) for _ in range(count)]
 
@@ -82,7 +90,7 @@ class LiveSupervisor:
     """Watches this node's workers for a live-recovery run (module docstring)."""
 
     group: WorkerGroup
-    store_addr: tuple[str, int]
+    connect: Connect
     key: RunKey
     """The run's secret: every value this launcher writes in the store is signed with it."""
     progress_dir: Path
@@ -157,7 +165,7 @@ class LiveSupervisor:
         self._losses.append((slot, code, why))
         lost = f"rank {slot.worker.rank} ({slot.member}) lost ({why})"
         try:
-            with StoreClient(*self.store_addr, _STORE_TIMEOUT_S) as client:
+            with self.connect() as client:
                 store = LiveStore(client, self.key)
                 report_lost(store, slot.member, why)
                 if self.replacements <= 0:
@@ -165,9 +173,11 @@ class LiveSupervisor:
                     return code
                 self.replacements -= 1
                 member = _next_member(store)
+        except StoreLost:  # said once already, by the launcher's lease keeper
+            self.say(f"{lost}; the job's store (etcd) has lost its quorum, no replacement")
+            return code
         except OSError as exc:
-            host, port = self.store_addr
-            unreachable = f"the job's store at {host}:{port} cannot be reached ({exc})"
+            unreachable = f"the job's store cannot be reached ({exc})"
             self.say(f"{lost}, and {unreachable}; no replacement")
             return code
         self.say(f"{lost}; {self._who_goes_on()}, replacement {member} starting")
@@ -207,7 +217,7 @@ class LiveSupervisor:
         if self.node_rank is None:
             return
         running = [slot.member for slot in self._slots if not slot.done]
-        with StoreClient(*self.store_addr, _STORE_TIMEOUT_S) as client:
+        with self.connect() as client:
             LiveStore(client, self.key).put(
                 node_key(self.node_rank, "members"), json.dumps(running)
             )

@@ -18,15 +18,14 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from phalanx.errors import ConfigurationError
 from phalanx.ground.live_keys import node_key
-from phalanx.ground.live_store import LiveStore
+from phalanx.ground.live_store import LiveStore, StoreConn
 from phalanx.ground.runauth import RunKey
-from phalanx.ground.storeclient import StoreClient
-from phalanx.launch.live import report_lost
+from phalanx.launch.live import Connect, report_lost, tcp_store
 from phalanx.launch.rendezvous import claim_node_rank
 
 __all__ = ["NodeBeat", "NodeWatch", "claim_live_node"]
@@ -38,7 +37,7 @@ _POLL_S = 0.1
 
 
 def claim_live_node(
-    client: StoreClient,
+    client: StoreConn,
     node_rank: int,
     key: RunKey,
     timeout_s: float,
@@ -71,18 +70,24 @@ def claim_live_node(
     return False
 
 
+def _connector(store: tuple[str, int] | Connect) -> Connect:
+    """A TCPStore's address (a launcher hosts it), or how to connect to the store (etcd)."""
+    return tcp_store(store) if isinstance(store, tuple) else store
+
+
 class _Loop:
     """A daemon thread that calls `tick` with its own store client every `period_s` until
-    stopped; a store that is away (between two attempts) is dialled again at the next tick."""
+    stopped; a store that is away (between two attempts) is dialled again at the next tick,
+    and one that answers nothing (etcd without a quorum) is asked again at the next."""
 
     def __init__(
         self,
-        addr: tuple[str, int],
+        store: tuple[str, int] | Connect,
         period_s: float,
         name: str,
-        tick: Callable[[StoreClient], object],
+        tick: Callable[[StoreConn], object],
     ) -> None:
-        self._addr, self._period_s, self._tick = addr, period_s, tick
+        self._connect, self._period_s, self._tick = _connector(store), period_s, tick
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -92,12 +97,12 @@ class _Loop:
         self._thread.join(timeout=_STORE_TIMEOUT_S)
 
     def _run(self) -> None:
-        client: StoreClient | None = None
+        client: StoreConn | None = None
         while not self._stopped.wait(self._period_s):
             try:
-                client = client or StoreClient(*self._addr, _STORE_TIMEOUT_S)
+                client = client or self._connect()
                 self._tick(client)
-            except OSError:
+            except (OSError, RuntimeError):  # RuntimeError: etcd's StoreLost, or a refusal
                 if client is not None:
                     client.close()
                 client = None
@@ -109,13 +114,13 @@ class NodeBeat:
     """A non-host launcher's sign of life: its node's count, raised every BEAT_S (signed, so
     no one outside the run can keep a lost node looking alive)."""
 
-    def __init__(self, addr: tuple[str, int], node_rank: int, key: RunKey) -> None:
+    def __init__(self, addr: tuple[str, int] | Connect, node_rank: int, key: RunKey) -> None:
         self._key, self._name, self._count = key, node_key(node_rank, "beat"), 0
         self._launcher = secrets.token_hex(4)
         """This launcher among the node's (a new host that takes the node over has another)."""
         self._loop = _Loop(addr, BEAT_S, "phalanx-node-beat", self._beat)
 
-    def _beat(self, client: StoreClient) -> None:
+    def _beat(self, client: StoreConn) -> None:
         self._count += 1
         LiveStore(client, self._key).put(self._name, f"{self._launcher}:{self._count}")
 
@@ -143,20 +148,25 @@ class _Seen:
 
 
 class NodeWatch:
-    """The store host's watch over the other nodes' launchers (module docstring)."""
+    """The store host's watch over the other nodes' launchers (module docstring). Under
+    --rdzv-backend etcd no launcher hosts the store: each watches all the others (`ranks`),
+    and what they write of a loss is the same whoever writes it."""
 
     def __init__(
         self,
-        addr: tuple[str, int],
+        addr: tuple[str, int] | Connect,
         nnodes: int,
         stall_s: float,
         say: Callable[[str], None],
         key: RunKey,
+        ranks: Sequence[int] | None = None,
     ) -> None:
         self._key = key
         self._stall_s = stall_s
         self._say = say
-        self._seen = {rank: _Seen() for rank in range(1, nnodes)}
+        watched = range(1, nnodes) if ranks is None else ranks
+        self._seen = {rank: _Seen() for rank in watched}
+        self._last_tick = time.monotonic()
         self.losses: list[int] = []
         """The node ranks declared lost, in order (a node lost twice appears twice)."""
         self._loop = _Loop(addr, _POLL_S, "phalanx-node-watch", self.tick)
@@ -168,9 +178,15 @@ class NodeWatch:
         """How many other nodes' launchers are running (seen and not lost)."""
         return sum(1 for seen in self._seen.values() if seen.count > 0 and not seen.lost)
 
-    def tick(self, client: StoreClient) -> None:
+    def tick(self, client: StoreConn) -> None:
         now = time.monotonic()
         store = LiveStore(client, self._key)
+        if now - self._last_tick > self._stall_s / 2:
+            # This watch was blind for a while (the store failed over: an etcd member lost,
+            # a leader elected), and the beats were held up as long: no node is blamed for it.
+            for seen in self._seen.values():
+                seen.changed_at = max(seen.changed_at, now)
+        self._last_tick = now
         for rank, seen in self._seen.items():
             if seen.moved(store.read(node_key(rank, "beat"))):
                 if seen.lost:

@@ -8,6 +8,7 @@ other launcher proves it reached that store before it spawns a worker. Under
 --live-recovery the launchers also watch each other (launch/livenodes.py): a
 host that vanishes is declared lost instead of holding up the others' exit, and a
 launcher arriving for its node rank while the run goes on joins it late.
+Under --rdzv-backend etcd no launcher hosts the store (launch/etcdmeet.py).
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from phalanx.errors import PortTakenError, RendezvousError
+from phalanx.ground.live_store import StoreConn
 from phalanx.ground.storeclient import StoreClient
 from phalanx.launch.config import LaunchConfig
+from phalanx.launch.etcdmeet import EtcdMeeting
 from phalanx.launch.lifeline import Lifeline
+from phalanx.launch.live import Connect, tcp_store
 from phalanx.launch.livenodes import NodeBeat, NodeWatch, claim_live_node
 from phalanx.launch.rendezvous import (
     claim_node_rank,
@@ -61,6 +65,8 @@ class Meeting:
         its workers join as replacements (launch/livenodes.py)."""
         self._beat: NodeBeat | None = None
         self._watch: NodeWatch | None = None
+        self._etcd: EtcdMeeting | None = None
+        self._attempt = 0
         self._hint = (
             "start its launcher with the same --rdzv-endpoint, --rdzv-id and --nnodes"
             if config.rdzv.assign_node_rank
@@ -71,6 +77,8 @@ class Meeting:
     def open(self) -> LaunchConfig:
         """Host or reach the store and learn this node's rank: the config the workers get."""
         cfg = self.config
+        if cfg.rdzv.etcd:
+            return self._open_etcd()
         if cfg.rdzv.hosts_store:
             try:
                 hosted = self._host()
@@ -102,10 +110,56 @@ class Meeting:
         self._beat_for(node_rank)
         return _with_node_rank(cfg, node_rank)
 
+    def _open_etcd(self) -> LaunchConfig:
+        """--rdzv-backend etcd: every node alike; none hosts the store."""
+        cfg = self.config
+        etcd = self._etcd = EtcdMeeting(
+            cfg.rdzv.etcd, cfg.run_id, cfg.rdzv.read_timeout_s, self._announce
+        )
+        if cfg.rdzv.assign_node_rank:
+            node_rank = etcd.join(
+                cfg.run_id, cfg.nnodes, cfg.rdzv.join_timeout_s, self._cancelled, self._pacer()
+            )
+            self._announce(
+                f"rendezvous {cfg.run_id!r} in {etcd.where()}: this is node {node_rank} of "
+                f"{cfg.nnodes}"
+            )
+            cfg = self.config = _with_node_rank(cfg, node_rank)
+        else:
+            with etcd.view(0) as kv:
+                self._claim(kv)
+        if cfg.live is not None and cfg.nnodes > 1:
+            self._beat = NodeBeat(self._live_connect, cfg.node_rank, cfg.live_key())
+            others = [r for r in range(cfg.nnodes) if r != cfg.node_rank]
+            watch = NodeWatch(
+                self._live_connect,
+                cfg.nnodes,
+                cfg.live.stall_s,
+                self._announce,
+                cfg.live_key(),
+                ranks=others,
+            )
+            self._watch = watch
+        return cfg
+
+    def _live_connect(self) -> StoreConn:
+        """The current attempt's store, for the loops that outlive an attempt."""
+        return self.connector(self._attempt)()
+
+    def connector(self, attempt: int) -> Connect:
+        """New connections to `attempt`'s store: etcd's view, or the hosted TCPStore."""
+        if self._etcd is not None:
+            return self._etcd.connector(attempt)
+        return tcp_store((self.config.master_addr, self.port))
+
+    def worker_env(self, attempt: int) -> dict[str, str]:
+        """What the workers of `attempt` need to reach their store, beyond MASTER_*."""
+        return {} if self._etcd is None else self._etcd.worker_env(attempt)
+
     def _pacer(self) -> Pacer:
         return Pacer(self.config.rdzv.report_s, self._announce)
 
-    def _claim(self, client: StoreClient) -> None:
+    def _claim(self, client: StoreConn) -> None:
         cfg = self.config
         if cfg.live is None:
             claim_node_rank(client, cfg.node_rank)
@@ -178,10 +232,15 @@ class Meeting:
     def begin_attempt(self, attempt: int) -> bool:
         """Serve (host) or wait for (others) the store of `attempt`, then wait until every
         node is here (launch/rollcall.py); False when cancelled."""
-        if not self._serve_or_reach(attempt):
+        self._attempt = attempt
+        if self._etcd is None and not self._serve_or_reach(attempt):
             return False
         if self.config.nnodes == 1 or (self.late and attempt == 0):
             return True  # a late node joins a run under way: the others are long past this
+        if self._etcd is not None:
+            cfg = self.config
+            call = (cfg.node_rank, cfg.nnodes, cfg.rdzv_timeout_s)
+            return self._etcd.roll_call(attempt, *call, self._cancelled, self._pacer())
         return self._roll_call(attempt)
 
     def _serve_or_reach(self, attempt: int) -> bool:
@@ -253,6 +312,12 @@ class Meeting:
         a node that died with them would hold it up for the whole barrier.
         """
         self._ready_attempt = -1
+        if last and self._etcd is not None:
+            self._stop_loops()  # before the last to leave lets the run's keys go
+            if self._watch is not None and (report := self._watch.report()) is not None:
+                self._announce(report)
+            self._etcd.leave(self.config.nnodes)
+            return
         if last and self.config.nnodes > 1 and (self._store is None or succeeded):
             self._leave_together()
         if last and self._watch is not None and (report := self._watch.report()) is not None:
@@ -276,11 +341,17 @@ class Meeting:
                         f"{cfg.nnodes - 1} other nodes finished within {_EXIT_BARRIER_S:g}s"
                     )
 
-    def close(self) -> None:
+    def _stop_loops(self) -> None:
         for loop in (self._beat, self._watch):
             if loop is not None:
                 loop.stop()
+
+    def close(self) -> None:
+        self._stop_loops()
         self._beat = self._watch = None
+        if self._etcd is not None:
+            self._etcd.close()
+            self._etcd = None
         if self._store is not None:
             with contextlib.suppress(OSError):
                 self._store.close()

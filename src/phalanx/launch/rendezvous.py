@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from phalanx.errors import ConfigurationError, MasterUnreachableError
+from phalanx.ground.live_store import StoreConn
 from phalanx.ground.storeclient import ATTEMPT_KEY, NotAStoreError, StoreClient, Unreachable
 from phalanx.launch.config import Rendezvous
 from phalanx.launch.rollcall import Pacer
@@ -142,7 +143,7 @@ def wait_for_store(
     return None
 
 
-def claim_node_rank(client: StoreClient, node_rank: int) -> None:
+def claim_node_rank(client: StoreConn, node_rank: int) -> None:
     """Static rendezvous: make sure no other launcher was given the same --node-rank."""
     host = socket.gethostname()
     if client.add(f"phalanx/node_rank/{node_rank}", 1) > 1:

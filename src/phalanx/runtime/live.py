@@ -30,7 +30,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from phalanx.errors import NotAMember, PeerLost
+from phalanx.errors import NotAMember, PeerLost, StoreLost
 from phalanx.ground.live_keys import (
     HEARTBEAT_S,
     KEY,
@@ -155,6 +155,9 @@ class LiveGroup(dist.ProcessGroup):
         self._bind(self._inner)
         self._rank, self._size = rank, size
         self._aborted: dict[int, str] = {}
+        self.store_lost: str | None = None
+        """Why the job's store answers no more (etcd without a quorum, seen by the watcher):
+        every collective from then on raises `StoreLost`, on every member."""
         self._grow_asked: set[int] = set()
         self._abandoned: list[dist.ProcessGroupGloo] = []
         self._lock = threading.Lock()
@@ -262,7 +265,10 @@ class LiveGroup(dist.ProcessGroup):
 
     # ------------------------------------------------------------ aborting
     def raise_if_aborted(self, generation: int | None = None) -> None:
-        """PeerLost when the generation (the current one by default) was aborted."""
+        """PeerLost when the generation (the current one by default) was aborted; StoreLost
+        when the store is gone (nothing can be agreed any more: the run stops)."""
+        if self.store_lost is not None:
+            raise StoreLost(self.store_lost)
         gen = self.generation if generation is None else generation
         if gen < 0 and self._size != 1:
             raise PeerLost(f"{self.member} is a replacement that has not joined the run yet")
@@ -293,6 +299,9 @@ class LiveGroup(dist.ProcessGroup):
                         self._aborted[gen] = reason
                 if gen not in self._grow_asked and store.read(grow_key(gen)) is not None:
                     self._grow_asked.add(gen)
+            except StoreLost as exc:  # etcd: the peers still answer, so no collective would say
+                self.store_lost = str(exc)
+                return
             except RuntimeError:  # the store went away: the next collective fails and says so
                 return
 

@@ -29,6 +29,7 @@ from phalanx.ground.jobenv import LaunchInfo
 from phalanx.ground.netif import is_loopback
 from phalanx.ground.ports import NotThisHost, PortInUse, bind_own_address, leads_back_here
 from phalanx.ground.storeclient import ATTEMPT_KEY, StoreClient
+from phalanx.runtime.etcdstore import etcd_store_from_env
 
 __all__ = ["make_store", "serve_agent_store"]
 
@@ -192,7 +193,11 @@ def _wait_for_ranks(store: dist.Store, info: LaunchInfo, wait: timedelta) -> Non
 
 
 def make_store(info: LaunchInfo, wait: timedelta) -> dist.Store:
-    """The rendezvous store: in memory for a world of one, else TCP on the master."""
+    """The rendezvous store: etcd when the launcher names it (--rdzv-backend etcd), in memory
+    for a world of one, else TCP on the master."""
+    etcd = etcd_store_from_env(os.environ, wait)
+    if etcd is not None:
+        return etcd
     if info.master_addr is None or info.master_port is None:
         return dist.HashStore()
     _check_resolves(info)
