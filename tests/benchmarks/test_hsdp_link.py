@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
     os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
     reason="network namespaces and tc need root and iproute2",
 )
+@pytest.mark.slow  # HSDP trains as torch's in make test (tests/distributed/test_fsdp2_tools.py)
 @pytest.mark.timeout(240)
 def test_hsdp_crosses_the_link_a_third_as_much_as_flat(tmp_path: Path) -> None:
     out = tmp_path / "hsdp.json"

@@ -22,6 +22,7 @@ def _params(out: Path, ranks: range) -> list[dict[str, list[float]]]:
     return [json.loads((out / f"params_{r}.json").read_text())["params"] for r in ranks]
 
 
+@pytest.mark.slow  # make test trains over etcd in tests/faults/test_live_etcd.py
 @pytest.mark.timeout(180)
 def test_two_launchers_meet_in_etcd_and_train_as_under_the_default_store(
     etcd_cluster: EtcdCluster, tmp_path: Path

@@ -170,6 +170,7 @@ def _soak(tmp_path: Path, references: dict[int, Path], trials: int, seed: int) -
     ]
 
 
+@pytest.mark.slow  # its soak too; make test keeps the offloaded full disk and the async kill
 @pytest.mark.timeout(4 * RUN_TIMEOUT_S)
 def test_a_sigkill_inside_an_offloaded_step_restarts_bit_identical(
     tmp_path: Path, references: dict[int, Path]
