@@ -107,7 +107,7 @@ class Run:
         flags += (
             f" --nnodes 3 --node-rank {node_rank} --nproc-per-node 1 --rdzv-backend etcd "
             f"--rdzv-endpoint {self.endpoints} --rdzv-id hosts --live-recovery "
-            f"--live-stall-timeout 2 --rdzv-timeout 60 --run-secret-file {self.secret}"
+            f"--live-stall-timeout 5 --rdzv-timeout 60 --run-secret-file {self.secret}"
         )
         env = clean_env(LEDGER_DIR=str(self.ledger), STEPS=str(STEPS), PAUSE_S="0.05",
                         HOLD_STEP=str(HOLD_STEP), HOLD_WORLD="3", OMP_NUM_THREADS="1",

@@ -94,7 +94,7 @@ def _start(netns: str, node_rank: int, log: Path, ledger: Path) -> subprocess.Po
         secret.chmod(0o600)
     flags = ["--nnodes", "2", "--node-rank", str(node_rank), "--master-addr", MASTER_IP,
              "--master-port", str(PORT), "--nproc-per-node", "1", "--live-recovery",
-             "--live-stall-timeout", "2", "--rdzv-timeout", "60",
+             "--live-stall-timeout", "5", "--rdzv-timeout", "60",
              "--run-secret-file", str(secret)]  # fmt: skip
     env = clean_env(LEDGER_DIR=str(ledger), STEPS=str(STEPS), PAUSE_S="0.05",
                     HOLD_STEP=str(HOLD_STEP), HOLD_WORLD="2", OMP_NUM_THREADS="1")  # fmt: skip

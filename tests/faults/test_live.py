@@ -30,7 +30,7 @@ def _run(tmp_path: Path, flags: str, **env: str) -> tuple[int, str]:
     ledger = tmp_path / "ledger"
     ledger.mkdir()
     run = launch(
-        f"--nproc-per-node 3 --live-recovery --live-stall-timeout 2 {flags}",
+        f"--nproc-per-node 3 --live-recovery --live-stall-timeout 5 {flags}",
         LOOP,
         env=clean_env(
             LEDGER_DIR=str(ledger), STEPS=str(STEPS), PAUSE_S="0.05", OMP_NUM_THREADS="1", **env

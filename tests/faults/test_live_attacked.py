@@ -100,7 +100,7 @@ def _run(tmp_path: Path, attacked: bool) -> str:
                     ADMIT_AT="20")  # fmt: skip
     launcher = start(
         [sys.executable, "-m", "phalanx", "launch", "--nproc-per-node", "3", "--live-recovery",
-         "--live-stall-timeout", "2", "--max-restarts", "1", "--master-port", port,
+         "--live-stall-timeout", "5", "--max-restarts", "1", "--master-port", port,
          FAULT_SCRIPTS / "live_loop.py"],
         env=env,
     )  # fmt: skip

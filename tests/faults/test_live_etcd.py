@@ -48,7 +48,7 @@ class Nodes:
         flags = (
             f"--nnodes 2 --node-rank {node_rank} --nproc-per-node 1 --rdzv-backend etcd "
             f"--rdzv-endpoint {self.cluster.endpoints} --rdzv-id live-etcd --live-recovery "
-            f"--live-stall-timeout 2 --rdzv-timeout 60 --run-secret-file {self.secret}"
+            f"--live-stall-timeout 5 --rdzv-timeout 60 --run-secret-file {self.secret}"
         )
         env = clean_env(
             LEDGER_DIR=str(self.ledger),
@@ -155,7 +155,7 @@ def test_a_lost_quorum_stops_every_rank_in_one_line_and_keeps_the_checkpoint(
     ledger.mkdir()
     flags = (
         f"--nproc-per-node 2 --rdzv-backend etcd --rdzv-endpoint {etcd_cluster.endpoints} "
-        "--rdzv-conf read_timeout=3 --live-recovery --live-stall-timeout 2"
+        "--rdzv-conf read_timeout=3 --live-recovery --live-stall-timeout 5"
     )
     env = clean_env(LEDGER_DIR=str(ledger), OMP_NUM_THREADS="1", SAVE_STEPS="10")
     with log.open("wb") as out:

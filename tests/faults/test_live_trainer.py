@@ -27,7 +27,7 @@ pytestmark = pytest.mark.faults
 
 SCRIPT = FAULT_SCRIPTS / "live_trainer.py"
 SAMPLES = 480  # live_trainer.py's dataset
-FLAGS = "--live-recovery --live-stall-timeout 2 --max-restarts 1"
+FLAGS = "--live-recovery --live-stall-timeout 5 --max-restarts 1"
 
 
 def _train(out: Path, ledger: Path, steps: int, nproc: int = 3, *extra: str, **env: str) -> str:
