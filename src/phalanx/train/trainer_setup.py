@@ -87,15 +87,12 @@ class TrainerSetup:
         train_dataset / eval_dataset: map-style datasets (sharded by a
             DistributedSampler), or for training a streaming IterableDataset.
         loss_fn: `loss_fn(outputs, batch)`; None takes the loss the model returns.
-        optimizer: your own, at any stage (stages 1-2 shard its class and groups before
-            its first step; stage 3 needs it over the sharded parameters); None builds
-            `args.optim` over two weight-decay groups.
-        optimizers: Hugging Face's `(optimizer, scheduler)`; the scheduler drives the
-            optimizer the run steps (stages 1-2: the sharded one).
-        optimizer_cls_and_kwargs: Hugging Face's `(cls, kwargs)`: the Trainer builds
-            `cls(groups, **kwargs)` itself, after sharding, over its two groups.
-        collate_fn / data_collator: how samples become a batch (one of the two;
-            None: Hugging Face's default for dict samples, torch's otherwise).
+        optimizer: your own, at any stage (stage 3: over the sharded parameters); None
+            builds `args.optim` over two weight-decay groups.
+        optimizers / optimizer_cls_and_kwargs: Hugging Face's `(optimizer, scheduler)` /
+            `(cls, kwargs)`, which the Trainer builds after sharding (docs/trainer.md).
+        collate_fn / data_collator: how samples become a batch (one of the two; None:
+            Hugging Face's default for dict samples, torch's otherwise).
         compute_metrics: `compute_metrics(EvalPrediction) -> dict` at evaluation.
         callbacks: Hugging Face's callbacks (train/callbacks.py), on every rank.
         """

@@ -38,6 +38,7 @@ def check_values(args: TrainingArguments) -> None:
     _check_strategies(args)
     _check_compile(args)
     _check_ddp(args)
+    _check_zero(args)
     check_sync(args)
 
 
@@ -206,6 +207,10 @@ def _check_ddp(args: TrainingArguments) -> None:
         cap is None or cap == "auto" or (math.isfinite(cap) and cap > 0),
         f"ddp_bucket_cap_mb={cap} must be > 0 MiB — the default is 25",
     )
+
+
+def _check_zero(args: TrainingArguments) -> None:
+    """ZeRO's settings: each one means something only with the stage or tier it names."""
     budget = args.memory_budget_mb
     require(
         budget is None or (math.isfinite(budget) and budget > 0),
