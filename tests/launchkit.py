@@ -48,6 +48,17 @@ def launch(
     )  # fmt: skip
 
 
+def secret_file(path: Path) -> Path:
+    """A run's secret in `path` (0600), as `phalanx launch --run-secret-file` reads it; made
+    once, so every host of a test's run shares it."""
+    from phalanx.ground.runauth import new_secret
+
+    if not path.exists():
+        path.write_text(new_secret())
+        path.chmod(0o600)
+    return path
+
+
 def start(argv: Sequence[object], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     """A launcher (or anything) running in the background, its output captured."""
     return subprocess.Popen(

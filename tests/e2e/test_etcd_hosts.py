@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import re
-import secrets
 import signal
 import subprocess
 import sys
@@ -25,7 +24,7 @@ import pytest
 from tests.e2e.test_multinode import _check, _ip, _netns_unavailable
 from tests.etcdkit import EtcdCluster, etcd_missing
 from tests.faults.test_live import STEPS, _check_exact, _digests
-from tests.launchkit import FAULT_SCRIPTS, REPO, clean_env
+from tests.launchkit import FAULT_SCRIPTS, REPO, clean_env, secret_file
 
 pytestmark = pytest.mark.faults
 
@@ -95,9 +94,7 @@ class Run:
         self.tmp, self.endpoints = tmp_path, endpoints
         self.ledger = tmp_path / "ledger"
         self.ledger.mkdir()
-        self.secret = tmp_path / "run.secret"
-        self.secret.write_text(secrets.token_hex(32))
-        self.secret.chmod(0o600)
+        self.secret = secret_file(tmp_path / "run.secret")
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
     def start(

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import re
-import secrets
 import signal
 import subprocess
 import sys
@@ -26,7 +25,7 @@ import pytest
 
 from tests.e2e.test_multinode import _check, _ip, _netns_unavailable
 from tests.faults.test_live import STEPS, _check_exact, _digests
-from tests.launchkit import FAULT_SCRIPTS, REPO, clean_env
+from tests.launchkit import FAULT_SCRIPTS, REPO, clean_env, secret_file
 
 pytestmark = pytest.mark.faults
 
@@ -88,10 +87,7 @@ def hosts() -> Iterator[Hosts]:
 
 
 def _start(netns: str, node_rank: int, log: Path, ledger: Path) -> subprocess.Popen[bytes]:
-    secret = ledger.parent / "run.secret"  # the run's secret, the same file on every host
-    if not secret.exists():
-        secret.write_text(secrets.token_hex(32))
-        secret.chmod(0o600)
+    secret = secret_file(ledger.parent / "run.secret")  # the same file on every host
     flags = ["--nnodes", "2", "--node-rank", str(node_rank), "--master-addr", MASTER_IP,
              "--master-port", str(PORT), "--nproc-per-node", "1", "--live-recovery",
              "--live-stall-timeout", "5", "--rdzv-timeout", "60",

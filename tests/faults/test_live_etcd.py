@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-import secrets
 import signal
 import subprocess
 import time
@@ -22,7 +21,7 @@ import pytest
 
 from tests.etcdkit import EtcdCluster
 from tests.faults.test_live import STEPS, _check_exact, _digests
-from tests.launchkit import FAULT_SCRIPTS, LAUNCH, REPO, clean_env, marked_processes
+from tests.launchkit import FAULT_SCRIPTS, LAUNCH, REPO, clean_env, marked_processes, secret_file
 
 pytestmark = pytest.mark.faults
 
@@ -38,9 +37,7 @@ class Nodes:
         self.cluster, self.tmp = cluster, tmp_path
         self.ledger = tmp_path / "ledger"
         self.ledger.mkdir()
-        self.secret = tmp_path / "run.secret"
-        self.secret.write_text(secrets.token_hex(32))
-        self.secret.chmod(0o600)
+        self.secret = secret_file(tmp_path / "run.secret")
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.logs: dict[str, Path] = {}
 
