@@ -38,7 +38,7 @@ def _bits(tensors: list[torch.Tensor]) -> list[list[int]]:
 
 
 def _broadcast(rank: int, world_size: int) -> dict[str, Any]:
-    from phalanx.ddp.sync import broadcast_coalesced
+    from phalanx.parallel.sync import broadcast_coalesced
 
     out: dict[str, Any] = {}
     mine = _tensors(seed=rank)

@@ -200,7 +200,7 @@ def _logged_traffic(rank: int, world: int, out_dir: str) -> dict[int, dict[str, 
 def test_the_log_counts_zero_traffic(tmp_path: Path) -> None:
     """comm_bytes_per_step counts every stage's collectives: ZeRO-1's parameter all-gather
     after the step, and stage 3's gathers and reduce-scatters (it read 0 before)."""
-    from phalanx.optim.sharding import piece_of, row_numel
+    from phalanx.parallel.sharding import piece_of, row_numel
 
     rows = run_workers(_logged_traffic, 2, str(tmp_path), init_pg=False)[0].value
     params = list(_Net().parameters())

@@ -10,8 +10,8 @@ from torch import nn
 
 import phalanx
 from phalanx.ddp.comm_hooks import CommStats, PowerSGDState, hook_by_name
-from phalanx.ddp.stats import Traffic
 from phalanx.errors import ConfigurationError
+from phalanx.parallel.traffic import Traffic
 
 
 def test_powersgd_needs_a_start_after_ddps_rebuild() -> None:

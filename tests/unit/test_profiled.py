@@ -7,7 +7,7 @@ import contextlib
 import torch
 from torch.profiler import profile
 
-from phalanx.ddp.autograd import profiled
+from phalanx.parallel.autograd import profiled
 
 
 def test_a_span_only_while_a_profiler_records() -> None:

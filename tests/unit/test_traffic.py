@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from phalanx.ddp.stats import NO_TRAFFIC, Collective, ReducerStats, Traffic
+from phalanx.parallel.traffic import NO_TRAFFIC, Collective, ReducerStats, Traffic
 from phalanx.train.logging.runlog import continue_from
 
 

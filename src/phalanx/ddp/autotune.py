@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.ddp.buckets import MIB, default_caps
-from phalanx.ddp.stats import Collective, ReducerStats, Traffic
+from phalanx.parallel.traffic import Collective, ReducerStats, Traffic
 
 CANDIDATES_MB = (1.0, 5.0, 25.0, 100.0)
 """torch's default (25) and the sizes around it that people set by hand."""

@@ -16,8 +16,8 @@ import torch
 
 from phalanx.ddp.buckets import Bucket
 from phalanx.ddp.reductions import BucketReduction
-from phalanx.ddp.stats import ReducerStats
 from phalanx.ground import progress_record
+from phalanx.parallel.traffic import ReducerStats
 
 if TYPE_CHECKING:
     from phalanx.diagnostics.timeline import Timeline

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phalanx.ddp.stats import Collective, Traffic, TrafficCounter
+from phalanx.parallel.traffic import Collective, Traffic, TrafficCounter
 
 
 @dataclass

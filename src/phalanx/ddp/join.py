@@ -31,8 +31,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from phalanx.ddp.stats import Collective, ReducerStats, Traffic
 from phalanx.errors import ConfigurationError, UnevenInputsError
+from phalanx.parallel.traffic import Collective, ReducerStats, Traffic
 
 __all__ = ["Join", "JoinConfig", "JoinHook", "JoinRound", "Joinable", "Shadowed"]
 

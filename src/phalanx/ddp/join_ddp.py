@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from phalanx.ddp.join import Join, Joinable, JoinHook, JoinRound
 from phalanx.ddp.reducer import Reducer
-from phalanx.ddp.sync import broadcast_coalesced
+from phalanx.parallel.sync import broadcast_coalesced
 
 if TYPE_CHECKING:
     from phalanx.ddp.module import DistributedDataParallel

@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 from phalanx.ddp.autotune import BucketSizeTuner
 from phalanx.ddp.buckets import assign_buckets
-from phalanx.ddp.stats import Collective, ReducerStats, Traffic
-from phalanx.ddp.sync import rank0_order
+from phalanx.parallel.sync import rank0_order
+from phalanx.parallel.traffic import Collective, ReducerStats, Traffic
 
 
 class BucketPlan:

@@ -25,11 +25,11 @@ from phalanx.ddp.join_ddp import ForwardPlan, JoinableDDP
 from phalanx.ddp.reducer import Reducer
 from phalanx.ddp.reductions import AllReduce, CommHookReduction
 from phalanx.ddp.registry import reducer_of
-from phalanx.ddp.sync import broadcast_coalesced, verify_same_state
 from phalanx.ddp.torch_surface import TorchSurface, eager, refuse_torch_ddp_around
 from phalanx.diagnostics import timeline as timelines
 from phalanx.diagnostics.timeline import Timeline
 from phalanx.errors import ConfigurationError, ReducerError
+from phalanx.parallel.sync import broadcast_coalesced, verify_same_state
 from phalanx.runtime.exit import register_exit_hook
 from phalanx.runtime.nested import iter_tensors, map_tensors
 

@@ -8,7 +8,7 @@ Life of one synced iteration (docs/architecture.md draws it):
               bucket order so every rank issues the same collectives (the
               `BucketSet`, phalanx.ddp.bucket_set, holds buckets and order);
   end      -> `_finalize` (run by the autograd engine when the outermost
-              backward through this forward ends, phalanx.ddp.autograd)
+              backward through this forward ends, phalanx.parallel.autograd)
               waits for every bucket, exchanges the `StepSignals` (failure
               flags, used map) and writes the reduced gradients to `.grad`
               (bucket by bucket as each is done, when there is no used map).
@@ -30,7 +30,6 @@ import torch
 import torch.distributed as dist
 
 from phalanx.ddp import reducer_errors
-from phalanx.ddp.autograd import EndOfBackward, profiled
 from phalanx.ddp.bucket_set import BucketSet
 from phalanx.ddp.buckets import Bucket
 from phalanx.ddp.layout import BucketPlan
@@ -38,8 +37,9 @@ from phalanx.ddp.phase import Phase
 from phalanx.ddp.reductions import AllReduce, BucketReduction
 from phalanx.ddp.signals import StepSignals
 from phalanx.ddp.static_graph import GradientCounts
-from phalanx.ddp.stats import ReducerStats, Traffic
 from phalanx.ddp.unused import BucketSkips, UnusedParameters
+from phalanx.parallel.autograd import EndOfBackward, profiled
+from phalanx.parallel.traffic import ReducerStats, Traffic
 
 if TYPE_CHECKING:
     from phalanx.diagnostics.timeline import Timeline

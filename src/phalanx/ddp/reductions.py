@@ -22,7 +22,7 @@ import torch.distributed as dist
 from phalanx.ddp.buckets import Bucket
 from phalanx.ddp.comm_hooks import CommHook, GradBucket
 from phalanx.ddp.comm_stats import HookState, process_group_of, stats_of
-from phalanx.ddp.stats import NO_TRAFFIC, Collective, Traffic
+from phalanx.parallel.traffic import NO_TRAFFIC, Collective, Traffic
 
 HandleT = TypeVar("HandleT")
 """What a reduction's launch returns and its finish takes: torch's Work for the all-reduce,

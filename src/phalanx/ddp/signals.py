@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from phalanx.ddp.stats import Collective, ReducerStats, Traffic
+from phalanx.parallel.traffic import Collective, ReducerStats, Traffic
 
 
 @dataclass(frozen=True)

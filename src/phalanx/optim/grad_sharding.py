@@ -20,14 +20,14 @@ import torch.distributed as dist
 
 from phalanx.ddp.buckets import Bucket
 from phalanx.ddp.reductions import BucketReduction
-from phalanx.ddp.stats import Traffic
-from phalanx.optim.collectives import (
+from phalanx.parallel.collectives import (
     ReduceScatterState,
     scale_to_mean,
     start_reduce_scatter,
     wait_reduce_scatter,
 )
-from phalanx.optim.sharding import Piece, ShardedFlat
+from phalanx.parallel.sharding import Piece, ShardedFlat
+from phalanx.parallel.traffic import Traffic
 
 
 class ShardOf(NamedTuple):

@@ -34,9 +34,9 @@ from torch import nn
 from torch.optim import Optimizer
 
 from phalanx.ddp.comm_stats import CommStats, tensor_bytes
-from phalanx.ddp.stats import Collective, Traffic
-from phalanx.ddp.sync import broadcast_coalesced, verify_same_state
 from phalanx.errors import ConfigurationError
+from phalanx.parallel.sync import broadcast_coalesced, verify_same_state
+from phalanx.parallel.traffic import Collective, Traffic
 
 FlatBuffers = dict[tuple[torch.device, torch.dtype, int], torch.Tensor]
 """Flat buffers kept between synchronisations, by (device, dtype, elements)."""

@@ -1,7 +1,7 @@
 """`ZeroRedundancyOptimizer`: ZeRO stages 1 and 2, sharding by elements.
 
 Stage 1 (the default): every rank keeps the optimizer state of only its
-piece of every parameter (phalanx.optim.sharding), steps that piece with
+piece of every parameter (phalanx.parallel.sharding), steps that piece with
 the wrapped optimizer class, and all-gathers the updated pieces so every
 replica is whole again. Adam's state, 8 bytes per parameter in fp32, drops
 to 1/N per rank, however the model spreads its parameters over tensors.
@@ -31,13 +31,13 @@ from torch.optim import Optimizer
 from phalanx.ddp import registry
 from phalanx.ddp.module import DistributedDataParallel
 from phalanx.ddp.reducer_view import ReducerView
-from phalanx.ddp.stats import TrafficCounter
 from phalanx.errors import ConfigurationError, PhalanxError
 from phalanx.offload import DiskOffloadPolicy, offload_optimizer
 from phalanx.optim import zero_checkpoint, zero_state
 from phalanx.optim.grad_sharding import ReduceScatter, ShardOf
-from phalanx.optim.sharding import Piece, piece_of
 from phalanx.optim.zero_gather import GatherPlan, ParameterGather
+from phalanx.parallel.sharding import Piece, piece_of
+from phalanx.parallel.traffic import TrafficCounter
 
 # Updates whose step reads only each element's own gradient and state: cutting a tensor
 # between ranks leaves the math unchanged.

@@ -2,7 +2,7 @@
 
 The saved structure is the plain optimizer format (phalanx.optim.zero_state)
 with every piece-wise tensor as a 1-D DTensor over the flattened parameter,
-sharded as phalanx.optim.sharding cuts it. DCP records where each rank's
+sharded as phalanx.parallel.sharding cuts it. DCP records where each rank's
 piece lies, so loading at another world size reads whatever saved pieces
 overlap the new ones, and `dcp_to_torch_save` (or `phalanx consolidate`)
 turns the directory into whole tensors without any phalanx code.
@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from phalanx.errors import CheckpointError
-from phalanx.optim.sharding import Piece
 from phalanx.optim.zero_state import SCALAR_KEYS, PieceOptimizer, is_piecewise
+from phalanx.parallel.sharding import Piece
 
 # torch.distributed.checkpoint and DTensor are imported where they are used: together
 # they cost seconds of CPU at import, in every process, checkpointing sharded or not.

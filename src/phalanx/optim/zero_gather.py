@@ -19,9 +19,9 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from phalanx.ddp.stats import Collective, Traffic, TrafficCounter
-from phalanx.optim.collectives import Pending, is_gloo, start_all_gather, start_broadcast_pieces
-from phalanx.optim.sharding import ShardedFlat
+from phalanx.parallel.collectives import Pending, is_gloo, start_all_gather, start_broadcast_pieces
+from phalanx.parallel.sharding import ShardedFlat
+from phalanx.parallel.traffic import Collective, Traffic, TrafficCounter
 
 GATHER_BUCKET_BYTES = 25 * 1024 * 1024
 IN_PLACE_BYTES = 1024 * 1024

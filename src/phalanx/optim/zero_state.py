@@ -1,7 +1,7 @@
 """Optimizer state of pieces, in and out: the plain format, the sharded DCP form, and the norm.
 
 Every ZeRO stage ends with an optimizer that steps pieces (this rank's part
-of each parameter, phalanx.optim.sharding): stages 1 and 2 through
+of each parameter, phalanx.parallel.sharding): stages 1 and 2 through
 `ZeroRedundancyOptimizer.optim`, stage 3 through a plain optimizer over a
 fully_shard model's `ShardParameter`s. `PieceOptimizer` describes either, and
 the functions here serve both.
@@ -27,8 +27,8 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from phalanx.errors import ConfigurationError
-from phalanx.optim.collectives import all_gather
-from phalanx.optim.sharding import Piece, ShardedFlat
+from phalanx.parallel.collectives import all_gather
+from phalanx.parallel.sharding import Piece, ShardedFlat
 
 SCALAR_KEYS = ("step",)
 

@@ -14,13 +14,13 @@ from torch.optim import SGD, Adagrad, AdamW, RMSprop
 from torch.utils.data import DataLoader, Dataset
 
 from phalanx.data.sampler import DistributedSampler
-from phalanx.ddp.sync import raise_if_settings_differ
 from phalanx.errors import ConfigurationError
 from phalanx.offload import (
     CPUOffloadPolicy,
     DiskOffloadPolicy,
     OffloadPolicy,
 )
+from phalanx.parallel.sync import raise_if_settings_differ
 from phalanx.runtime import World, init
 from phalanx.train.config.args import TrainingArguments
 

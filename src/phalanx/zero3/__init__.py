@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from phalanx.ddp.stats import NO_TRAFFIC, Traffic
+from phalanx.parallel.traffic import NO_TRAFFIC, Traffic
 from phalanx.zero3.auto_wrap import Policy, by_class_names, repeated_blocks, shard_model
 from phalanx.zero3.meta_init import Materialized, has_meta_tensors, materialize
 from phalanx.zero3.module import FSDPModule, UnshardHandle, register_fsdp_forward_method

@@ -22,8 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from phalanx.ddp.stats import Collective, Traffic, TrafficCounter
-from phalanx.optim.collectives import (
+from phalanx.parallel.collectives import (
     AllGatherState,
     ReduceScatterState,
     scale_to_mean,
@@ -32,7 +31,8 @@ from phalanx.optim.collectives import (
     wait_all_gather,
     wait_reduce_scatter,
 )
-from phalanx.optim.sharding import ShardedFlat, row_numel
+from phalanx.parallel.sharding import ShardedFlat, row_numel
+from phalanx.parallel.traffic import Collective, Traffic, TrafficCounter
 from phalanx.zero3.mesh import MeshInfo
 from phalanx.zero3.params import ShardedParam
 

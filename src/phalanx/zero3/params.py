@@ -4,7 +4,7 @@
 - *Unit*: one `fully_shard(module)` call; its parameters are gathered together
   (one all-gather per unit and dtype) and reduced together.
 - *Shard*: this rank's part of a parameter, dim-0 rows as `torch.chunk` cuts
-  them (`phalanx.optim.sharding.piece_of`). The *sharded parameter* is an
+  them (`phalanx.parallel.sharding.piece_of`). The *sharded parameter* is an
   `nn.Parameter` holding a DTensor with placement `Shard(0)` (FSDP) or
   `(Replicate(), Shard(0))` (HSDP) whose local tensor is the shard: what the
   optimizer steps, `model.state_dict()` holds and torch's tools (clip,
@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from phalanx.errors import ConfigurationError, PhalanxError
-from phalanx.optim.sharding import Piece, piece_of, row_numel
+from phalanx.parallel.sharding import Piece, piece_of, row_numel
 from phalanx.zero3.home import Home
 from phalanx.zero3.mesh import MeshInfo
 

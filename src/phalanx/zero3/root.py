@@ -18,11 +18,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from phalanx.ddp.autograd import EndOfBackward
-from phalanx.ddp.stats import TrafficCounter
-from phalanx.ddp.sync import broadcast_coalesced
 from phalanx.diagnostics import timeline as timelines
 from phalanx.errors import ConfigurationError
+from phalanx.parallel.autograd import EndOfBackward
+from phalanx.parallel.sync import broadcast_coalesced
+from phalanx.parallel.traffic import TrafficCounter
 from phalanx.runtime.nested import iter_tensors
 from phalanx.zero3.group import ParamGroup, PendingAllReduce
 from phalanx.zero3.unit import Unit, UnitPhase

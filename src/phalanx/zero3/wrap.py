@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from phalanx.ddp.sync import broadcast_coalesced, verify_same_state
 from phalanx.errors import ConfigurationError, NotSupportedError, OffloadError
 from phalanx.offload.agree import raise_on_every_rank
+from phalanx.parallel.sync import broadcast_coalesced, verify_same_state
 from phalanx.runtime.exit import register_exit_hook
 from phalanx.zero3.home import Home, homes_of
 from phalanx.zero3.hooks import post_forward, pre_forward

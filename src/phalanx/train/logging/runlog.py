@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from phalanx.ddp.stats import Traffic
 from phalanx.diagnostics import timeline as timelines
 from phalanx.diagnostics.timeline import Timeline
+from phalanx.parallel.traffic import Traffic
 from phalanx.runtime import World
 from phalanx.train.logging.progress_bar import StepWindow
 from phalanx.train.logging.report import RunReport

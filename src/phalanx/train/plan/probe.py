@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from phalanx.optim.collectives import (
+from phalanx.parallel.collectives import (
     start_all_gather,
     start_reduce_scatter,
     wait_all_gather,

@@ -26,12 +26,12 @@ from torch.optim.lr_scheduler import LRScheduler
 from phalanx import zero3
 from phalanx.ddp.module import DistributedDataParallel
 from phalanx.ddp.powersgd import PowerSGDState
-from phalanx.ddp.stats import NO_TRAFFIC, Traffic
 from phalanx.diagnostics.timeline import Timeline
 from phalanx.errors import ConfigurationError
 from phalanx.offload import DiskOffloadPolicy, OffloadPolicy, offload_optimizer, streamer_of
 from phalanx.optim.local_sgd import PeriodicSync
 from phalanx.optim.zero import ZeroRedundancyOptimizer
+from phalanx.parallel.traffic import NO_TRAFFIC, Traffic
 from phalanx.runtime import World
 from phalanx.runtime.hostmem import return_freed_memory
 from phalanx.train.checkpoint.stateful import Entry

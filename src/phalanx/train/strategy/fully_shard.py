@@ -10,11 +10,11 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from phalanx import zero3
-from phalanx.ddp.stats import Traffic
 from phalanx.errors import ConfigurationError
 from phalanx.offload import streamer_of
 from phalanx.optim.local_sgd import PeriodicSync
-from phalanx.optim.sharding import piece_of, row_numel
+from phalanx.parallel.sharding import piece_of, row_numel
+from phalanx.parallel.traffic import Traffic
 from phalanx.runtime.hostmem import return_freed_memory
 from phalanx.train.checkpoint.stateful import Entry
 from phalanx.train.setup import prepare_device_model

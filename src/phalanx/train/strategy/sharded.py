@@ -9,11 +9,11 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from phalanx.ddp.module import DistributedDataParallel
-from phalanx.ddp.stats import Traffic
 from phalanx.errors import ConfigurationError
 from phalanx.offload import DiskOffloadPolicy, streamer_of
 from phalanx.optim.local_sgd import PeriodicSync
 from phalanx.optim.zero import ZeroRedundancyOptimizer
+from phalanx.parallel.traffic import Traffic
 from phalanx.train.strategy.base import Strategy
 
 __all__ = ["ShardedGradients", "ShardedOptimizer"]

@@ -3,7 +3,7 @@
 Two moves carry all of sharding: an all-gather makes whole tensors from
 every rank's pieces, a reduce-scatter leaves each rank the sum of its own
 piece of everyone's gradients. Both work on the wire layout of
-phalanx.optim.sharding (N blocks, block r for rank r). A started collective
+phalanx.parallel.sharding (N blocks, block r for rank r). A started collective
 is a NamedTuple naming what it holds alive (`AllGatherState`,
 `ReduceScatterState`, as FSDP2 names them); `wait()` finishes it.
 
@@ -35,8 +35,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from phalanx.ddp.stats import Collective, Traffic
-from phalanx.optim.sharding import ShardedFlat
+from phalanx.parallel.sharding import ShardedFlat
+from phalanx.parallel.traffic import Collective, Traffic
 from phalanx.runtime.live import LIVE_BACKEND
 
 # all_gather_single / reduce_scatter_single are torch 2.13's names; the older ones

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phalanx.ddp.stats import Collective, Traffic
 from phalanx.errors import ConfigurationError
+from phalanx.parallel.traffic import Collective, Traffic
 from phalanx.runtime.wire import all_gather_json
 
 # Broadcast in chunks of this size: large enough for few calls, small enough

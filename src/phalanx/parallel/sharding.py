@@ -16,7 +16,7 @@ Collectives need equal sizes from every rank, so on the wire each piece is
 padded to the full chunk: a flat buffer holds, rank after rank, every
 parameter's padded piece. `ShardedFlat` describes that layout for a list of
 parameters and moves data between it and the parameters; the collectives
-themselves are in phalanx.optim.collectives.
+themselves are in phalanx.parallel.collectives.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from phalanx.ddp.stats import Collective, Traffic
+from phalanx.parallel.traffic import Collective, Traffic
 
 
 @dataclass(frozen=True)
