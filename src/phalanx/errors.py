@@ -18,6 +18,7 @@ import enum
 from typing import ClassVar
 
 __all__ = [
+    "CallbackError",
     "CheckpointError",
     "ConfigurationError",
     "ExitCode",
@@ -33,6 +34,7 @@ __all__ = [
     "PortTakenError",
     "ReducerError",
     "RendezvousError",
+    "ReplicaDivergenceError",
     "StoreLost",
     "StoreTampered",
     "UnevenInputsError",
@@ -116,6 +118,14 @@ class MasterUnreachableError(PhalanxError):
     """A non-master node could not connect to the master's port within --rdzv-timeout."""
 
     exit_code = ExitCode.INFRASTRUCTURE
+
+
+class CallbackError(PhalanxError):
+    """A Trainer callback raised on some rank; every rank raises this at the same point."""
+
+
+class ReplicaDivergenceError(PhalanxError):
+    """The replicas of the model are not identical across ranks (`check_replicas`)."""
 
 
 class CheckpointError(PhalanxError):

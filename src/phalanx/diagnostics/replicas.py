@@ -19,12 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from phalanx.errors import PhalanxError
-from phalanx.runtime.wire import all_gather_json
-
-
-class ReplicaDivergenceError(PhalanxError):
-    """The replicas of the model are not identical across ranks."""
+from phalanx.errors import ReplicaDivergenceError
+from phalanx.runtime.agree import raise_on_every_rank
 
 
 def _tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -102,10 +98,8 @@ def check_replicas(model: nn.Module, group: dist.ProcessGroup | None = None) -> 
             stacklevel=2,
         )
     # A drift inside one replica group must stop every rank, not only that group's.
-    everyone: list[str | None] = all_gather_json(problem, group)
-    first = next((p for p in everyone if p is not None), None)
-    if first is not None:
-        raise ReplicaDivergenceError(first)
+    error = None if problem is None else ReplicaDivergenceError(problem)
+    raise_on_every_rank(error, group, name_the_rank=False)  # the message names the ranks
 
 
 def _difference(

@@ -28,9 +28,9 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from phalanx.errors import OffloadError
-from phalanx.offload.agree import raise_on_every_rank
 from phalanx.offload.files import OffloadFiles
 from phalanx.offload.fused import fuse_where_default, local
+from phalanx.runtime.agree import raise_on_every_rank
 from phalanx.runtime.hostmem import return_freed_memory
 
 if TYPE_CHECKING:

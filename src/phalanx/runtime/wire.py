@@ -26,13 +26,14 @@ __all__ = [
     "all_gather_state",
     "broadcast_json",
     "broadcast_tensors",
+    "group_device",
     "pack",
     "pass_to_next",
     "unpack",
 ]
 
 
-def _device(group: dist.ProcessGroup | None) -> torch.device:
+def group_device(group: dist.ProcessGroup | None) -> torch.device:
     """Where the group's tensors must live: NCCL's on this rank's GPU, others' on the CPU."""
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -41,7 +42,7 @@ def _device(group: dist.ProcessGroup | None) -> torch.device:
 
 def all_gather_bytes(data: bytes, group: dist.ProcessGroup | None = None) -> list[bytes]:
     """Every rank's `data`, in rank order, on every rank (sizes first, then one padded gather)."""
-    device = _device(group)
+    device = group_device(group)
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)
     world = dist.get_world_size(group)
     sizes = [torch.zeros_like(size) for _ in range(world)]
@@ -64,7 +65,7 @@ def all_gather_json(obj: Any, group: dist.ProcessGroup | None = None) -> list[An
 
 def broadcast_json(obj: Any, src: int = 0, group: dist.ProcessGroup | None = None) -> Any:
     """Group rank `src`'s `obj` (JSON) on every rank."""
-    device = _device(group)
+    device = group_device(group)
     root = dist.get_global_rank(group, src) if group is not None else src
     data = json.dumps(obj, separators=(",", ":")).encode()
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)

@@ -15,16 +15,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phalanx import errors
 from phalanx.errors import PhalanxError
 from phalanx.ground.jobenv import LaunchInfo
 from phalanx.runtime import wire
+from phalanx.runtime.agree import raise_on_every_rank
 from phalanx.runtime.backend import current_device
 
 __all__ = ["World", "describe_default_group"]
-
-# The error classes `barrier_or_raise` re-raises by name on the ranks that did not fail.
-_KINDS: dict[str, type[PhalanxError]] = {name: getattr(errors, name) for name in errors.__all__}
 
 
 @dataclass(frozen=True)
@@ -77,24 +74,11 @@ class World:
     def barrier_or_raise(self, error: PhalanxError | None) -> None:
         """A barrier that fails on every rank if it failed on any: pass your error or None.
 
-        When one rank fails alone (rank 0 writing a checkpoint), the others would
-        wait at the next collective until the timeout; here they all raise
-        instead. A failing rank raises its own error; the others raise the first
-        failing rank's, of the same class (a `PhalanxError` if it is not one of
-        phalanx.errors), prefixed with that rank. Every rank must call it.
+        `runtime/agree.py: raise_on_every_rank` over this world's group: a failing
+        rank raises its own error, the others the first failing rank's, of the
+        same class, prefixed with that rank. Every rank must call it.
         """
-        mine = None if error is None else (type(error).__name__, str(error))
-        failures = [
-            (rank, failure)
-            for rank, failure in enumerate(self.all_gather_json(mine))
-            if failure is not None
-        ]
-        if not failures:
-            return
-        if error is not None:
-            raise error
-        rank, (kind, message) = failures[0]
-        raise _KINDS.get(kind, PhalanxError)(f"rank {rank}: {message}")
+        raise_on_every_rank(error, self.process_group)
 
 
 def describe_default_group(info: LaunchInfo) -> World:

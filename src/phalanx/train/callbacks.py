@@ -22,8 +22,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from phalanx.errors import PhalanxError
+from phalanx.errors import CallbackError
 from phalanx.runtime import World
+from phalanx.runtime.agree import raise_on_every_rank
 
 EVENTS = (
     "on_init_end",
@@ -44,10 +45,6 @@ _FLAGS = (
     "should_evaluate",
     "should_log",
 )
-
-
-class CallbackError(PhalanxError, RuntimeError):
-    """A callback raised on some rank; every rank raises this at the same point."""
 
 
 @dataclass
@@ -267,15 +264,15 @@ class Callbacks:
         mine = [float(failed)] + [float(getattr(self.control, f)) for f in _FLAGS]
         votes = self.world.all_reduce_sum(mine) if self.world.is_distributed else mine
         if votes[0]:
-            self._raise_failure()
+            raise_on_every_rank(self._error(), self.world.process_group, name_the_rank=False)
         for name, vote in zip(_FLAGS, votes[1:]):
             setattr(self.control, name, bool(vote))
 
-    def _raise_failure(self) -> None:
-        failures: list[Any] = self.world.all_gather_json(self._failure)
-        rank, message = next((r, m) for r, m in enumerate(failures) if m is not None)
-        step = self.state.global_step
-        raise CallbackError(
-            f"a callback failed on rank {rank} at step {step}: {message} — fix the callback "
-            "(callbacks run on every rank; every rank stopped here)"
+    def _error(self) -> CallbackError | None:
+        if self._failure is None:
+            return None
+        return CallbackError(
+            f"a callback failed on rank {self.world.rank} at step {self.state.global_step}: "
+            f"{self._failure} — fix the callback (callbacks run on every rank; every rank "
+            "stopped here)"
         )

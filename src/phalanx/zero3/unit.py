@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch import nn
 
 from phalanx.errors import OffloadError
-from phalanx.offload.agree import raise_on_every_rank
 from phalanx.parallel.collectives import ReduceScatterState
+from phalanx.runtime.agree import raise_on_every_rank
 from phalanx.zero3.group import GradHook, ParamGroup, PendingAllReduce, Reduction
 from phalanx.zero3.mesh import MeshInfo, post_forward_group, unit_group
 from phalanx.zero3.params import ShardedParam

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from torch import nn
 
 from phalanx.errors import ConfigurationError, NotSupportedError, OffloadError
-from phalanx.offload.agree import raise_on_every_rank
 from phalanx.parallel.sync import broadcast_coalesced, verify_same_state
+from phalanx.runtime.agree import raise_on_every_rank
 from phalanx.runtime.exit import register_exit_hook
 from phalanx.zero3.home import Home, homes_of
 from phalanx.zero3.hooks import post_forward, pre_forward
@@ -143,7 +143,7 @@ def _shard_parameters(
     managed: list[Managed], info: MeshInfo, homes: list[Home]
 ) -> list[ShardedParam]:
     """Each parameter's shard, at its home, registered in its place; in files, a full disk
-    on any rank is raised on all of them here (offload/agree.py), before the ranks'
+    on any rank is raised on all of them here (runtime/agree.py), before the ranks'
     collectives drift apart."""
     failure: OffloadError | None = None
     params: list[ShardedParam] = []
