@@ -39,7 +39,7 @@ from phalanx.ddp.signals import StepSignals
 from phalanx.ddp.static_graph import GradientCounts
 from phalanx.ddp.unused import BucketSkips, UnusedParameters
 from phalanx.parallel.autograd import EndOfBackward, profiled
-from phalanx.parallel.traffic import ReducerStats, Traffic
+from phalanx.parallel.traffic import ReducerStats, TimedWait
 
 if TYPE_CHECKING:
     from phalanx.diagnostics.timeline import Timeline
@@ -302,17 +302,17 @@ class Reducer:
         """
         with profiled("phalanx.ddp.finalize"):
             self.phase = Phase.REDUCED
-            start = time.perf_counter_ns()
-            if self.bucket_set.next_launch < len(self.buckets):
-                self._launch_despite_missing_gradients()
-            # Without a used map to learn first, a bucket's gradients go to `.grad` as soon
-            # as it is reduced, while later buckets are still in flight (torch's order).
-            early = send_local and not self.unused.tracked
-            self.bucket_set.wait_all(self.stats, self.skips.skipped if early else None)
-            flags = self.bucket_set.flag_carrier(self.skips.skipped)
-            outcome = self.signals.exchange(flags, self._used if self.unused.tracked else None)
-            end = time.perf_counter_ns()
-            self._waited(start, end, shadow)
+            with TimedWait() as waited:
+                if self.bucket_set.next_launch < len(self.buckets):
+                    self._launch_despite_missing_gradients()
+                # Without a used map to learn first, a bucket's gradients go to `.grad` as
+                # soon as it is reduced, while later buckets are still in flight (torch's order).
+                early = send_local and not self.unused.tracked
+                self.bucket_set.wait_all(self.stats, self.skips.skipped if early else None)
+                flags = self.bucket_set.flag_carrier(self.skips.skipped)
+                used = self._used if self.unused.tracked else None
+                outcome = self.signals.exchange(flags, used)
+            self._waited(waited, shadow)
             if outcome.failed_ranks:
                 self._raise_for_failed_ranks(outcome.failed_ranks)
             if outcome.used_counts is not None:
@@ -324,18 +324,18 @@ class Reducer:
                 self.bucket_set.write_back(self.skips.skipped, unused_everywhere)
             self.unused.end_iteration()
 
-    def _waited(self, start_ns: int, end_ns: int, shadow: bool) -> None:
+    def _waited(self, waited: TimedWait, shadow: bool) -> None:
         """Book the end-of-backward wait: counters, timeline, the bucket-size tuner."""
-        self.stats.add(Traffic.waited((end_ns - start_ns) / 1e9))
+        self.stats.add(waited.traffic())
         if self.timeline is not None:
-            self.timeline.backward_waited(start_ns, end_ns)
+            self.timeline.backward_waited(waited.start_ns, waited.end_ns)
         if shadow:
             self.stats.shadow_rounds += 1
             return
         self.stats.sync_rounds += 1
         tuner = self.plan.tuner
         if tuner is not None and not tuner.done:
-            tuner.record(end_ns / 1e9 - self._backward_started)
+            tuner.record(waited.end_ns / 1e9 - self._backward_started)
 
     def _launch_despite_missing_gradients(self) -> None:
         """Some gradients never came: still send every bucket, with this rank's flag raised.

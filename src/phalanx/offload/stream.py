@@ -30,6 +30,7 @@ from torch.optim import Optimizer
 from phalanx.errors import OffloadError
 from phalanx.offload.files import OffloadFiles
 from phalanx.offload.fused import fuse_where_default, local
+from phalanx.parallel.traffic import TimedWait
 from phalanx.runtime.agree import raise_on_every_rank
 from phalanx.runtime.hostmem import return_freed_memory
 
@@ -316,22 +317,20 @@ class Streamer:
         tensors: list[torch.Tensor],
         nbytes: int,
     ) -> None:
-        start = time.perf_counter_ns()
-        work(tensors)
-        end = time.perf_counter_ns()
-        self.stats.io_s += (end - start) / 1e9
+        with TimedWait() as io:  # on the reader's or the writer's thread
+            work(tensors)
+        self.stats.io_s += io.seconds
         if what == "read":
-            self.stats.read_s += (end - start) / 1e9
+            self.stats.read_s += io.seconds
         if self.timeline is not None:
-            self.timeline.add(f"offload {what}", "io", start, end, bytes=nbytes)
+            self.timeline.add(f"offload {what}", "io", io.start_ns, io.end_ns, bytes=nbytes)
 
     def _wait(self, future: Future[None]) -> None:
-        start = time.perf_counter_ns()
-        future.result()
-        end = time.perf_counter_ns()
-        self.stats.wait_s += (end - start) / 1e9
-        if self.timeline is not None and end - start > 10_000:
-            self.timeline.add("wait for offload", "compute", start, end)
+        with TimedWait() as waited:
+            future.result()
+        self.stats.wait_s += waited.seconds
+        if self.timeline is not None and waited.end_ns - waited.start_ns > 10_000:
+            self.timeline.add("wait for offload", "compute", waited.start_ns, waited.end_ns)
 
     def drain(self) -> None:
         """Wait for every write in flight (before a checkpoint's files are read, or exit)."""

@@ -22,7 +22,6 @@ replaces the plain average by an outer optimizer step.
 
 from __future__ import annotations
 
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from types import TracebackType
@@ -36,7 +35,7 @@ from torch.optim import Optimizer
 from phalanx.ddp.comm_stats import CommStats, tensor_bytes
 from phalanx.errors import ConfigurationError
 from phalanx.parallel.sync import broadcast_coalesced, verify_same_state
-from phalanx.parallel.traffic import Collective, Traffic
+from phalanx.parallel.traffic import Collective, TimedWait, Traffic
 
 FlatBuffers = dict[tuple[torch.device, torch.dtype, int], torch.Tensor]
 """Flat buffers kept between synchronisations, by (device, dtype, elements)."""
@@ -64,12 +63,10 @@ def average_coalesced(
             flats[key] = torch.empty(key[2], dtype=dtype, device=device)
         flat = torch.cat([t.detach().reshape(-1) for t in members], out=flats[key])
         flat.div_(world_size)
-        start = time.perf_counter()
-        dist.all_reduce(flat, group=group)
-        waited = Traffic.waited(time.perf_counter() - start)
-        stats.add(
-            Traffic.of_tensor(Collective.ALL_REDUCE, flat, world_size, gradients=False) + waited
-        )
+        with TimedWait() as waited:
+            dist.all_reduce(flat, group=group)
+        sent = Traffic.of_tensor(Collective.ALL_REDUCE, flat, world_size, gradients=False)
+        stats.add(sent + waited.traffic())
         pieces = torch.split(flat, [t.numel() for t in members])
         torch._foreach_copy_(
             [t.detach() for t in members], [p.view_as(t) for p, t in zip(pieces, members)]

@@ -12,7 +12,6 @@ afresh each step cost 17 ms of page faults a step on that MLP).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -21,7 +20,7 @@ import torch.distributed as dist
 
 from phalanx.parallel.collectives import Pending, is_gloo, start_all_gather, start_broadcast_pieces
 from phalanx.parallel.sharding import ShardedFlat
-from phalanx.parallel.traffic import Collective, Traffic, TrafficCounter
+from phalanx.parallel.traffic import Collective, TimedWait, Traffic, TrafficCounter
 
 GATHER_BUCKET_BYTES = 25 * 1024 * 1024
 IN_PLACE_BYTES = 1024 * 1024
@@ -111,9 +110,9 @@ class ParameterGather:
 
     def _finish(self, gather: GatherInFlight) -> None:
         plan, out = gather.plan, gather.out
-        start = time.perf_counter()
-        gather.work.wait()
-        self.stats.add(Traffic.waited(time.perf_counter() - start))
+        with TimedWait() as waited:
+            gather.work.wait()
+        self.stats.add(waited.traffic())
         if out is not None:
             with torch.no_grad():
                 plan.layout.copy_out(out, [self.params[i] for i in plan.members])

@@ -18,8 +18,10 @@ what ring algorithms send per rank for that payload: an all-reduce of b bytes
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from enum import Enum
+from types import TracebackType
 
 import torch
 
@@ -164,3 +166,36 @@ class ReducerStats(TrafficCounter):
     @property
     def comm_wait_s(self) -> float:
         return self.traffic.wait_s
+
+
+class TimedWait:
+    """Time one wait of the training thread: `with TimedWait() as w: work.wait()`.
+
+    Every wait phalanx books (a collective, an offload window's pages) goes
+    through this one clock: `w.seconds` for the counters, `w.start_ns` /
+    `w.end_ns` (perf_counter_ns) for a timeline span, `w.traffic()` for a
+    `TrafficCounter`. Nothing is booked if the wait raised.
+    """
+
+    __slots__ = ("end_ns", "start_ns")
+
+    def __enter__(self) -> TimedWait:
+        self.start_ns = time.perf_counter_ns()
+        self.end_ns = self.start_ns
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.end_ns = time.perf_counter_ns()
+
+    @property
+    def seconds(self) -> float:
+        return (self.end_ns - self.start_ns) / 1e9
+
+    def traffic(self) -> Traffic:
+        """The wait as a `Traffic` of no bytes (`Traffic.waited`)."""
+        return Traffic.waited(self.seconds)

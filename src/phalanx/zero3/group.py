@@ -14,7 +14,6 @@ bump the version counter that autograd checks on the tensors it saved.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -32,7 +31,7 @@ from phalanx.parallel.collectives import (
     wait_reduce_scatter,
 )
 from phalanx.parallel.sharding import ShardedFlat, row_numel
-from phalanx.parallel.traffic import Collective, Traffic, TrafficCounter
+from phalanx.parallel.traffic import Collective, TimedWait, Traffic, TrafficCounter
 from phalanx.zero3.mesh import MeshInfo
 from phalanx.zero3.params import ShardedParam
 
@@ -278,12 +277,13 @@ class ParamGroup:
 
     def _waited(self, what: str, wait: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Wait for a collective, counting the time the training thread waited; its result."""
-        start = time.perf_counter_ns()
-        out = wait()
-        end = time.perf_counter_ns()
-        self.comm.add(Traffic.waited((end - start) / 1e9))
+        with TimedWait() as waited:
+            out = wait()
+        self.comm.add(waited.traffic())
         if self.timeline is not None:
-            self.timeline.comm_waited(f"wait for {what} {self.label}", start, end)
+            self.timeline.comm_waited(
+                f"wait for {what} {self.label}", waited.start_ns, waited.end_ns
+            )
         return out
 
     def _record_flight(self, what: str, work: Any, tensor: torch.Tensor) -> None:

@@ -23,6 +23,9 @@ from phalanx.zero3.params import ShardUseError
 from phalanx.zero3.root import unit_of
 from phalanx.zero3.unit import Unit
 
+# One FSDP<Class> per user class, as torch's fully_shard keeps: every unit of a class is
+# then of one type (isinstance, pickling by name, torch.compile's guards). It holds
+# classes, not run state: nothing in it belongs to a run or outlives a group.
 _SWAPPED: dict[type, type] = {}
 _DTENSOR_MIX = "mixed torch.Tensor and DTensor"
 
