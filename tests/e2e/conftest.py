@@ -6,8 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from phalanx.ground.storeclient import ATTEMPT_KEY
-from phalanx.launch.rollcall import ALL_HERE_KEY
+from phalanx.ground.store_keys import ALL_HERE_KEY, ATTEMPT_KEY
 
 
 @pytest.fixture

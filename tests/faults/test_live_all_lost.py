@@ -49,7 +49,7 @@ def test_every_worker_lost_is_summed_up(tmp_path: Path) -> None:
 # (an event), then finishes: the loss is said while there is another worker to go on.
 SURVIVOR = """
 import os, sys, time
-from phalanx.ground.live_keys import lost_key
+from phalanx.ground.store_keys import lost_key
 from phalanx.ground.storeclient import StoreClient
 if os.environ["RANK"] == "1":
     sys.exit(3)

@@ -2,7 +2,7 @@
 
 Under `phalanx launch --live-recovery`, a process that is not part of the run
 connects to the job's store with torch's own TCPStore client and writes, into
-every key of the protocol it can name (ground/live_keys.py), what an attacker
+every key of the protocol it can name (ground/store_keys.py), what an attacker
 would: a forged abort for every generation (to force recoveries), a loss report
 for every member (to kick them), a check-in for the member that died (so the
 survivors wait for it), a members list naming itself, a join request and a
@@ -36,7 +36,7 @@ STEPS = 30
 
 def _forgeries() -> dict[str, bytes]:
     """What the stranger writes: every key of the protocol it can name, spelled as a stranger
-    reading ground/live_keys.py would, forged or garbage."""
+    reading ground/store_keys.py would, forged or garbage."""
     live = "phalanx/live/"
     forged: dict[str, bytes] = {
         f"{live}generation": b"not a number",

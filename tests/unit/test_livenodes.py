@@ -12,9 +12,9 @@ from datetime import timedelta
 import pytest
 
 from phalanx.errors import ConfigurationError
-from phalanx.ground.live_keys import lost_key, node_key
 from phalanx.ground.live_store import LiveStore
 from phalanx.ground.runauth import RunKey, new_secret
+from phalanx.ground.store_keys import lost_key, node_key
 from phalanx.ground.storeclient import StoreClient
 from phalanx.launch.livenodes import NodeBeat, NodeWatch, claim_live_node
 
@@ -89,7 +89,7 @@ def test_a_node_that_never_beat_is_not_waited_for_nor_lost(port: int) -> None:
 def test_the_launcher_reads_garbage_as_absent(port: int) -> None:
     """A stranger's garbage where the launcher reads the generation and its members: it
     reports the loss (signed) and says once what it ignored, never a traceback."""
-    from phalanx.ground.live_keys import GENERATION_KEY, abort_key, members_key
+    from phalanx.ground.store_keys import GENERATION_KEY, abort_key, members_key
     from phalanx.launch.live import report_lost
 
     with StoreClient("127.0.0.1", port, 5) as client:

@@ -11,18 +11,23 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
 from phalanx.ddp.buckets import MIB, default_caps
 from phalanx.errors import ConfigurationError, NotSupportedError
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
 DEFAULT_BUCKET_CAP_MB = 25.0
 
 
 def refuse_unsupported(
-    mixed_precision: Any, delay_all_reduce_named_params: Any, param_to_hook_all_reduce: Any
+    mixed_precision: object,
+    delay_all_reduce_named_params: object,
+    param_to_hook_all_reduce: object,
 ) -> None:
     """The arguments whose feature phalanx does not implement, when they ask for it."""
     if mixed_precision is not None:
@@ -42,7 +47,9 @@ def refuse_unsupported(
         )
 
 
-def resolve_group(process_group: dist.ProcessGroup | None, device_mesh: Any) -> dist.ProcessGroup:
+def resolve_group(
+    process_group: dist.ProcessGroup | None, device_mesh: DeviceMesh | None
+) -> dist.ProcessGroup:
     """The group to average over: `process_group`, a 1-D `device_mesh`'s, or the default one."""
     if device_mesh is None:
         return process_group if process_group is not None else world_group()
@@ -87,6 +94,12 @@ def _mib_to_bytes(name: str, value: Any) -> int:
 
 AUTO = "auto"
 """bucket_cap_mb="auto": measure a few sizes during the first steps (phalanx.ddp.autotune)."""
+
+
+def tuned(bucket_cap_mb: float | str | None, bucket_cap_mb_list: Sequence[float] | None) -> bool:
+    """Whether the bucket size is tuned in the first steps: "auto", and no list given (a
+    list sets every size, and wins, as `bucket_caps` says)."""
+    return bucket_cap_mb == AUTO and not bucket_cap_mb_list
 
 
 def bucket_caps(

@@ -121,20 +121,7 @@ class Bucket:
         self.keeps_gradients = keeps_gradients
         """False: no buffer at all; the bucket only counts readiness, and the reduction
         reads each `.grad` at launch (sharded gradients need no full-size copy)."""
-        total = sum(p.numel() for p in self.params) if keeps_gradients else 0
-        flag_slots = flag_slots if keeps_gradients else 0
-        first = self.params[0]
-        self.buffer = torch.zeros(total + flag_slots, dtype=first.dtype, device=first.device)
-        """What a reduction may send whole: the gradients, then any flag slots."""
-        self.grads = self.buffer[:total]
-        """The gradient part of `buffer`."""
-        self.flags = self.buffer[total:]
-        """One slot per rank after the gradients (phalanx.ddp.signals), last bucket only."""
-        self.views: list[torch.Tensor] = []
-        offset = 0
-        for p in self.params if keeps_gradients else ():
-            self.views.append(self.buffer[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
+        self._allocate(flag_slots if keeps_gradients else 0)
         self.is_last = is_last
         self.grads_in_views = grads_in_views
         """gradient_as_bucket_view: `.grad` is the slot itself, accumulated in place."""
@@ -158,6 +145,22 @@ class Bucket:
         """The collective the reduction started, until the bucket is finished."""
         self.reduction_state: object = None
         """The reduction's own precomputed data for this bucket (e.g. a wire layout)."""
+
+    def _allocate(self, flag_slots: int) -> None:
+        """The flat buffer, and each slot's view of it (none when gradients are not kept)."""
+        total = sum(p.numel() for p in self.params) if self.keeps_gradients else 0
+        first = self.params[0]
+        self.buffer = torch.zeros(total + flag_slots, dtype=first.dtype, device=first.device)
+        """What a reduction may send whole: the gradients, then any flag slots."""
+        self.grads = self.buffer[:total]
+        """The gradient part of `buffer`."""
+        self.flags = self.buffer[total:]
+        """One slot per rank after the gradients (phalanx.ddp.signals), last bucket only."""
+        self.views: list[torch.Tensor] = []
+        offset = 0
+        for p in self.params if self.keeps_gradients else ():
+            self.views.append(self.buffer[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
 
     @property
     def scaled(self) -> bool:

@@ -88,7 +88,7 @@ class GradBucket:
         return self._is_last
 
 
-def allreduce_hook(state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+def allreduce_hook(state: object, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average in full precision: the reducer's own default path, as a hook."""
     group, stats = process_group_of(state), stats_of(state)
     count_gradients(stats, bucket.buffer(), bucket.is_last())

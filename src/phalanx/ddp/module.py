@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,9 @@ from phalanx.errors import ConfigurationError, ReducerError
 from phalanx.parallel.sync import broadcast_coalesced, verify_same_state
 from phalanx.runtime.exit import register_exit_hook
 from phalanx.runtime.nested import iter_tensors, map_tensors
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["DEFAULT_BUCKET_CAP_MB", "DistributedDataParallel", "reducer_of"]
 
@@ -83,8 +86,8 @@ class DistributedDataParallel(TorchSurface, nn.Module, JoinableDDP):
         static_graph: bool = False,
         delay_all_reduce_named_params: Sequence[tuple[str, nn.Parameter]] | None = None,
         param_to_hook_all_reduce: nn.Parameter | None = None,
-        mixed_precision: Any = None,
-        device_mesh: Any = None,
+        mixed_precision: object | None = None,
+        device_mesh: DeviceMesh | None = None,
         skip_all_reduce_unused_params: bool = False,
         bucket_cap_mb_list: Sequence[float] | None = None,
         batched_grad_copy: bool = False,
@@ -100,18 +103,15 @@ class DistributedDataParallel(TorchSurface, nn.Module, JoinableDDP):
         )
         arguments.warn_deprecated(check_reduction)
         self._bucket_caps = arguments.bucket_caps(bucket_cap_mb, bucket_cap_mb_list)
-        # "auto" with a list: the list wins (it sets every size), as bucket_caps says.
-        self._tune_bucket_size = bucket_cap_mb == arguments.AUTO and not bucket_cap_mb_list
+        self._tune_bucket_size = arguments.tuned(bucket_cap_mb, bucket_cap_mb_list)
         self.module = module
         self.process_group = arguments.resolve_group(process_group, device_mesh)
         if device_mesh is not None:
             self.device_mesh = device_mesh
         self.device_ids = self._check_devices(module, device_ids)
-        self.output_device = output_device
-        self.dim = dim
-        self.forward_sync_buffers, init_sync_buffers = arguments.buffer_sync(
-            broadcast_buffers, forward_sync_buffers
-        )
+        self.output_device, self.dim = output_device, dim
+        sync = arguments.buffer_sync(broadcast_buffers, forward_sync_buffers)
+        self.forward_sync_buffers, init_sync_buffers = sync
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
@@ -119,10 +119,7 @@ class DistributedDataParallel(TorchSurface, nn.Module, JoinableDDP):
         self.batched_grad_copy = batched_grad_copy
         self._set_torch_state()
         self._start_replicas(init_sync, init_sync_buffers)
-        # A script converted from torch never calls phalanx.init(), which installs this.
-        register_exit_hook()
         self._attach_reducer()
-        self.timeline = timelines.from_env(dist.get_rank(), dist.get_world_size())
 
     def _set_torch_state(self) -> None:
         """The attributes torch's DDP has and scripts read, at their starting values."""
@@ -142,6 +139,8 @@ class DistributedDataParallel(TorchSurface, nn.Module, JoinableDDP):
 
     def _start_replicas(self, init_sync: bool, init_sync_buffers: bool) -> None:
         """Check there is something to train, then make every rank start from rank 0's state."""
+        # A script converted from torch never calls phalanx.init(), which installs this.
+        register_exit_hook()
         self._trainable_parameters()  # before any collective: a frozen module fails alone
         named_buffers = [
             (name, b)
@@ -209,6 +208,7 @@ class DistributedDataParallel(TorchSurface, nn.Module, JoinableDDP):
         # A reducer made again (unpickling) records where the wrapper's timeline does.
         self.reducer.timeline = getattr(self, "_timeline", None)
         registry.register((p for _, p in trainable), self.reducer)
+        self.timeline = timelines.from_env(dist.get_rank(), dist.get_world_size())
 
     @staticmethod
     def _check_devices(
@@ -257,7 +257,6 @@ class DistributedDataParallel(TorchSurface, nn.Module, JoinableDDP):
         super().__setstate__(state)
         self.process_group = arguments.world_group()
         self._attach_reducer()
-        self.timeline = timelines.from_env(dist.get_rank(), dist.get_world_size())
 
     @property
     def timeline(self) -> Timeline | None:
@@ -353,7 +352,7 @@ class DistributedDataParallel(TorchSurface, nn.Module, JoinableDDP):
         finally:
             self.require_backward_grad_sync = previous
 
-    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
+    def register_comm_hook(self, state: object, hook: CommHook) -> None:
         """Replace the all-reduce of each bucket by `hook(state, bucket) -> Future[Tensor]`."""
         if not isinstance(self.reducer.reduction, AllReduce):
             raise ReducerError(

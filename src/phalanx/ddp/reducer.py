@@ -42,6 +42,8 @@ from phalanx.parallel.autograd import EndOfBackward, profiled
 from phalanx.parallel.traffic import ReducerStats, TimedWait
 
 if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
     from phalanx.diagnostics.timeline import Timeline
 
 __all__ = ["Phase", "Reducer", "ReducerStats"]
@@ -86,14 +88,8 @@ class Reducer:
         self.unused = UnusedParameters(self.params, find_unused_parameters, static_graph)
         self.counts = GradientCounts(self.names, static_graph)
         self.signals = StepSignals(group, self.params[0].device, self.stats)
-        self.plan = BucketPlan(
-            self.params,
-            bucket_caps,
-            group,
-            self.signals.device,
-            self.stats,
-            tune=tune_bucket_size,
-        )
+        device, tune = self.signals.device, tune_bucket_size
+        self.plan = BucketPlan(self.params, bucket_caps, group, device, self.stats, tune=tune)
         """The order and the caps the buckets are built from (phalanx.ddp.layout)."""
         self.phase = Phase.IDLE
         self._end = EndOfBackward(self._end_of_backward)
@@ -108,7 +104,11 @@ class Reducer:
         self._arrival = self.plan.arrival  # first backward's gradient order, for the rebuild
         self._backward_started = 0.0  # perf_counter() at the first gradient of this backward
         self._build()
-        self._handles = [
+        self._handles = self._hook_parameters()
+
+    def _hook_parameters(self) -> list[RemovableHandle]:
+        """Call `_on_grad_ready` when each parameter's gradient is accumulated."""
+        return [
             p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, i))
             for i, p in enumerate(self.params)
         ]

@@ -10,8 +10,9 @@ environment), `netif` (which interface gloo and the store use), `ports`
 (binding and free ports), `storeclient` (a TCPStore client in plain
 sockets), `progress_record` (each rank's record of where it stands, read
 after a stall), `parent_launch` (what the parent process, e.g. accelerate, asked for),
-`live_keys` (the store keys and environment live recovery shares), `safe_files`
-(files made and read where others may write: random names, no link followed),
+`store_keys` (every key phalanx writes in the job's store, and live recovery's
+environment), `safe_files` (files made and read where others may write: random
+names, no link followed),
 `etcd` (an etcd v3 client over its HTTP gateway: the job's store under
 --rdzv-backend etcd).
 """

@@ -16,9 +16,12 @@ from typing import Any, Protocol
 
 from phalanx.errors import StoreTampered
 from phalanx.ground.runauth import RunKey
+from phalanx.ground.store_keys import abort_key
 
 __all__ = ["KeyValue", "LiveStore", "StoreConn"]
 
+ABORT_REASON_BYTES = 400
+"""The longest reason a generation's end records (a store value, read by every member)."""
 _CLAIM_TRIES = 8
 
 
@@ -100,6 +103,12 @@ class LiveStore:
             f"the store key {key} keeps being overwritten by someone outside this run — keep "
             "the store's port on a private network (docs/reliability.md, 'Who can steer a run')"
         )
+
+    def end_generation(self, generation: int, who: str, reason: str) -> str:
+        """End `generation` for every member: the one way a generation ends (a member saw a
+        collective fail, a survivor moves on, a launcher lost a worker). The first reason
+        written stays, and is the one returned; it is cut to `ABORT_REASON_BYTES`."""
+        return self.first(abort_key(generation), f"{who}: {reason}"[:ABORT_REASON_BYTES])
 
     def claimed(self, key: str, value: str) -> bool:
         """Whether `first(key, value)` made `value` the holder (so that two claimants of one

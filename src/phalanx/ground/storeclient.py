@@ -18,11 +18,10 @@ import struct
 import time
 from collections.abc import Callable, Sequence
 
-__all__ = ["ATTEMPT_KEY", "NotAStoreError", "StoreClient", "Unreachable"]
+__all__ = ["NotAStoreError", "StoreClient", "Unreachable"]
 
 # Set by the store a launcher hosts to the attempt it serves (runtime/store.py); the other
 # nodes' launchers wait for their own attempt number there before starting workers.
-ATTEMPT_KEY = "phalanx/attempt"
 
 # c10d::detail::validationMagicNumber and QueryType, in the order torch declares them.
 _VALIDATION_MAGIC = 0x3C85F7CE

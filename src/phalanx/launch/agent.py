@@ -23,15 +23,15 @@ from types import FrameType
 from typing import IO, Any
 
 from phalanx.errors import TRACEBACK_FILE_ENV, ConfigurationError, ExitCode
-from phalanx.ground.live_keys import (
+from phalanx.ground.progress_record import PROGRESS_DIR_VAR, read_stop
+from phalanx.ground.runauth import SECRET_ENV
+from phalanx.ground.store_keys import (
     LIVE_ENV,
     MEMBER_ENV,
     MIN_MEMBERS_ENV,
     QUORUM_TIMEOUT_ENV,
     STALL_ENV,
 )
-from phalanx.ground.progress_record import PROGRESS_DIR_VAR, read_stop
-from phalanx.ground.runauth import SECRET_ENV
 from phalanx.launch.config import LaunchConfig
 from phalanx.launch.lifeline import LAUNCH_ID_ENV, Lifeline
 from phalanx.launch.live import Connect, LiveSupervisor, take_members

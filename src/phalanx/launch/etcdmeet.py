@@ -33,13 +33,13 @@ from phalanx.ground.etcd import (
     Etcd,
     EtcdKV,
 )
+from phalanx.ground.store_keys import ETCD_LEASE, etcd_base
 from phalanx.launch.rollcall import Pacer, node_list
 
 __all__ = ["EtcdMeeting"]
 
 LEASE_TTL_S = 30
 """How long the run's keys outlive the last launcher that kept them."""
-_LEASE_KEY = "lease"
 _POLL_S = 0.05
 
 
@@ -54,7 +54,7 @@ class EtcdMeeting:
         say: Callable[[str], None],
     ) -> None:
         self.endpoints = endpoints
-        self.base = f"phalanx/{run_id}/"
+        self.base = etcd_base(run_id)
         self.read_timeout_s = read_timeout_s
         self._say = say
         self.etcd = Etcd(endpoints, read_timeout_s)
@@ -70,7 +70,7 @@ class EtcdMeeting:
         while True:
             lease, _ttl = self.etcd.grant(LEASE_TTL_S)
             kv = EtcdKV(self.etcd, self.base, lease)
-            held = int(kv.compare_set(_LEASE_KEY, b"", b"%d" % lease))
+            held = int(kv.compare_set(ETCD_LEASE, b"", b"%d" % lease))
             if held == lease:
                 return lease
             self.etcd.revoke(lease)

@@ -19,18 +19,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from phalanx.errors import StoreLost
-from phalanx.ground.live_keys import (
+from phalanx.ground.live_store import LiveStore, StoreConn
+from phalanx.ground.runauth import RunKey
+from phalanx.ground.store_keys import (
     GENERATION_KEY,
     RESTART_MARK,
-    abort_key,
     claim_key,
     heartbeat_name,
     lost_key,
     members_key,
     node_key,
 )
-from phalanx.ground.live_store import LiveStore, StoreConn
-from phalanx.ground.runauth import RunKey
 from phalanx.ground.storeclient import StoreClient
 from phalanx.launch.procgroup import describe_returncode, signal_group
 from phalanx.launch.summary import failure_summary
@@ -235,4 +234,4 @@ def _end_generation_of(store: LiveStore, member: str, why: str) -> None:
         members = store.read_json(members_key(generation))
         members_now = isinstance(members, list) and member in members
     if members_now:
-        store.first(abort_key(generation), f"launcher: {member} lost ({why})")
+        store.end_generation(generation, "launcher", f"{member} lost ({why})")

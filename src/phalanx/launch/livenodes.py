@@ -22,9 +22,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from phalanx.errors import ConfigurationError
-from phalanx.ground.live_keys import node_key
 from phalanx.ground.live_store import LiveStore, StoreConn
 from phalanx.ground.runauth import RunKey
+from phalanx.ground.store_keys import node_key, node_rank_key
 from phalanx.launch.live import Connect, report_lost, tcp_store
 from phalanx.launch.rendezvous import claim_node_rank
 
@@ -46,7 +46,7 @@ def claim_live_node(
 ) -> bool:
     """Claim `node_rank` as at the start (False), or take over a lost node (True, a late
     join); a node still running keeps its rank: a one-line error after `timeout_s`."""
-    if client.add(f"phalanx/node_rank/{node_rank}", 0) == 0:
+    if client.add(node_rank_key(node_rank), 0) == 0:
         claim_node_rank(client, node_rank)
         return False
     announce(

@@ -19,6 +19,7 @@ from dataclasses import replace
 
 from phalanx.errors import PortTakenError, RendezvousError
 from phalanx.ground.live_store import StoreConn
+from phalanx.ground.store_keys import LEFT_KEY
 from phalanx.ground.storeclient import StoreClient
 from phalanx.launch.config import LaunchConfig
 from phalanx.launch.etcdmeet import EtcdMeeting
@@ -40,7 +41,6 @@ __all__ = ["Meeting"]
 _OWN_STORE_TIMEOUT_S = 120.0
 # torchrun's exit barrier timeout: how long the host keeps the store for the other nodes.
 _EXIT_BARRIER_S = 300.0
-_LEFT_KEY = "phalanx/left"
 
 
 class Meeting:
@@ -330,14 +330,14 @@ class Meeting:
         with contextlib.suppress(OSError):
             if self._store is None:
                 with StoreClient(cfg.master_addr, self.port, cfg.rdzv.read_timeout_s) as client:
-                    client.add(_LEFT_KEY, 1)
+                    client.add(LEFT_KEY, 1)
                 return
             # Under --live-recovery only the nodes still running: a lost one never leaves.
             others = cfg.nnodes - 1 if self._watch is None else self._watch.alive
             with StoreClient(self._store.address, self.port, cfg.rdzv.read_timeout_s) as client:
-                if not client.wait_for_count(_LEFT_KEY, others, _EXIT_BARRIER_S, self._cancelled):
+                if not client.wait_for_count(LEFT_KEY, others, _EXIT_BARRIER_S, self._cancelled):
                     self._announce(
-                        f"closing the store although only {client.add(_LEFT_KEY, 0)} of "
+                        f"closing the store although only {client.add(LEFT_KEY, 0)} of "
                         f"{cfg.nnodes - 1} other nodes finished within {_EXIT_BARRIER_S:g}s"
                     )
 

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 from phalanx.errors import ConfigurationError, MasterUnreachableError
 from phalanx.ground.live_store import StoreConn
-from phalanx.ground.storeclient import ATTEMPT_KEY, NotAStoreError, StoreClient, Unreachable
+from phalanx.ground.store_keys import ATTEMPT_KEY, node_rank_key, rendezvous_prefix
+from phalanx.ground.storeclient import NotAStoreError, StoreClient, Unreachable
 from phalanx.launch.config import Rendezvous
 from phalanx.launch.rollcall import Pacer
 
@@ -146,12 +147,12 @@ def wait_for_store(
 def claim_node_rank(client: StoreConn, node_rank: int) -> None:
     """Static rendezvous: make sure no other launcher was given the same --node-rank."""
     host = socket.gethostname()
-    if client.add(f"phalanx/node_rank/{node_rank}", 1) > 1:
+    if client.add(node_rank_key(node_rank), 1) > 1:
         raise ConfigurationError(
             f"--node-rank {node_rank} is already taken by another node's launcher — give "
             "each node its own --node-rank"
         )
-    client.set(f"phalanx/node_rank/{node_rank}/host", host.encode())
+    client.set(f"{node_rank_key(node_rank)}/host", host.encode())
 
 
 def join_nodes(
@@ -167,7 +168,7 @@ def join_nodes(
     The host is node 0; the others are numbered in the order they join, as
     torchrun numbers them. Returns once all `nnodes` have joined.
     """
-    prefix = f"phalanx/rdzv/{run_id}"
+    prefix = rendezvous_prefix(run_id)
     order = client.add(f"{prefix}/joined", 1)
     if order >= nnodes:
         raise ConfigurationError(
@@ -190,7 +191,7 @@ def wait_for_joiners(
     """c10d rendezvous: wait until nodes 1..nnodes-1 have joined (node 0 hosts), or until
     `cancelled()` (the caller then sees its own stop request); `pacer` says every so often
     how many are still missing."""
-    prefix = f"phalanx/rdzv/{run_id}"
+    prefix = rendezvous_prefix(run_id)
     keys = [f"{prefix}/node/{r}" for r in range(1, nnodes)]
     deadline = time.monotonic() + timeout_s
     while not client.check(keys) and not cancelled():

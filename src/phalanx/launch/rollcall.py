@@ -22,10 +22,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from phalanx.errors import RendezvousError
+from phalanx.ground.store_keys import ALL_HERE_KEY, PRESENT, PRESENT_COUNT, PRESENT_SEEN, SEEN
 from phalanx.ground.storeclient import StoreClient
 
 __all__ = [
-    "ALL_HERE_KEY",
     "Pacer",
     "RollCall",
     "await_all_here",
@@ -34,12 +34,6 @@ __all__ = [
     "node_list",
 ]
 
-_PRESENT = "phalanx/present/"
-_COUNT_KEY = f"{_PRESENT}count"
-_SEEN = "/seen"
-_SEEN_COUNT_KEY = f"{_PRESENT}seen"
-ALL_HERE_KEY = f"{_PRESENT}all"
-"""Set by the store's host once every node of the attempt is here."""
 _POLL_S = 0.05
 
 
@@ -93,8 +87,8 @@ class RollCall:
 
     def missing(self, client: StoreClient, stage: str = "") -> list[int]:
         """The node ranks (1..nnodes-1; node 0 hosts the store) not here yet (`stage`
-        _SEEN: that have not yet seen that all are)."""
-        keys = {r: f"{_PRESENT}{r}{stage}" for r in range(1, self.nnodes)}
+        SEEN: that have not yet seen that all are)."""
+        keys = {r: f"{PRESENT}{r}{stage}" for r in range(1, self.nnodes)}
         return [r for r, key in keys.items() if not client.check([key])]
 
     def waiting_line(self, missing: list[int], waited_s: float) -> str:
@@ -116,8 +110,8 @@ class RollCall:
 
 def mark_present(client: StoreClient, node_rank: int) -> None:
     """A launcher other than the store's host: this node is here for the attempt."""
-    client.set(f"{_PRESENT}{node_rank}", socket.gethostname().encode())
-    client.add(_COUNT_KEY, 1)
+    client.set(f"{PRESENT}{node_rank}", socket.gethostname().encode())
+    client.add(PRESENT_COUNT, 1)
 
 
 def await_nodes(client: StoreClient, call: RollCall) -> bool:
@@ -125,14 +119,14 @@ def await_nodes(client: StoreClient, call: RollCall) -> bool:
     each has seen it (else a worker that fails at once could end the attempt, and its
     store, before a slower node looked); False when cancelled. Raises `RendezvousError`
     naming the missing nodes after `call.timeout_s`."""
-    if not _wait(client, call, lambda: client.add(_COUNT_KEY, 0) >= call.nnodes - 1):
+    if not _wait(client, call, lambda: client.add(PRESENT_COUNT, 0) >= call.nnodes - 1):
         return False
     client.set(ALL_HERE_KEY, b"1")
 
     def everyone_saw() -> bool:
-        return client.add(_SEEN_COUNT_KEY, 0) >= call.nnodes - 1
+        return client.add(PRESENT_SEEN, 0) >= call.nnodes - 1
 
-    return _wait(client, call, everyone_saw, _SEEN)
+    return _wait(client, call, everyone_saw, SEEN)
 
 
 def await_all_here(client: StoreClient, call: RollCall, node_rank: int) -> bool:
@@ -142,8 +136,8 @@ def await_all_here(client: StoreClient, call: RollCall, node_rank: int) -> bool:
     try:
         if not _wait(client, call, lambda: client.check([ALL_HERE_KEY])):
             return False
-        client.set(f"{_PRESENT}{node_rank}{_SEEN}", b"1")
-        client.add(_SEEN_COUNT_KEY, 1)
+        client.set(f"{PRESENT}{node_rank}{SEEN}", b"1")
+        client.add(PRESENT_SEEN, 1)
         return True
     except OSError as exc:
         raise RendezvousError(

@@ -25,8 +25,8 @@ import torch.distributed as dist
 from phalanx.errors import ConfigurationError, PhalanxError, RendezvousError
 from phalanx.ground import netif, progress_record
 from phalanx.ground.jobenv import LaunchInfo, detect_launch, launched_by_launcher
-from phalanx.ground.live_keys import LIVE_ENV, MEMBER_ENV
 from phalanx.ground.parent_launch import describe_single_accelerate_process
+from phalanx.ground.store_keys import LIVE_ENV, MEMBER_ENV
 from phalanx.runtime.backend import backend_names, claim_device, resolve_backend, select_device
 from phalanx.runtime.errorhook import install_error_hook
 from phalanx.runtime.exit import register_exit_hook, shutdown

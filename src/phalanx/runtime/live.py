@@ -31,7 +31,10 @@ import torch
 import torch.distributed as dist
 
 from phalanx.errors import NotAMember, PeerLost, StoreLost
-from phalanx.ground.live_keys import (
+from phalanx.ground.live_store import KeyValue, LiveStore
+from phalanx.ground.progress_record import PROGRESS_DIR_VAR
+from phalanx.ground.runauth import TAG_BYTES, RunKey
+from phalanx.ground.store_keys import (
     HEARTBEAT_S,
     KEY,
     MEMBER_ENV,
@@ -39,9 +42,6 @@ from phalanx.ground.live_keys import (
     grow_key,
     heartbeat_name,
 )
-from phalanx.ground.live_store import KeyValue, LiveStore
-from phalanx.ground.progress_record import PROGRESS_DIR_VAR
-from phalanx.ground.runauth import TAG_BYTES, RunKey
 
 __all__ = ["LIVE_BACKEND", "LiveGroup", "current_live_group"]
 
@@ -52,7 +52,6 @@ LIVE_BACKEND = "phalanx_live"
 _SLICE = timedelta(seconds=0.2)
 _WATCH_S = 0.1
 _END_WATCH_S = 5.0
-_ABORT_REASON_BYTES = 400
 
 
 def current_live_group() -> LiveGroup | None:
@@ -279,7 +278,7 @@ class LiveGroup(dist.ProcessGroup):
     def lost(self, reason: str) -> PeerLost:
         """Mark the current generation aborted for every member; the error to raise here."""
         gen = self.generation
-        self.live_store.first(abort_key(gen), f"{self.member}: {reason}"[:_ABORT_REASON_BYTES])
+        self.live_store.end_generation(gen, self.member, reason)
         self._aborted.setdefault(gen, reason)
         return PeerLost(f"generation {gen} ended: {reason}")
 

@@ -26,13 +26,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from phalanx.errors import NoQuorum
-from phalanx.ground.live_keys import (
+from phalanx.ground.live_store import LiveStore
+from phalanx.ground.store_keys import (
     FINISHED_KEY,
     GENERATION_KEY,
     MIN_MEMBERS_ENV,
     QUORUM_TIMEOUT_ENV,
     STALL_ENV,
-    abort_key,
     checkin_key,
     claim_key,
     grow_key,
@@ -40,7 +40,6 @@ from phalanx.ground.live_keys import (
     lost_key,
     members_key,
 )
-from phalanx.ground.live_store import LiveStore
 from phalanx.runtime.live import LiveGroup
 
 __all__ = ["Membership", "Settings", "settings_from_env"]
@@ -72,7 +71,7 @@ class Membership:
         """Leave the current generation and agree on the next one's members (in order)."""
         group = self.group
         old, gen = group.members, group.generation
-        self.store.first(abort_key(gen), f"{group.member}: {reason}")
+        self.store.end_generation(gen, group.member, reason)
         self.store.put(checkin_key(gen + 1, group.member), json.dumps({"step": applied_step}))
         members = self._agree(gen + 1, old)
         if group.member not in members:

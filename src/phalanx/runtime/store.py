@@ -28,15 +28,14 @@ from phalanx.errors import ConfigurationError, RendezvousError
 from phalanx.ground.jobenv import LaunchInfo
 from phalanx.ground.netif import is_loopback
 from phalanx.ground.ports import NotThisHost, PortInUse, bind_own_address, leads_back_here
-from phalanx.ground.storeclient import ATTEMPT_KEY, StoreClient
+from phalanx.ground.store_keys import ATTEMPT_KEY, OWNER_KEY, joined_key
+from phalanx.ground.storeclient import StoreClient
 from phalanx.runtime.etcdstore import etcd_store_from_env
 
 __all__ = ["make_store", "serve_agent_store"]
 
 # Who hosts this job's store ("pid P on HOST"), set by rank 0 as soon as it listens, so that
 # a second process given RANK=0 can say who has it; and one key per rank that joined.
-_OWNER_KEY = "phalanx/rank0"
-_JOINED_KEY = "phalanx/joined/{rank}"
 _OWNER_WAIT_S = 3.0
 # How long rank 0 tries a MASTER_ADDR that is not its own, to see whether it is forwarded here.
 _FORWARD_PROBE_S = 3.0
@@ -105,8 +104,8 @@ def _store_owner(info: LaunchInfo) -> str | None:
     assert info.master_addr is not None and info.master_port is not None
     try:
         with StoreClient(info.master_addr, info.master_port, _OWNER_WAIT_S) as client:
-            if client.wait_for([_OWNER_KEY], _OWNER_WAIT_S):
-                owner = client.get(_OWNER_KEY).decode(errors="replace")
+            if client.wait_for([OWNER_KEY], _OWNER_WAIT_S):
+                owner = client.get(OWNER_KEY).decode(errors="replace")
                 size, _, who = owner.partition(" ")
                 return who if size == str(info.world_size) else None
     except OSError:  # not a store, or not answering: another program has the port
@@ -163,7 +162,7 @@ def _host(info: LaunchInfo, wait: timedelta) -> dist.Store:
         if "in use" in str(exc).lower():
             raise RendezvousError(_port_taken(info)) from exc
         raise RendezvousError(f"rank 0 could not host the store at {_where(info)} ({exc})") from exc
-    store.set(_OWNER_KEY, f"{info.world_size} pid {os.getpid()} on {socket.gethostname()}")
+    store.set(OWNER_KEY, f"{info.world_size} pid {os.getpid()} on {socket.gethostname()}")
     _wait_for_ranks(store, info, wait)
     return store
 
@@ -174,9 +173,9 @@ def _wait_for_ranks(store: dist.Store, info: LaunchInfo, wait: timedelta) -> Non
     deadline = time.monotonic() + wait.total_seconds()
     missing = list(range(1, info.world_size))
     while missing:
-        joined = [r for r in missing if store.check([_JOINED_KEY.format(rank=r)])]
+        joined = [r for r in missing if store.check([joined_key(r)])]
         for r in joined:
-            _raise_if_other_world(info, r, store.get(_JOINED_KEY.format(rank=r)).decode())
+            _raise_if_other_world(info, r, store.get(joined_key(r)).decode())
         missing = [r for r in missing if r not in joined]
         if missing and time.monotonic() >= deadline:
             shown = ", ".join(str(r) for r in missing[:20]) + (" ..." if len(missing) > 20 else "")
@@ -211,9 +210,9 @@ def make_store(info: LaunchInfo, wait: timedelta) -> dist.Store:
         )
     except (RuntimeError, OSError) as exc:  # DistNetworkError / DistStoreError
         raise RendezvousError(_client_failure(info, wait, exc)) from exc
-    store.set(_JOINED_KEY.format(rank=info.rank), str(info.world_size))
+    store.set(joined_key(info.rank), str(info.world_size))
     if not info.agent_store:  # rank 0 hosts the store and wrote its world size there
-        owner = store.get(_OWNER_KEY).decode(errors="replace")
+        owner = store.get(OWNER_KEY).decode(errors="replace")
         _raise_if_other_world(info, 0, owner.partition(" ")[0])
     return store
 

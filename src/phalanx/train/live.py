@@ -24,9 +24,9 @@ import numpy as np
 import torch
 
 from phalanx.errors import ConfigurationError, PeerLost
-from phalanx.ground.live_keys import RESTART_MARK
 from phalanx.ground.progress_record import PROGRESS_DIR_VAR
 from phalanx.ground.safe_files import open_append
+from phalanx.ground.store_keys import RESTART_MARK
 from phalanx.runtime.live import LiveGroup, current_live_group
 from phalanx.runtime.membership import settings_from_env
 from phalanx.runtime.recovery import LiveRecovery, Recovered, Sync

@@ -10,7 +10,7 @@ registered in place of the originals, and the module becomes an
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, overload
 
 import torch
@@ -36,7 +36,10 @@ from phalanx.zero3.policies import MixedPrecisionLike, mixed_precision, offload
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import OffloadPolicy as TorchOffloadPolicy
     from torch.distributed.tensor import Placement
+
+    from phalanx.offload.policies import OffloadPolicy
 from phalanx.zero3.root import STATE, unit_of
 from phalanx.zero3.unit import Unit, UnitPhase
 
@@ -57,7 +60,7 @@ def fully_shard(
     reshard_after_forward: bool | int | None = None,
     shard_placement_fn: Callable[[nn.Parameter], Placement | None] | None = None,
     mp_policy: MixedPrecisionLike | None = None,
-    offload_policy: object | None = None,
+    offload_policy: OffloadPolicy | TorchOffloadPolicy | None = None,
     ignored_params: set[nn.Parameter] | None = None,
     dp_mesh_dims: object | None = None,
     broadcast_buffers: bool = True,
@@ -96,13 +99,18 @@ def fully_shard(
     unit = Unit(modules, params, info, policy, reshard, broadcast_buffers, group)
     for p, fqn, _ in managed:
         _TAKEN_BY[id(p)] = (weakref.ref(p), f"{what} (at '{fqn}')")
+    _install(modules, unit)
+    return module
+
+
+def _install(modules: Sequence[nn.Module], unit: Unit) -> None:
+    """Make each module a unit of `unit`: FSDP<Class>, its hooks, the exit hook."""
     # A script written for FSDP2 never calls phalanx.init(), which installs this: without
     # it, a gloo thread freeing a finished gather at interpreter exit can abort a run that
     # succeeded ("terminate called without an active exception", seen 1 run in 10 at 3 ranks).
     register_exit_hook()
     for m in modules:
         _hook(m, unit)
-    return module
 
 
 def _hook(module: nn.Module, unit: Unit) -> None:

@@ -1,8 +1,61 @@
-"""The names live recovery shares between the launcher (no torch) and the workers: the
-store keys of its protocol and the environment the launcher sets (runtime/membership.py,
-launch/live.py)."""
+"""Every key phalanx writes in a job's store, in one place; and the environment live
+recovery sets beside them.
+
+The launchers (no torch) and the workers meet in one c10d store (or in etcd,
+under `phalanx/<run id>/`); a key they both read is named here once, so that a
+reader of the protocol, or of what an attacker with the store's address could
+write (tests/faults/test_live_attacked.py), has one module to read.
+"""
 
 from __future__ import annotations
+
+# ----------------------------------------------------------- the launch and rendezvous
+
+ATTEMPT_KEY = "phalanx/attempt"
+"""The launchers' attempt (restart) number, set by the store's host: a worker of an older
+attempt that connects late must not join this one."""
+OWNER_KEY = "phalanx/rank0"
+"""Set by rank 0's `init`: the world size it expects, and who it is (runtime/store.py)."""
+LEFT_KEY = "phalanx/left"
+"""Counts the launchers that finished, so the store's host closes the store last."""
+PRESENT = "phalanx/present/"
+"""The roll call's prefix (launch/rollcall.py): `<node>`, `<node>/seen`, `count`, `seen`,
+`all`."""
+PRESENT_COUNT = f"{PRESENT}count"
+"""Counts the nodes that marked themselves present."""
+SEEN = "/seen"
+"""Appended to a node's roll-call key once it saw that all are present."""
+PRESENT_SEEN = f"{PRESENT}seen"
+"""Counts the nodes that saw it."""
+ALL_HERE_KEY = f"{PRESENT}all"
+"""Set by the store's host once every node of the attempt is here."""
+ETCD_LEASE = "lease"
+"""Under an etcd run's base: the run's lease id, which every launcher keeps alive."""
+
+
+def joined_key(rank: int) -> str:
+    """Set by a worker's `init` once it reached the store: the world size it was given."""
+    return f"phalanx/joined/{rank}"
+
+
+def node_rank_key(node_rank: int) -> str:
+    """Counts the launchers that claimed a static `--node-rank`: more than one is an error;
+    `<key>/host` names the first."""
+    return f"phalanx/node_rank/{node_rank}"
+
+
+def rendezvous_prefix(run_id: str) -> str:
+    """c10d rendezvous of run `run_id`: `<prefix>/joined` counts the nodes that joined,
+    `<prefix>/node/<n>` names node n's host."""
+    return f"phalanx/rdzv/{run_id}"
+
+
+def etcd_base(run_id: str) -> str:
+    """Where every key of an etcd run lives (launch/etcdmeet.py)."""
+    return f"phalanx/{run_id}/"
+
+
+# ----------------------------------------------------------------------- live recovery
 
 KEY = "phalanx/live/"
 """Every key of the protocol in the job's store starts so."""
