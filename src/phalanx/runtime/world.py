@@ -24,9 +24,15 @@ from phalanx.runtime.backend import current_device
 __all__ = ["World", "describe_default_group"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class World:
-    """Where this process stands in the job, and the group that connects it."""
+    """Where this process stands in the job, and the group that connects it.
+
+    One object per run, handed to everything that asks which rank this is. It
+    changes in one way only, `rebind`, when live recovery forms the group again:
+    then every holder sees the new rank at once (no holder keeps a stale copy).
+    Compared and hashed by identity, since it is one run's.
+    """
 
     rank: int
     local_rank: int
@@ -42,6 +48,14 @@ class World:
     """One of "env" (phalanx launch / torchrun), "slurm", "mpi", "none" (plain python)."""
     master_addr: str | None
     master_port: int | None
+
+    def rebind(self, rank: int, world_size: int) -> None:
+        """This process's place in the group formed again (live recovery: members left or
+        joined; the group itself is the default group, re-formed in place). The one change
+        a World takes, as torch DDP's `_update_process_group` re-points its reducer: every
+        object of the run holds this World, so none is left with the old rank."""
+        object.__setattr__(self, "rank", rank)
+        object.__setattr__(self, "world_size", world_size)
 
     @property
     def is_main(self) -> bool:

@@ -194,9 +194,8 @@ class LiveTraining:
         trainer = self.trainer
         data = self._data or {"epoch": trainer.state.epoch, "used_by_all": self._used_by_all()}
         self._data = None
-        world = dataclasses.replace(trainer.world, rank=done.rank, world_size=done.world_size)
-        for part in _world_holders(trainer):
-            part.world = world
+        world = trainer.world
+        world.rebind(done.rank, done.world_size)  # every part of the run holds this one World
         trainer.rewrap()  # the old wrapper's hooks come off first (Strategy.rewrap)
         if self.sharded is not None:  # ZeRO of the new world, from every old rank's pieces
             self.sharded.restore()
@@ -225,14 +224,6 @@ class LiveTraining:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open_append(self.log_path) as log:  # a planted link is refused, not followed
             log.write(json.dumps(entry) + "\n")
-
-
-def _world_holders(trainer: TrainerSetup) -> list[Any]:
-    """Everything in the Trainer that keeps the `World` (a recovery hands them a new one)."""
-    parts = [trainer, trainer._report, trainer.strategy, trainer._callbacks, trainer._counters]
-    parts += [trainer.__dict__.get(n) for n in ("_stepper", "_checkpointer", "_guard")]
-    parts += [trainer.__dict__.get("_stop_requests"), trainer._runlog]
-    return [part for part in parts if part is not None]
 
 
 def replayed_admissions() -> list[int] | None:

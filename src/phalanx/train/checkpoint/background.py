@@ -52,7 +52,8 @@ class BackgroundWriter(Generic[T]):
 
     def __init__(self, world: World) -> None:
         self.world = world
-        self._writers: World | None = None
+        self._writers: dist.ProcessGroup | None = None
+        """The writers' own gloo group (made at the first save), over the run's ranks."""
         self._thread: threading.Thread | None = None
         self._result: T | None = None
         self._error: BaseException | None = None
@@ -66,12 +67,13 @@ class BackgroundWriter(Generic[T]):
         Collective the first time (every rank makes the group together)."""
         if self._writers is None:
             timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
-            group = dist.new_group(backend="gloo", timeout=timeout)
-            assert group is not None  # every rank is a member
-            self._writers = dataclasses.replace(
-                self.world, process_group=group, device=torch.device("cpu"), backend="gloo"
-            )
-        return self._writers
+            self._writers = dist.new_group(backend="gloo", timeout=timeout)
+            assert self._writers is not None  # every rank is a member
+        # Made from the run's World at each call, never kept: it has the run's rank.
+        cpu = torch.device("cpu")
+        return dataclasses.replace(
+            self.world, process_group=self._writers, device=cpu, backend="gloo"
+        )
 
     @property
     def in_flight(self) -> bool:
