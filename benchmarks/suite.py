@@ -102,7 +102,8 @@ def markdown(results: dict[str, Any]) -> str:
         s = results["startup"]
         lines.append(
             f"Command to first training step (2 ranks, median of {s['trials']}): phalanx launch "
-            f"{s['phalanx_s']:.2f} s, torchrun {s['torchrun_s']:.2f} s: ratio {s['ratio']:.2f}."
+            f"{s['median_s']['phalanx']:.2f} s, torchrun {s['median_s']['torchrun']:.2f} s: "
+            f"ratio {s['ratio']:.2f}."
         )
     return "\n".join(lines)
 
@@ -202,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
             # After every run: a run cut short keeps what it measured.
             write(results, args.out, started)
     if not args.no_startup:
-        results["startup"] = startup.measure(trials=4 if args.quick else 8)
+        results["startup"] = startup.measure(4 if args.quick else 8, "step", None)
     print(write(results, args.out, started))
     for path in plots(results, args.out):
         print(f"wrote {path}")

@@ -78,9 +78,10 @@ def test_every_part_of_a_trainer_holds_its_one_world(tmp_path: Path) -> None:
 def test_rebind_changes_the_rank_in_place() -> None:
     import torch.distributed as dist
 
-    world = World(
-        0, 0, 1, 1, 0, torch.device("cpu"), "gloo", dist.GroupMember.WORLD, "none", None, None
-    )  # type: ignore[arg-type]
+    group = dist.GroupMember.WORLD
+    assert group is None  # no group in this test: rebind touches none
+    cpu = torch.device("cpu")
+    world = World(0, 0, 1, 1, 0, cpu, "gloo", group, "none", None, None)  # type: ignore[arg-type]
     holder = [world]
     world.rebind(2, 3)
     assert (holder[0].rank, holder[0].world_size, holder[0].is_main) == (2, 3, False)

@@ -21,7 +21,7 @@ def keys_built_outside(src: Path = SRC) -> list[str]:
             continue
         for node in ast.walk(ast.parse(path.read_text())):  # an f-string's parts too
             text = node.value if isinstance(node, ast.Constant) else None
-            if isinstance(text, str) and text.startswith("phalanx/"):
+            if isinstance(node, ast.Constant) and isinstance(text, str) and text[:8] == "phalanx/":
                 found.append(f"{rel}:{node.lineno}: {text!r}")
     return found
 

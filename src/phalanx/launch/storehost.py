@@ -10,18 +10,18 @@ changes between restarts and never sits in TIME_WAIT.
 The store itself is torch's TCPStore, served from that socket
 (`master_listen_fd`) by a helper process: the launcher imports no torch. Each
 attempt gets a fresh helper, so no key of a failed attempt leaks into the
-next (as torchrun creates a new store per attempt), and the helper is started
-only when the first client connects: a job whose workers never use
-torch.distributed never pays for importing torch. Workers reach it as
-torchrun's workers reach torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE).
+next (as torchrun creates a new store per attempt). The helper is started with
+the attempt, before its workers: it imports torch while they do, so the store
+is serving when their `init` first knocks (started at the first knock instead,
+its import came after theirs, and every worker's `init` waited for it:
+benchmarks/startup.py). Workers reach it as torchrun's workers reach
+torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import os
-import select
 import signal
 import socket
 import subprocess
@@ -99,24 +99,12 @@ class StoreHost:
         self._announce = announce
         self._python = python
         self._helper: subprocess.Popen[bytes] | None = None
-        self._watcher: threading.Thread | None = None
-        self._wake_r, self._wake_w = os.pipe()
-        self._lock = threading.Lock()
 
     def open_attempt(self, attempt: int) -> None:
-        """Serve attempt `attempt` with a fresh store, started when its first client knocks."""
-        self._watcher = threading.Thread(
-            target=self._start_on_first_client, args=(attempt,), daemon=True
-        )
-        self._watcher.start()
+        """Serve attempt `attempt` with a fresh store; call it before starting the workers.
 
-    def _start_on_first_client(self, attempt: int) -> None:
-        readable, _, _ = select.select([self.sock.fileno(), self._wake_r], [], [])
-        if self._wake_r in readable:
-            os.read(self._wake_r, 1)
-            return
-        with self._lock:
-            self._helper = self._spawn_helper(attempt)
+        Clients that connect before the helper serves wait in the socket's backlog."""
+        self._helper = self._spawn_helper(attempt)
 
     def _spawn_helper(self, attempt: int) -> subprocess.Popen[bytes]:
         fd = self.sock.fileno()
@@ -143,12 +131,7 @@ class StoreHost:
 
     def close_attempt(self) -> None:
         """Stop serving this attempt: its clients are gone, and its keys go with the helper."""
-        if self._watcher is not None and self._watcher.is_alive():
-            os.write(self._wake_w, b"x")
-            self._watcher.join()
-        self._watcher = None
-        with self._lock:
-            helper, self._helper = self._helper, None
+        helper, self._helper = self._helper, None
         if helper is None:
             return
         assert helper.stdin is not None
@@ -165,5 +148,3 @@ class StoreHost:
     def close(self) -> None:
         self.close_attempt()
         self.sock.close()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
