@@ -94,11 +94,11 @@ def run_phalanx(args: argparse.Namespace, rank: int) -> tuple[list[float], list[
         train_dataset=TensorDataset(torch.zeros(8, args.width)),
         loss_fn=lambda out, batch: nn.functional.mse_loss(out, batch[1]),
     )
-    trainer.state = TrainState()
+    trainer.setup.state = TrainState()
     times, losses = [], []
     for batch in _batches(args, rank):
         start = time.perf_counter()
-        result = trainer._stepper.run([batch], 1, trainer.loss_fn, trainer.state)
+        result = trainer.setup._stepper.run([batch], 1, trainer.loss_fn, trainer.state)
         times.append(_slowest(time.perf_counter() - start))
         losses.append(float(result.loss))
     trainer.close()

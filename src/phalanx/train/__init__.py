@@ -23,8 +23,8 @@ from phalanx.train.checkpoint.stateful import ShardedStateful, Stateful
 from phalanx.train.config.args import TrainingArguments
 from phalanx.train.evaluation import EvalPrediction
 from phalanx.train.stopping import TrainingStopped
-from phalanx.train.trainer import Trainer, TrainOutput
-from phalanx.train.trainer_state import ResumeWarning
+from phalanx.train.trainer import Trainer
+from phalanx.train.trainer_state import ResumeWarning, TrainOutput
 
 __all__ = [
     "CallbackError",

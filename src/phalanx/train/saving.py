@@ -22,118 +22,122 @@ snapshot the model).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
-from phalanx.diagnostics import timeline as timelines
-from phalanx.errors import ConfigurationError, PhalanxError
+from phalanx.errors import PhalanxError
+from phalanx.train.callbacks import Callbacks
 from phalanx.train.checkpoint import hf_save
+from phalanx.train.checkpoint.checkpointer import Checkpointer
 from phalanx.train.checkpoint.directory import PREFIX
+from phalanx.train.checkpoint.stateful import Entry
 from phalanx.train.checkpoint.writes import Saved, Staged
-from phalanx.train.cluster import ClusterRun
-from phalanx.train.flow import record_save
-from phalanx.train.logging.report import human_size
-from phalanx.train.nonfinite import check_parameters, first_nonfinite_in, nonfinite_error
+from phalanx.train.config.args import TrainingArguments
+from phalanx.train.logging.report import RunReport, human_size
+from phalanx.train.nonfinite import first_nonfinite_in, nonfinite_error
 
 
-class CheckpointSaves(ClusterRun):
-    """Saving for the Trainer (its loop is trainer.py's)."""
+class CheckpointSaves:
+    """The Trainer's saves: the one in flight, its collection, and who hears of each.
 
-    def save_checkpoint(self) -> Path:
-        """Write output_dir/checkpoint-<step>/ now (every rank must call it); it is complete
-        when this returns (a save in flight is completed first)."""
-        return self._save(background=False)
+    It holds what every save goes through (the checkpointer and its writer thread, the
+    report, the callbacks' on_save, `sealed`: the cluster's hook); what a save holds (the
+    entries, the notes) the Trainer hands to `save` at each step.
+    """
 
-    def _saves_in_background(self) -> bool:
-        """Whether the loop's saves go to the background (the same on every rank)."""
+    def __init__(
+        self,
+        args: TrainingArguments,
+        model: nn.Module,
+        tied: dict[str, str],
+        checkpointer: Checkpointer,
+        report: RunReport,
+        callbacks: Callbacks,
+        sealed: Callable[[Path], None],
+    ) -> None:
+        self.args = args
+        self.model = model
+        """The unwrapped model: its config.json goes beside the entries, for export."""
+        self.tied = tied
+        """The model's tied weights (hf_save.tied_copies), found before sharding."""
+        self.checkpointer = checkpointer
+        self.report = report
+        self.callbacks = callbacks
+        self.sealed = sealed
+        """Called once a checkpoint is sealed on every rank (ClusterReport.checkpoint_sealed)."""
+        self.saved_step: int | None = None
+        """The step output_dir holds a checkpoint of, written or resumed by this Trainer."""
+
+    def in_background(self, live: bool, states: dict[str, Entry]) -> bool:
+        """Whether the loop's saves go to the background (the same on every rank): not under
+        live recovery (its group changes under a writer), nor for a callback's on_save."""
         return (
             self.args.save_async
-            and self._live is None
-            and not self._callbacks.listen_to("on_save")
-            and self._checkpointer.can_write_in_background(self.checkpoint_states())
+            and not live
+            and not self.callbacks.listen_to("on_save")
+            and self.checkpointer.can_write_in_background(states)
         )
 
-    def _save(self, background: bool) -> Path:
-        """Save at this step: stage and hand to the writer thread, or write now."""
-        self._check_open()
-        if self.sampler is None and self.stream is None:
-            raise ConfigurationError("save_checkpoint() needs a train_dataset — pass one")
-        step = self.state.global_step
-        self._collect_save(next_step=step)
-        if not background:  # a background save checks its copy, on the writer (off the loop)
-            check_parameters(self.model, self.world, step)  # never a NaN checkpoint
-        self._sync_loss()
-        notes = {"args.json": json.dumps(self.args.to_dict(), indent=1).encode()}
-        notes.update(hf_save.checkpoint_notes(self.model, self._tied))  # config.json, for export
-        derived = hf_save.derived_weights(self.args, self._tied)
-        best = self.state.best_model_checkpoint
-        self._checkpointer.protect = (
-            Path(best) if self.args.load_best_model_at_end and best else None
-        )
-        states = self.checkpoint_states()
-        saved: Saved | None = None
-        with timelines.span_of(self.timeline, "checkpoint save"):
-            if background:
-                timeout, validate = self.args.ddp_timeout, partial(_nonfinite_model, step)
-                self._checkpointer.start_background(states, step, notes, derived, timeout, validate)
-            else:
-                saved = self._checkpointer.save(states, step, notes, derived)
-        self._saved_step = step
-        path = Path(self.args.output_dir) / f"{PREFIX}{step}"
-        record_save(self.state, path)
-        if saved is not None:
-            self._report_save(saved)
-        return path
+    def save(self, states: dict[str, Entry], step: int, best: str | None, background: bool) -> Path:
+        """Write checkpoint-<step> now, or stage it and hand it to the writer thread (the
+        save in flight, if any, must have been collected); `best`: the best checkpoint so
+        far, which save_total_limit must keep for load_best_model_at_end."""
+        args = self.args
+        notes = {"args.json": json.dumps(args.to_dict(), indent=1).encode()}
+        notes.update(hf_save.checkpoint_notes(self.model, self.tied))  # config.json, for export
+        derived = hf_save.derived_weights(args, self.tied)
+        self.checkpointer.protect = Path(best) if args.load_best_model_at_end and best else None
+        if background:
+            timeout, validate = args.ddp_timeout, partial(_nonfinite_model, step)
+            self.checkpointer.start_background(states, step, notes, derived, timeout, validate)
+        else:
+            self._report(self.checkpointer.save(states, step, notes, derived))
+        self.saved_step = step
+        return Path(args.output_dir) / f"{PREFIX}{step}"
 
-    def _save_vote(self) -> bool | None:
+    def vote(self) -> bool | None:
         """This rank's say in the boundary vote: None when no save is in flight, else
         whether its part is written."""
-        writer = self._checkpointer.background
+        writer = self.checkpointer.background
         return writer.done() if writer.in_flight else None
 
-    def _collect_save(self, next_step: int | None = None) -> None:
+    def collect(self, next_step: int | None = None) -> None:
         """Every rank together: wait for the save in flight, if one is, and report it (or
         raise its error, on every rank). `next_step`: the save that had to wait for it."""
-        writer = self._checkpointer.background
+        writer = self.checkpointer.background
         if not writer.in_flight:
             return
         writing, still_writing = writer.step, not writer.done()
         saved, waited = writer.collect()
-        self._report_save(saved)
+        self._report(saved)
         if next_step is not None and still_writing:
-            self._report.say(
+            self.report.say(
                 f"{PREFIX}{next_step} waited {waited:.2f} s for {PREFIX}{writing} to finish "
                 "writing (one save in flight at a time)"
             )
 
-    def _settle_save(self) -> None:
+    def settle(self) -> None:
         """An error is leaving train(): let the save in flight finish (its checkpoint is good
         to resume from), say how it ended, and raise nothing more."""
-        writer = self._checkpointer.background
+        writer = self.checkpointer.background
         if not writer.in_flight:
             return
         try:
             saved, _ = writer.collect()
         except Exception as exc:
-            self._report.say(f"the save in flight did not complete: {exc}")
+            self.report.say(f"the save in flight did not complete: {exc}")
             return
-        self._report.say(_saved_line(saved))
+        self.report.say(_saved_line(saved))
 
-    def _report_save(self, saved: Saved) -> None:
-        self._callbacks.fire("on_save")
-        self._report.say(_saved_line(saved))
-        self._checkpoint_done(saved.path)  # sealed: Ray Train gets it (cluster.py)
-
-    def _sync_loss(self) -> dict[str, float]:
-        """Collective: fold this call's step losses into state.loss_sum; the call's summary."""
-        if self._runlog is None:
-            return {}
-        self.state.loss_sum, summary = self._runlog.settle_loss(self.counted_steps())
-        return summary
+    def _report(self, saved: Saved) -> None:
+        self.callbacks.fire("on_save")
+        self.report.say(_saved_line(saved))
+        self.sealed(saved.path)  # sealed: Ray Train gets it (cluster.py)
 
 
 def _nonfinite_model(step: int, staged: Staged) -> PhalanxError | None:

@@ -4,7 +4,9 @@ Joining the world (a one-rank group for a plain process), the model on its
 device (materialised from the meta device, sharded at stage 3, wrapped in DDP
 with more than one rank), the optimizer, the data and its sampler, the
 schedule, the checkpointer and its entries, and the callbacks; and `close()`,
-which lets go of them. The loop that uses them is `Trainer`'s (trainer.py).
+which lets go of them. A `Trainer` owns one (`trainer.setup`) and runs the loop
+over it (trainer.py); live recovery rebuilds its parts in place for a new world
+(train/live.py), so everything that holds the world is reached through it.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import math
 import os
 import sys
 from collections.abc import Callable, Sized
-from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,7 @@ from phalanx.train.checkpoint.stateful import Entry
 from phalanx.train.collate import DefaultCollator, forward_columns, one_collator
 from phalanx.train.comm import PerRank, make_periodic_sync
 from phalanx.train.config.args import TrainingArguments
-from phalanx.train.evaluation import ComputeMetrics
+from phalanx.train.evaluation import ComputeMetrics, EvalSetup
 from phalanx.train.live import live_training_for
 from phalanx.train.logging.report import RunReport
 from phalanx.train.logging.runlog import RunLog, TrafficSource, continue_from
@@ -47,7 +48,7 @@ from phalanx.train.plan.auto import planned_arguments
 from phalanx.train.schedules import make_scheduler, warmup_steps_for
 from phalanx.train.setup import check_same_arguments, join_world, train_loader
 from phalanx.train.step import StepRunner, autocast_for
-from phalanx.train.stopping import Stop, StopRequests
+from phalanx.train.stopping import StopRequests
 from phalanx.train.strategy import OptimizerChoice, Strategy, strategy_for
 from phalanx.train.streams import Stream, StreamPosition, is_stream
 from phalanx.train.trainer_state import (
@@ -60,8 +61,9 @@ from phalanx.train.trainer_state import (
 
 
 class TrainerSetup:
-    """A Trainer's construction and teardown: the world, the model and optimizer, the data,
-    the callbacks, and the checkpoint entries over them (the loop is `Trainer`'s).
+    """A Trainer's parts and their teardown: the world, the model and optimizer, the data,
+    the callbacks, the loop's state, and the checkpoint entries over them (the loop, which
+    owns this, is `Trainer`'s).
     """
 
     def __init__(
@@ -79,23 +81,8 @@ class TrainerSetup:
         optimizers: tuple[Optimizer | None, LRScheduler | None] | None = None,
         optimizer_cls_and_kwargs: tuple[type[Optimizer], dict[str, Any]] | None = None,
     ) -> None:
-        """Join the world, then prepare the model, optimizer, data and callbacks.
-
-        model: the model, built on the CPU or on the meta device (then materialised
-            shard by shard: docs/zero.md); the Trainer moves, wraps or shards it.
-        args: TrainingArguments (default: all defaults).
-        train_dataset / eval_dataset: map-style datasets (sharded by a
-            DistributedSampler), or for training a streaming IterableDataset.
-        loss_fn: `loss_fn(outputs, batch)`; None takes the loss the model returns.
-        optimizer: your own, at any stage (stage 3: over the sharded parameters); None
-            builds `args.optim` over two weight-decay groups.
-        optimizers / optimizer_cls_and_kwargs: Hugging Face's `(optimizer, scheduler)` /
-            `(cls, kwargs)`, which the Trainer builds after sharding (docs/trainer.md).
-        collate_fn / data_collator: how samples become a batch (one of the two; None:
-            Hugging Face's default for dict samples, torch's otherwise).
-        compute_metrics: `compute_metrics(EvalPrediction) -> dict` at evaluation.
-        callbacks: Hugging Face's callbacks (train/callbacks.py), on every rank.
-        """
+        """Join the world, then prepare the model, optimizer, data and callbacks (the
+        arguments are `Trainer`'s: trainer.py says what each is)."""
         self.args = args if args is not None else TrainingArguments()
         self.train_dataset = train_dataset
         self.eval_dataset = eval_dataset
@@ -115,6 +102,10 @@ class TrainerSetup:
             check_same_arguments(self.args, self.world)  # before any collective of the run
             choice = OptimizerChoice.of(optimizer, optimizers, optimizer_cls_and_kwargs)
             self.args, self.plan = planned_arguments(self, model, choice)  # "auto" resolved
+            args = self.args
+            self._checkpointer = Checkpointer(
+                self.world, Path(args.output_dir), args.save_total_limit, self._report.say
+            )
             self._setup_model(model, choice)
             if train_dataset is not None:
                 self._setup_training(train_dataset)
@@ -130,10 +121,6 @@ class TrainerSetup:
         self.state = TrainState()
         self._runlog: RunLog | None = None
         """The log window and totals of the train() call under way (train/logging/runlog.py)."""
-        self._stopped_by: Stop | None = None
-        """The signal the ranks agreed to stop for (train() then saves and exits)."""
-        self._saved_step: int | None = None
-        """The step output_dir holds a checkpoint of, written or resumed by this Trainer."""
         self.sampler: DistributedSampler | None = None
         self.stream: Stream | None = None
         """A streaming train_dataset's part for this rank (streams.py); then no sampler."""
@@ -210,9 +197,6 @@ class TrainerSetup:
         given = self.strategy.scheduler_for(self.optimizer)  # optimizers=(..., scheduler)
         self.scheduler: LRScheduler = given or make_scheduler(
             self.optimizer, args.lr_scheduler_type, warmup, self.max_steps, args.lr_scheduler_kwargs
-        )
-        self._checkpointer = Checkpointer(
-            self.world, Path(args.output_dir), args.save_total_limit, self._report.say
         )
         self._guard = NonFiniteGuard(
             self.world, args.on_nonfinite_grad, args.max_consecutive_skips, self._report.say
@@ -345,8 +329,13 @@ class TrainerSetup:
         if isinstance(self._position, SamplerPosition):
             self._position.micro_batches_per_epoch = micro_batches
 
-    def _autocast(self) -> AbstractContextManager[Any]:
-        return autocast_for(self.args, self.world.device)
+    def evaluation(self) -> EvalSetup:
+        """What evaluation borrows: the world, the eval batch, the collator, the loss."""
+        args = self.args
+        autocast = functools.partial(autocast_for, args, self.world.device)
+        workers = args.dataloader_num_workers
+        batch = args.per_device_eval_batch_size
+        return EvalSetup(self.world, batch, workers, self.collate_fn, self.loss_fn, autocast)
 
     def close(self) -> None:
         """Let go of the process group; the Trainer cannot train or evaluate afterwards.
@@ -388,6 +377,18 @@ class TrainerSetup:
     def counted_steps(self) -> int:
         """Steps whose loss counts (a skipped step's does not)."""
         return self.state.global_step - self.state.skipped_steps
+
+    def mean_loss(self) -> float:
+        """The mean step loss over the whole run; NaN before any step counts."""
+        steps = self.counted_steps()
+        return self.state.loss_sum / steps if steps else math.nan
+
+    def settle_loss(self) -> dict[str, float]:
+        """Collective: fold this call's step losses into state.loss_sum; the call's summary."""
+        if self._runlog is None:
+            return {}
+        self.state.loss_sum, summary = self._runlog.settle_loss(self.counted_steps())
+        return summary
 
     def _check_open(self) -> None:
         if self._closed:

@@ -49,6 +49,22 @@ COMPUTE_FIELDS: Final = (
 OPTIMIZER_FIELDS: Final = ("learning_rate", "weight_decay")
 
 
+@dataclass(frozen=True)
+class TrainOutput:
+    """What `Trainer.train()` returns."""
+
+    global_step: int
+    train_loss: float
+    """Mean step loss over the whole run, steps before a resume included (as Hugging
+    Face's); NaN when no step was ever trained."""
+    samples_per_second: float
+    """Training samples over all ranks per second of this call's loop."""
+    runtime_s: float
+    resumed_from: str | None
+    launcher: str = "none"
+    """Who started the run: `World.launcher` ("env", "ray", "slurm", "mpi", "none")."""
+
+
 class ResumeWarning(UserWarning):
     """A resume that is not an exact continuation: arguments or the world size changed."""
 
