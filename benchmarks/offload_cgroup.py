@@ -104,7 +104,7 @@ def worker(args: argparse.Namespace) -> None:
         train_dataset=data,
         loss_fn=lambda out, batch: nn.functional.mse_loss(out, batch[1]),
     )
-    log, step = trainer._log, trainer._train_step
+    log, step = trainer.loop._log, trainer.loop._train_step
 
     def timed_step(*a: object, **k: object) -> None:
         start = time.perf_counter()
@@ -116,8 +116,8 @@ def worker(args: argparse.Namespace) -> None:
         log()
         losses.append(trainer.state.loss_sum - before if losses else trainer.state.loss_sum)
 
-    trainer._train_step = timed_step  # type: ignore[method-assign]
-    trainer._log = logged  # type: ignore[method-assign]
+    trainer.loop._train_step = timed_step  # type: ignore[method-assign]
+    trainer.loop._log = logged  # type: ignore[method-assign]
     trainer.train()
     from phalanx.offload import streamer_of
 

@@ -57,7 +57,7 @@ def main(config: dict[str, Any]) -> None:
     )
     trainer = phalanx.Trainer(model=model, args=args, train_dataset=spec.data(), loss_fn=spec.loss)
     times: list[float] = []
-    step = trainer._train_step
+    step = trainer.loop._train_step
 
     def timed(*a: object, **k: object) -> Any:
         start = time.perf_counter()
@@ -65,7 +65,7 @@ def main(config: dict[str, Any]) -> None:
         times.append(time.perf_counter() - start)
         return out
 
-    trainer._train_step = timed  # type: ignore[method-assign]
+    trainer.loop._train_step = timed  # type: ignore[method-assign]
     trainer.train()
     plan = None
     if trainer.plan is not None:

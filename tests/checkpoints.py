@@ -27,11 +27,11 @@ def record_loss_sums(trainer: Any) -> list[float]:
     """The Trainer's running loss sum at each log line, appended as the run goes (the list
     it returns fills in): what parity tests compare step by step."""
     sums: list[float] = []
-    original = trainer._log
+    original = trainer.loop._log
 
     def log() -> None:
         original()
         sums.append(trainer.state.loss_sum)
 
-    trainer._log = log
+    trainer.loop._log = log
     return sums

@@ -12,7 +12,7 @@ between steps, on every rank together.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,25 +23,22 @@ from torch.utils.data import Dataset
 
 from phalanx.ddp.powersgd import PowerSGDState
 from phalanx.diagnostics import timeline as timelines
-from phalanx.diagnostics.replicas import check_replicas
 from phalanx.diagnostics.timeline import Timeline
-from phalanx.errors import ConfigurationError, PeerLost
-from phalanx.ground import progress_record
+from phalanx.errors import ConfigurationError
 from phalanx.runtime import World
-from phalanx.train.batches import LossFn, step_groups
+from phalanx.train.batches import LossFn
 from phalanx.train.checkpoint import hf_save
-from phalanx.train.checkpoint.directory import PREFIX
 from phalanx.train.checkpoint.stateful import Entry
 from phalanx.train.cluster import ClusterReport
 from phalanx.train.config.args import TrainingArguments
 from phalanx.train.evaluation import ComputeMetrics, evaluate_model
-from phalanx.train.flow import due_after_step, record_evaluation, record_save
+from phalanx.train.flow import record_save
 from phalanx.train.logging.runlog import TrafficSource, emit
+from phalanx.train.loop import TrainingLoop
 from phalanx.train.nonfinite import check_parameters
 from phalanx.train.plan.choose import Choice
 from phalanx.train.run_start import RunStart
 from phalanx.train.saving import CheckpointSaves
-from phalanx.train.stopping import Stop, TrainingStopped
 from phalanx.train.strategy import Strategy
 from phalanx.train.trainer_setup import TrainerSetup
 from phalanx.train.trainer_state import TrainOutput, TrainState
@@ -50,10 +47,22 @@ from phalanx.train.trainer_state import TrainOutput, TrainState
 class Trainer:
     """Train `model` on `train_dataset` as `args` says; see docs/trainer.md.
 
+    model: built on the CPU or on the meta device (docs/zero.md); the Trainer moves,
+        wraps or shards it. args: TrainingArguments (default: all defaults).
+    train_dataset / eval_dataset: map-style (sharded by a DistributedSampler), or for
+        training a streaming IterableDataset. loss_fn: `loss_fn(outputs, batch)`; None
+        takes the loss the model returns.
+    optimizer: yours, at any stage; None builds `args.optim`. optimizers /
+        optimizer_cls_and_kwargs: Hugging Face's, built after sharding.
+    collate_fn / data_collator: how samples become a batch (one of the two).
+    compute_metrics: `compute_metrics(EvalPrediction) -> dict` at evaluation.
+    callbacks: Hugging Face's (train/callbacks.py), on every rank.
+
     One class, composed of what its constructor builds: `setup` (trainer_setup.py: the
     world, the model and optimizer, the data, the callbacks, the checkpoint entries),
     `saves` (saving.py: checkpoints, written now or in the background) and `cluster`
-    (cluster.py: what Ray Train is told). The loop, logging and evaluation are here.
+    (cluster.py: what Ray Train is told) and `loop` (loop.py: the steps of a train() call).
+    Evaluation and the public face are here.
     """
 
     def __init__(
@@ -71,19 +80,8 @@ class Trainer:
         optimizers: tuple[Optimizer | None, LRScheduler | None] | None = None,
         optimizer_cls_and_kwargs: tuple[type[Optimizer], dict[str, Any]] | None = None,
     ) -> None:
-        """Join the world, then prepare the model, optimizer, data and callbacks.
-
-        model: built on the CPU or on the meta device (docs/zero.md); the Trainer moves,
-            wraps or shards it. args: TrainingArguments (default: all defaults).
-        train_dataset / eval_dataset: map-style (sharded by a DistributedSampler), or for
-            training a streaming IterableDataset. loss_fn: `loss_fn(outputs, batch)`;
-            None takes the loss the model returns.
-        optimizer: yours, at any stage; None builds `args.optim`. optimizers /
-            optimizer_cls_and_kwargs: Hugging Face's, built after sharding.
-        collate_fn / data_collator: how samples become a batch (one of the two).
-        compute_metrics: `compute_metrics(EvalPrediction) -> dict` at evaluation.
-        callbacks: Hugging Face's (train/callbacks.py), on every rank. docs/trainer.md has more.
-        """
+        """Join the world, then prepare the model, optimizer, data and callbacks (the
+        arguments: the class docstring)."""
         self.setup = setup = TrainerSetup(
             model,
             args,
@@ -102,19 +100,15 @@ class Trainer:
         self._report, self._callbacks = setup._report, setup._callbacks  # the setup's own
         self.cluster = ClusterReport(setup, self._report)
         """What Ray Train is told, and where it says to resume (a no-op elsewhere)."""
-        self.saves = CheckpointSaves(
-            setup.args,
-            setup.model,
-            setup._tied,
-            setup._checkpointer,
-            self._report,
-            self._callbacks,
-            self.cluster.checkpoint_sealed,
-        )
+        parts = (setup.args, setup.model, setup._tied, setup._checkpointer, self._report)
+        self.saves = CheckpointSaves(*parts, self._callbacks, self.cluster.checkpoint_sealed)
         """The checkpoints this Trainer writes, the one in flight among them."""
         self._start = RunStart(setup, self.cluster, self.saves)
-        self._stopped_by: Stop | None = None
-        """The signal the ranks agreed to stop for (train() then saves and exits)."""
+        # Looked up at each call, so that a subclass's or a test's evaluate/_save is the one run.
+        self.loop = TrainingLoop(
+            setup, self.saves, lambda: self.evaluate(), lambda b: self._save(b)
+        )
+        """The steps of a train() call (loop.py)."""
 
     # ----------------------------------------------------- what it is made of
     @property
@@ -230,11 +224,11 @@ class Trainer:
                 return TrainOutput(*done, self.world.launcher)
         try:
             with setup._stop_requests.installed(self.args.save_on_signal):
-                self._loop()
+                stopped = self.loop.run()
                 if setup._live is not None:
                     setup._live.finish()
-                if self._stopped_by is not None:
-                    raise self._stop_and_save(self._stopped_by)
+                if stopped is not None:
+                    raise self.loop.stop_and_save(stopped)
                 self.saves.collect()
             self._start.load_best()
             self._callbacks.fire("on_train_end")
@@ -245,143 +239,6 @@ class Trainer:
         finally:
             self._report.close()
         return self._output(resumed_from)
-
-    def _loop(self) -> None:
-        """Train until max_steps, or until the ranks agree to stop at a step boundary."""
-        runlog = self.setup._runlog or self.setup.open_runlog()  # a replacement's: its join
-        while not self._train_epoch():
-            self.state.epoch += 1
-            self.state.batches_done = 0
-        if runlog.window.steps and self.args.logging_strategy != "no":
-            self._log()
-
-    def _train_epoch(self) -> bool:
-        """Train the rest of this epoch; True when training ends in it (max_steps, or a stop)."""
-        setup, control = self.setup, self._callbacks.control
-        control._new_epoch()
-        self._callbacks.fire("on_epoch_begin")
-        with self.strategy.uneven_inputs(self.args.even_batches) as shadow:
-            setup._stepper.shadow = shadow
-            steps = self._epoch_steps()
-            while True:
-                try:
-                    if setup._live is not None:  # a peer lost or waiting is seen here first
-                        setup._live.boundary()
-                    # Agreed before the step's data is loaded: a dataset that draws random
-                    # numbers would otherwise draw them for a step never trained.
-                    if self._stop_agreed() or self.state.global_step >= setup.max_steps:
-                        return True
-                    if control.should_training_stop:
-                        return True
-                    if control.should_epoch_stop:
-                        return False
-                    batches, expected = next(steps, ([], 0))
-                    if shadow is None:  # none to shadow: a loader shorter than its len() ends
-                        expected = len(batches)
-                    if not expected:
-                        return False
-                    self._train_step(batches, expected)
-                except PeerLost as lost:
-                    if setup._live is None:
-                        raise
-                    setup._live.recover(lost)  # the step in flight is dropped on every member
-                    steps = self._epoch_steps()
-
-    def _stop_agreed(self) -> bool:
-        """The boundary vote (stopping.py): a stop, and whether the save in flight is
-        written on every rank, which is then collected here, at the same step everywhere."""
-        self._stopped_by, written = self.setup._stop_requests.agree(self.saves.vote())
-        if written:
-            self.saves.collect()
-            self._callbacks.agree()  # what on_save asked for
-        return self._stopped_by is not None
-
-    def _epoch_steps(self) -> Iterator[tuple[list[Any], int]]:
-        """This epoch's steps from the current position on: (this rank's micro-batches, how
-        many the step has on the longest rank)."""
-        setup, state, args = self.setup, self.state, self.args
-        if setup.stream is not None:
-            return setup.stream.steps(state.epoch, args.gradient_accumulation_steps)
-        assert setup.sampler is not None
-        setup.sampler.set_epoch(state.epoch)
-        if setup._live is not None:  # the world may have changed: this epoch's length in it
-            setup.set_epoch_length(len(setup.train_loader))
-        setup._loader_generator.manual_seed(args.seed + state.epoch)
-        return step_groups(
-            iter(setup.train_loader),
-            state.batches_done,
-            args.gradient_accumulation_steps,
-            setup.micro_batches_per_epoch,
-        )
-
-    def _train_step(self, batches: list[Any], expected: int) -> None:
-        """One optimizer step over `batches`, then what is due between steps."""
-        setup, state = self.setup, self.state
-        self._callbacks.control._new_step()
-        self._callbacks.fire("on_step_begin")
-        result = setup._stepper.run(batches, expected, self.loss_fn, state)
-        state.batches_done += expected
-        state.global_step += 1
-        progress_record.step(state.global_step + 1)  # the launcher's hang watch: step begun
-        assert setup._runlog is not None
-        setup._runlog.add(result)
-        self._report.advance()
-        self._callbacks.fire("on_step_end")
-        self._after_step()
-
-    def _after_step(self) -> None:
-        """Between steps, on every rank alike: local sync, replica check, logging,
-        evaluation, saving, as the strategies and the callbacks (agreed: flow.py) say."""
-        setup, step, args = self.setup, self.state.global_step, self.args
-        local = setup.periodic_sync
-        if local is not None and local.deferred:
-            local.sync_if_due()  # live recovery: after the step counts (train/live.py)
-        if local is not None and step == setup.max_steps:
-            local.sync()  # the run ends with one model (a no-op right after a sync)
-        in_sync = local is None or local.in_sync  # the same on every rank
-        if args.replica_check_steps and step % args.replica_check_steps == 0 and in_sync:
-            check_replicas(self.wrapped_model, self.world.process_group)
-        epoch_ended = self.state.batches_done >= setup.micro_batches_per_epoch
-        if epoch_ended:
-            self._callbacks.fire("on_epoch_end")
-        # The callbacks' control is agreed before it steers the log, evaluation and save:
-        # every rank must take the same branches below, which are collectives.
-        self._callbacks.agree()
-        due = due_after_step(args, step, setup.max_steps, epoch_ended, self._callbacks.control)
-        if due.log:
-            self._log()
-        save = due.save
-        if due.evaluate and (setup.eval_dataset is not None or args.eval_strategy != "no"):
-            best = record_evaluation(args, self.state, self.evaluate())
-            save = save or (args.save_strategy == "best" and best)  # after its evaluation
-        if save:
-            live = setup._live is not None
-            self._save(self.saves.in_background(live, self.checkpoint_states()))
-        if due.log or due.evaluate or save:
-            self._callbacks.agree()  # what on_log, on_evaluate and on_save asked for
-
-    def _stop_and_save(self, stop: Stop) -> TrainingStopped:
-        """Every rank agreed to stop: save at this step (unless done already) and say so, on
-        the console and to the launcher, whose summary then names the rank signalled."""
-        step = self.state.global_step
-        path = Path(self.args.output_dir) / f"{PREFIX}{step}"
-        self.saves.collect()  # a save in flight is completed first
-        if self.saves.saved_step != step:
-            path = self.save_checkpoint()
-        stopped = TrainingStopped(stop.signum, step, path.name, stop.received_by)
-        note = f"{stopped} — resume with resume_from_checkpoint=True"
-        self._report.say(note)
-        progress_record.note_stop(note)
-        return stopped
-
-    def _log(self) -> None:
-        """One log line for the steps since the last (every rank calls this)."""
-        runlog, state = self.setup._runlog, self.state
-        assert runlog is not None
-        extra = {"lr": float(self.scheduler.get_last_lr()[0]), "epoch": self.setup.epoch_progress()}
-        if self.args.on_nonfinite_grad == "skip":
-            extra["skipped_steps"] = float(state.skipped_steps)
-        self._callbacks.log(runlog.log(state.global_step, extra))
 
     def _output(self, resumed_from: str | None) -> TrainOutput:
         summary = self.setup.settle_loss()
