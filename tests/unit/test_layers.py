@@ -193,3 +193,12 @@ def test_the_package_docstring_names_every_module(package: str) -> None:
     named = set(re.findall(r"`([a-z_]+)`", doc))
     modules = {p.stem for p in (SRC / package).glob("*.py") if p.stem != "__init__"}
     assert modules <= named, f"{package}/__init__.py's docstring misses {sorted(modules - named)}"
+
+
+def test_architecture_names_every_module() -> None:
+    """Every module of src/phalanx is named in docs/architecture.md (its diagram or tables),
+    so a reader finds where each one sits."""
+    doc = DOC.read_text()
+    modules = {p.stem for p in SRC.rglob("*.py") if p.stem != "__init__"}
+    missing = sorted(m for m in modules if not re.search(rf"\b{m}\b", doc))
+    assert missing == [], f"docs/architecture.md names none of {missing}"
