@@ -18,7 +18,7 @@ def _entry_points() -> list[tuple[str, Callable[..., Any], str]]:
         ("DistributedDataParallel", ddp.__init__, ddp.__doc__ or ""),
         ("ZeroRedundancyOptimizer", zero.__init__, zero.__doc__ or ""),
         ("fully_shard", phalanx.fully_shard, phalanx.fully_shard.__doc__ or ""),
-        ("Trainer", phalanx.Trainer.__init__, phalanx.Trainer.__init__.__doc__ or ""),
+        ("Trainer", phalanx.Trainer.__init__, phalanx.Trainer.__doc__ or ""),
         ("materialize", phalanx.materialize, phalanx.materialize.__doc__ or ""),
     ]
 

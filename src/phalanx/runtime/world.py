@@ -24,14 +24,15 @@ from phalanx.runtime.backend import current_device
 __all__ = ["World", "describe_default_group"]
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True)
 class World:
     """Where this process stands in the job, and the group that connects it.
 
     One object per run, handed to everything that asks which rank this is. It
     changes in one way only, `rebind`, when live recovery forms the group again:
     then every holder sees the new rank at once (no holder keeps a stale copy).
-    Compared and hashed by identity, since it is one run's.
+    Compared by value: `init()` called again describes the same World (it is derived
+    from torch's state, not cached). Not a dictionary key (a rebind changes its hash).
     """
 
     rank: int
