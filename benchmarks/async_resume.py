@@ -96,13 +96,13 @@ def _resume(rank: int, world: int, cfg: dict[str, Any], reader: str, tag: str) -
     steps = cfg["steps"]
     trainer = _trainer(cfg, Path(cfg["root"]) / f"resumed-{tag}", steps + 1, 0)
     first: list[float] = []
-    run = trainer.setup._stepper.run
+    run = trainer.setup.stepper.run
 
     def step(*args: Any, **kwargs: Any) -> Any:
         first.append(time.perf_counter() - started)
         return run(*args, **kwargs)
 
-    trainer.setup._stepper.run = step
+    trainer.setup.stepper.run = step
     trainer.train(resume_from_checkpoint=str(Path(cfg["root"]) / "run" / f"checkpoint-{steps}"))
     held = sum(getattr(p, "_local_tensor", p).nbytes for p in trainer.model.parameters())
     for state in trainer.optimizer.state.values():

@@ -164,11 +164,11 @@ class Probe:
         self.done_at = 0.0
         """When the last write completed (the writer thread, or torch's future, says)."""
         self._save = trainer._save
-        self._run = trainer.setup._stepper.run
+        self._run = trainer.setup.stepper.run
         trainer._save = self.save
-        trainer.setup._stepper.run = self.step
+        trainer.setup.stepper.run = self.step
         self.torch.on_done = self.mark_done  # type: ignore[method-assign]
-        writer = trainer.setup._checkpointer.background
+        writer = trainer.setup.checkpointer.background
         start = writer.start
 
         def timed_start(step: int, write: Any) -> None:
@@ -185,7 +185,7 @@ class Probe:
         self.done_at = time.perf_counter()
 
     def writing(self) -> str | None:
-        writer = self.trainer.setup._checkpointer.background
+        writer = self.trainer.setup.checkpointer.background
         if writer.in_flight and not writer.done():
             return "async"
         return "torch" if self.torch.writing() else None
@@ -265,11 +265,11 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         loss_fn=lambda out, batch: torch.nn.functional.mse_loss(out, batch[1]),
     )
     probe = Probe(trainer, root, cfg["rounds"])
-    checkpointer = trainer.setup._checkpointer
+    checkpointer = trainer.setup.checkpointer
     checkpointer.start_background = _counting(checkpointer, probe)  # type: ignore[method-assign]
     quiet = _quiet_peak(trainer, probe, cfg["every"])
     started = time.perf_counter()  # the writers' group, made at the first background save
-    trainer.setup._checkpointer.background.writers_world(600)
+    trainer.setup.checkpointer.background.writers_world(600)
     group_s = time.perf_counter() - started
     trainer.train()
     probe.settle()
@@ -310,7 +310,7 @@ def _quiet_peak(trainer: Any, probe: Probe, steps: int) -> dict[str, int]:
             marks["peak_extra"] = _status("VmHWM") - marks["rss"]
         return out
 
-    trainer.setup._stepper.run = step
+    trainer.setup.stepper.run = step
     return marks
 
 

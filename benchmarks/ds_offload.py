@@ -98,7 +98,7 @@ def run_phalanx(args: argparse.Namespace, rank: int) -> tuple[list[float], list[
     times, losses = [], []
     for batch in _batches(args, rank):
         start = time.perf_counter()
-        result = trainer.setup._stepper.run([batch], 1, trainer.loss_fn, trainer.state)
+        result = trainer.setup.stepper.run([batch], 1, trainer.loss_fn, trainer.state)
         times.append(_slowest(time.perf_counter() - start))
         losses.append(float(result.loss))
     trainer.close()

@@ -168,7 +168,7 @@ def rank_main(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]
     ]
     for trainer in trainers.values():  # untimed: the first step makes Adam's state
         for batch in batches[: args.warmup]:
-            trainer.setup._stepper.run([batch], 1, trainer.loss_fn, trainer.state)
+            trainer.setup.stepper.run([batch], 1, trainer.loss_fn, trainer.state)
     steps: dict[str, list[dict[str, float]]] = {v: [] for v in names}
     rounds = interleave.balanced_rounds(args.rounds, args.rounds * args.per_round, len(names))
     for r in range(rounds):
@@ -214,7 +214,7 @@ def timed_step(trainer: Any, batch: list[Any], streamer: Any) -> dict[str, float
     usage = resource.getrusage(resource.RUSAGE_THREAD)
     trainer._opt_s = 0.0
     start = time.perf_counter()
-    trainer.setup._stepper.run([batch], 1, trainer.loss_fn, trainer.state)
+    trainer.setup.stepper.run([batch], 1, trainer.loss_fn, trainer.state)
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_THREAD)
     slowest = torch.tensor([wall])

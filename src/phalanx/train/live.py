@@ -171,7 +171,7 @@ class LiveTraining:
         trainer = self.trainer
         state: dict[str, Any] = {n: e.state_dict() for n, e in self._entries().items()}
         state["data"] = {"epoch": trainer.state.epoch, "used_by_all": self._used_by_all()}
-        runlog = trainer._runlog or trainer.open_runlog()
+        runlog = trainer.runlog or trainer.open_runlog()
         state["loss"] = {"before": runlog.loss_before, "steps": runlog.steps_before}
         if self.sharded is not None:
             state["groups"] = trainer.strategy.live_groups(trainer.optimizer)
@@ -182,7 +182,7 @@ class LiveTraining:
         for name, entry in self._entries().items():
             entry.load_state_dict(state[name])
         self._data = {k: int(v) for k, v in state["data"].items()}
-        runlog = self.trainer._runlog or self.trainer.open_runlog()
+        runlog = self.trainer.runlog or self.trainer.open_runlog()
         runlog.loss_from(float(state["loss"]["before"]), int(state["loss"]["steps"]))
         buffers = dict(self.trainer.model.named_buffers())
         with torch.no_grad():
@@ -211,7 +211,7 @@ class LiveTraining:
         if self.sharded is not None:  # the new ring's first copies, before any step
             self.sharded.snapshot(self._save)
         who = ", ".join(done.members)
-        trainer._report.say(
+        trainer.report.say(
             f"live recovery: {done.world_size} ranks ({who}) at step {done.step}, "
             f"state from {done.donor}, {done.seconds:.2f} s — {done.reason}"
         )

@@ -55,7 +55,7 @@ class ShardedLive:
         member around the ring, and the previous member's kept (collective)."""
         trainer, step = self.trainer, self.trainer.state.global_step
         replicated = copy.deepcopy(save())
-        runlog = trainer._runlog or trainer.open_runlog()
+        runlog = trainer.runlog or trainer.open_runlog()
         replicated["window"] = copy.deepcopy(runlog.run)  # this member's own, never sent
         pieces = trainer.strategy.live_pieces(trainer.optimizer)
         own = Snapshot(self.ring, step, pieces, replicated)
@@ -124,7 +124,7 @@ class ShardedLive:
             trainer.model, trainer.optimizer, bundles, replicated["groups"]
         )
         trainer.replace_optimizer(fresh)
-        runlog = trainer._runlog or trainer.open_runlog()
+        runlog = trainer.runlog or trainer.open_runlog()
         window = replicated.get("window")
         if choice.rolls_back:  # steps after the snapshot are trained again: their losses go
             runlog.run = window if window is not None else StepWindow(runlog.traffic().wait_s)

@@ -40,7 +40,7 @@ class TrainingLoop:
     ) -> None:
         self.setup, self.saves = setup, saves
         self._evaluate, self._save = evaluate, save
-        self._callbacks, self._report = setup._callbacks, setup._report
+        self._callbacks, self._report = setup.callbacks, setup.report
         self.stopped_by: Stop | None = None
         """The signal the ranks agreed to stop for (train() then saves and exits)."""
 
@@ -55,7 +55,7 @@ class TrainingLoop:
     def run(self) -> Stop | None:
         """Train until max_steps, or until the ranks agree to stop at a step boundary (the
         stop they agreed on, which `stop_and_save` then ends with)."""
-        runlog = self.setup._runlog or self.setup.open_runlog()  # a replacement's: its join
+        runlog = self.setup.runlog or self.setup.open_runlog()  # a replacement's: its join
         while not self._train_epoch():
             self.state.epoch += 1
             self.state.batches_done = 0
@@ -69,12 +69,12 @@ class TrainingLoop:
         control._new_epoch()
         self._callbacks.fire("on_epoch_begin")
         with self.setup.strategy.uneven_inputs(self.args.even_batches) as shadow:
-            setup._stepper.shadow = shadow
+            setup.stepper.shadow = shadow
             steps = self._epoch_steps()
             while True:
                 try:
-                    if setup._live is not None:  # a peer lost or waiting is seen here first
-                        setup._live.boundary()
+                    if setup.live is not None:  # a peer lost or waiting is seen here first
+                        setup.live.boundary()
                     # Agreed before the step's data is loaded: a dataset that draws random
                     # numbers would otherwise draw them for a step never trained.
                     if self._stop_agreed() or self.state.global_step >= setup.max_steps:
@@ -90,15 +90,15 @@ class TrainingLoop:
                         return False
                     self._train_step(batches, expected)
                 except PeerLost as lost:
-                    if setup._live is None:
+                    if setup.live is None:
                         raise
-                    setup._live.recover(lost)  # the step in flight is dropped on every member
+                    setup.live.recover(lost)  # the step in flight is dropped on every member
                     steps = self._epoch_steps()
 
     def _stop_agreed(self) -> bool:
         """The boundary vote (stopping.py): a stop, and whether the save in flight is
         written on every rank, which is then collected here, at the same step everywhere."""
-        self.stopped_by, written = self.setup._stop_requests.agree(self.saves.vote())
+        self.stopped_by, written = self.setup.stop_requests.agree(self.saves.vote())
         if written:
             self.saves.collect()
             self._callbacks.agree()  # what on_save asked for
@@ -112,9 +112,9 @@ class TrainingLoop:
             return setup.stream.steps(state.epoch, args.gradient_accumulation_steps)
         assert setup.sampler is not None
         setup.sampler.set_epoch(state.epoch)
-        if setup._live is not None:  # the world may have changed: this epoch's length in it
+        if setup.live is not None:  # the world may have changed: this epoch's length in it
             setup.set_epoch_length(len(setup.train_loader))
-        setup._loader_generator.manual_seed(args.seed + state.epoch)
+        setup.loader_generator.manual_seed(args.seed + state.epoch)
         return step_groups(
             iter(setup.train_loader),
             state.batches_done,
@@ -127,12 +127,12 @@ class TrainingLoop:
         setup, state = self.setup, self.state
         self._callbacks.control._new_step()
         self._callbacks.fire("on_step_begin")
-        result = setup._stepper.run(batches, expected, setup.loss_fn, state)
+        result = setup.stepper.run(batches, expected, setup.loss_fn, state)
         state.batches_done += expected
         state.global_step += 1
         progress_record.step(state.global_step + 1)  # the launcher's hang watch: step begun
-        assert setup._runlog is not None
-        setup._runlog.add(result)
+        assert setup.runlog is not None
+        setup.runlog.add(result)
         self._report.advance()
         self._callbacks.fire("on_step_end")
         self._after_step()
@@ -163,7 +163,7 @@ class TrainingLoop:
             best = record_evaluation(args, self.state, self._evaluate())
             save = save or (args.save_strategy == "best" and best)  # after its evaluation
         if save:
-            live = setup._live is not None
+            live = setup.live is not None
             self._save(self.saves.in_background(live, setup.checkpoint_states()))
         if due.log or due.evaluate or save:
             self._callbacks.agree()  # what on_log, on_evaluate and on_save asked for
@@ -184,7 +184,7 @@ class TrainingLoop:
 
     def _log(self) -> None:
         """One log line for the steps since the last (every rank calls this)."""
-        runlog, state = self.setup._runlog, self.state
+        runlog, state = self.setup.runlog, self.state
         assert runlog is not None
         extra = {
             "lr": float(self.setup.scheduler.get_last_lr()[0]),

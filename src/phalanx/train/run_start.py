@@ -43,27 +43,27 @@ class RunStart:
             resume = False if field is None else (True if field.lower() == "true" else field)
         restart = restart_note()
         if restart is not None:
-            setup._report.say(f"{restart}: " + ("resuming…" if resume else "starting afresh"))
+            setup.report.say(f"{restart}: " + ("resuming…" if resume else "starting afresh"))
         with self.cluster.restored(asked, resume) as (resume, restored):
             prepare_output_dir(setup.world, setup.args, fresh=resume is False)
             seed_everything(setup.args.seed)
             setup.state = TrainState()
-            setup._make_entries()
+            setup.make_entries()
             resumed_from = None if resume is False else self._resume(resume, restored)
         state = setup.state
         if state.global_step >= setup.max_steps:
-            setup._rng.restore()
-            setup._report.say(f"already at max_steps ({setup.max_steps}) — nothing to do")
+            setup.rng.restore()
+            setup.report.say(f"already at max_steps ({setup.max_steps}) — nothing to do")
             return resumed_from, False
         keep_until = state.global_step if resumed_from is not None else 0
         with timelines.span_of(setup.timeline, "open run (barrier)"):
-            setup._report.open(setup.max_steps, state.global_step, keep_until)
-        setup._rng.restore()  # last, so nothing above can shift the dropout masks
+            setup.report.open(setup.max_steps, state.global_step, keep_until)
+        setup.rng.restore()  # last, so nothing above can shift the dropout masks
         ours = resumed_from is not None and Path(resumed_from).parent == Path(setup.args.output_dir)
         self.saves.saved_step = state.global_step if ours else None  # no need to write it again
-        setup._callbacks.control._new_training()
-        setup._callbacks.fire("on_train_begin")
-        setup._callbacks.agree()
+        setup.callbacks.control._new_training()
+        setup.callbacks.fire("on_train_begin")
+        setup.callbacks.agree()
         return resumed_from, True
 
     def join(self) -> None:
@@ -71,13 +71,13 @@ class RunStart:
         the others are (no output dir to prepare, no checkpoint to read, no barrier: the
         others are mid-run; the callbacks' on_train_begin was theirs)."""
         setup = self.setup
-        assert setup._live is not None
+        assert setup.live is not None
         seed_everything(setup.args.seed)
         setup.state = TrainState()
-        setup._make_entries()
-        setup._live.join()
+        setup.make_entries()
+        setup.live.join()
         self.saves.saved_step = None
-        setup._callbacks.control._new_training()
+        setup.callbacks.control._new_training()
 
     def load_best(self) -> None:
         """load_best_model_at_end: the model of the best evaluation's checkpoint, on every rank."""
@@ -87,8 +87,8 @@ class RunStart:
             return
         if state.best_global_step != state.global_step:  # else it is the model now
             model = setup.checkpoint_states()["model"]
-            setup._checkpointer.load(Path(best), {"model": model})
-        setup._report.say(
+            setup.checkpointer.load(Path(best), {"model": model})
+        setup.report.say(
             f"loaded the best model: {Path(best).name} ({metric_key(setup.args)} "
             f"{state.best_metric:.6g})"
         )
@@ -96,18 +96,18 @@ class RunStart:
     def _resume(self, resume_from: Resume, restored: Path | None = None) -> str | None:
         """`restored`: this node's copy of the checkpoint Ray restored (rank 0 chose its own)."""
         setup = self.setup
-        path = setup._checkpointer.choose(resume_from)
+        path = setup.checkpointer.choose(resume_from)
         if path is None:
-            setup._report.say(f"no checkpoint in {setup.args.output_dir} yet: starting at step 0")
+            setup.report.say(f"no checkpoint in {setup.args.output_dir} yet: starting at step 0")
             return None
         target = path if restored is None else restored
-        setup._checkpointer.load(target, setup.checkpoint_states())
-        warning = resume_warning(path.name, setup._counters, setup._position)
+        setup.checkpointer.load(target, setup.checkpoint_states())
+        warning = resume_warning(path.name, setup.counters, setup.position)
         if warning is not None and setup.world.is_main:
             warnings.warn(warning, ResumeWarning, stacklevel=3)
         state = setup.state
-        sample = setup._position.consumed() * setup.world.world_size
-        setup._report.say(
+        sample = setup.position.consumed() * setup.world.world_size
+        setup.report.say(
             f"resumed from {path.name} (step {state.global_step}, epoch {state.epoch}, "
             f"sample {sample} of the epoch)"
         )

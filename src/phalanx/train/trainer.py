@@ -97,10 +97,10 @@ class Trainer:
             optimizer_cls_and_kwargs,
         )
         """What the run is made of; live recovery rebuilds its parts in place (train/live.py)."""
-        self._report, self._callbacks = setup._report, setup._callbacks  # the setup's own
+        self._report, self._callbacks = setup.report, setup.callbacks  # the setup's own
         self.cluster = ClusterReport(setup, self._report)
         """What Ray Train is told, and where it says to resume (a no-op elsewhere)."""
-        parts = (setup.args, setup.model, setup._tied, setup._checkpointer, self._report)
+        parts = (setup.args, setup.model, setup.tied, setup.checkpointer, self._report)
         self.saves = CheckpointSaves(*parts, self._callbacks, self.cluster.checkpoint_sealed)
         """The checkpoints this Trainer writes, the one in flight among them."""
         self._start = RunStart(setup, self.cluster, self.saves)
@@ -211,11 +211,11 @@ class Trainer:
         `overwrite_output_dir` is set.
         """
         setup = self.setup
-        setup._check_open()
+        setup.check_open()
         if setup.train_dataset is None:
             raise ConfigurationError("train() needs a train_dataset — pass one to the Trainer")
         resumed_from: str | None = None
-        if setup._live is not None and setup._live.is_replacement:
+        if setup.live is not None and setup.live.is_replacement:
             self._start.join()
         else:
             resumed_from, steps_left = self._start.begin(resume_from_checkpoint)
@@ -223,10 +223,10 @@ class Trainer:
                 done = (self.state.global_step, self.setup.mean_loss(), 0.0, 0.0, resumed_from)
                 return TrainOutput(*done, self.world.launcher)
         try:
-            with setup._stop_requests.installed(self.args.save_on_signal):
+            with setup.stop_requests.installed(self.args.save_on_signal):
                 stopped = self.loop.run()
-                if setup._live is not None:
-                    setup._live.finish()
+                if setup.live is not None:
+                    setup.live.finish()
                 if stopped is not None:
                     raise self.loop.stop_and_save(stopped)
                 self.saves.collect()
@@ -242,7 +242,7 @@ class Trainer:
 
     def _output(self, resumed_from: str | None) -> TrainOutput:
         summary = self.setup.settle_loss()
-        self.setup._runlog = None
+        self.setup.runlog = None
         self.cluster.finish()
         return TrainOutput(
             global_step=self.state.global_step,
@@ -260,7 +260,7 @@ class Trainer:
         Every rank must call it; every rank gets the same dict.
         """
         setup = self.setup
-        setup._check_open()
+        setup.check_open()
         dataset = eval_dataset if eval_dataset is not None else setup.eval_dataset
         if dataset is None:
             raise ConfigurationError("evaluate() needs an eval_dataset — pass one to the Trainer")
@@ -273,10 +273,10 @@ class Trainer:
     def save_model(self, output_dir: str | Path | None = None) -> Path:
         """The model alone, in Hugging Face's format, into `output_dir` (args.output_dir by
         default), as HF's Trainer.save_model; every rank must call it."""
-        self.setup._check_open()
+        self.setup.check_open()
         out = Path(output_dir if output_dir is not None else self.args.output_dir)
         sharded = self.strategy.sharded_model
-        hf_save.save_model(self.model, self.world, out, self.setup._tied, sharded)
+        hf_save.save_model(self.model, self.world, out, self.setup.tied, sharded)
         self._report.say(f"saved the model in Hugging Face's format to {out}")
         return out
 
@@ -287,7 +287,7 @@ class Trainer:
 
     def _save(self, background: bool) -> Path:
         """Save at this step: stage and hand to the writer thread, or write now."""
-        self.setup._check_open()
+        self.setup.check_open()
         if self.setup.sampler is None and self.setup.stream is None:
             raise ConfigurationError("save_checkpoint() needs a train_dataset — pass one")
         step, saves = self.state.global_step, self.saves

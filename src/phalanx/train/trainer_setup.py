@@ -93,7 +93,7 @@ class TrainerSetup:
         self._init_loop_state()
         self.world, self._owns_group = join_world(self.args)
         """Rank, world size, device, and the group: one of one rank for a plain process."""
-        self._report = RunReport(self.world, self.args)
+        self.report = RunReport(self.world, self.args)
         path, world = self.args.timeline or os.environ.get(timelines.ENV), self.world
         self.timeline = timelines.start(path, world.rank, world.world_size) if path else None
         """The process's timeline (phalanx.diagnostics.timeline), or None when off."""
@@ -103,14 +103,14 @@ class TrainerSetup:
             choice = OptimizerChoice.of(optimizer, optimizers, optimizer_cls_and_kwargs)
             self.args, self.plan = planned_arguments(self, model, choice)  # "auto" resolved
             args = self.args
-            self._checkpointer = Checkpointer(
-                self.world, Path(args.output_dir), args.save_total_limit, self._report.say
+            self.checkpointer = Checkpointer(
+                self.world, Path(args.output_dir), args.save_total_limit, self.report.say
             )
             self._setup_model(model, choice)
             if train_dataset is not None:
                 self._setup_training(train_dataset)
-            self._callbacks = self._setup_callbacks(callbacks)
-            self._live = live_training_for(self)
+            self.callbacks = self._setup_callbacks(callbacks)
+            self.live = live_training_for(self)
             """fault_tolerance="live": the survivors go on after a loss (train/live.py)."""
         except BaseException:
             self.close()  # a Trainer that could not be made must not keep its group
@@ -119,7 +119,7 @@ class TrainerSetup:
     def _init_loop_state(self) -> None:
         """What the loop keeps between train() calls, before any is made."""
         self.state = TrainState()
-        self._runlog: RunLog | None = None
+        self.runlog: RunLog | None = None
         """The log window and totals of the train() call under way (train/logging/runlog.py)."""
         self.sampler: DistributedSampler | None = None
         self.stream: Stream | None = None
@@ -127,7 +127,7 @@ class TrainerSetup:
 
     # ------------------------------------------------------------------ setup
     def _setup_model(self, model: nn.Module, choice: OptimizerChoice) -> None:
-        self._tied = hf_save.tied_copies(model)  # before sharding: ties are identities here
+        self.tied = hf_save.tied_copies(model)  # before sharding: ties are identities here
         self.strategy = strategy_for(self.args, self.world, choice, self.timeline)
         """How the run is data-parallel (train/strategy/): the only reader of zero_stage, and
         the owner of the wrapper, the offload files and what differs between the stages."""
@@ -175,9 +175,9 @@ class TrainerSetup:
         )
         # Its own generator: making an iterator must not draw from the global RNG,
         # or a resumed run (which makes one mid-epoch) would shift the dropout masks.
-        self._loader_generator = torch.Generator()
+        self.loader_generator = torch.Generator()
         self.train_loader = train_loader(
-            dataset, self.sampler, args, self.collate_fn, self._loader_generator
+            dataset, self.sampler, args, self.collate_fn, self.loader_generator
         )
         self.micro_batches_per_epoch = len(self.train_loader)
         if not args.even_batches:  # the longest rank's epoch: every rank counts the same steps
@@ -198,11 +198,11 @@ class TrainerSetup:
         self.scheduler: LRScheduler = given or make_scheduler(
             self.optimizer, args.lr_scheduler_type, warmup, self.max_steps, args.lr_scheduler_kwargs
         )
-        self._guard = NonFiniteGuard(
-            self.world, args.on_nonfinite_grad, args.max_consecutive_skips, self._report.say
+        self.guard = NonFiniteGuard(
+            self.world, args.on_nonfinite_grad, args.max_consecutive_skips, self.report.say
         )
-        self._stop_requests = StopRequests(self.world)
-        self._stepper = StepRunner(
+        self.stop_requests = StopRequests(self.world)
+        self.stepper = StepRunner(
             self.model,
             self.strategy,
             self.optimizer,
@@ -210,10 +210,10 @@ class TrainerSetup:
             self.scaler,
             args,
             self.world,
-            self._guard,
+            self.guard,
             self.timeline,
         )
-        self._make_entries()
+        self.make_entries()
 
     def _setup_callbacks(self, callbacks: list[Any] | None) -> Callbacks:
         """Hugging Face's callbacks (callbacks.py), with the objects its events pass."""
@@ -248,19 +248,19 @@ class TrainerSetup:
             "best_model_checkpoint": state.best_model_checkpoint,
         }
 
-    def _make_entries(self) -> None:
+    def make_entries(self) -> None:
         """The adapters over the loop's own state (see trainer_state.py), for `self.state`."""
-        self._counters = Counters(self.state, self.args, self.world)
-        self._position: DataPosition
+        self.counters = Counters(self.state, self.args, self.world)
+        self.position: DataPosition
         if self.stream is not None:
             batch = self.args.per_device_train_batch_size
-            self._position = StreamPosition(self.stream, self.state, batch)
+            self.position = StreamPosition(self.stream, self.state, batch)
         else:
             assert self.sampler is not None
-            self._position = SamplerPosition(
+            self.position = SamplerPosition(
                 self.sampler, self.state, self.args, self.micro_batches_per_epoch
             )
-        self._rng = RngStreams()
+        self.rng = RngStreams()
 
     @property
     def wrapped_model(self) -> nn.Module:
@@ -277,7 +277,7 @@ class TrainerSetup:
         comes first: it loads the counters the others' messages use.
         """
         states: dict[str, Entry] = {
-            "trainer": self._counters,
+            "trainer": self.counters,
             **self.strategy.checkpoint_entries(self.model, self.optimizer),
             "scheduler": self.scheduler,
         }
@@ -286,26 +286,26 @@ class TrainerSetup:
             states["comm"] = PerRank(local)
         if self.scaler is not None:
             states["scaler"] = self.scaler
-        states["stream" if self.stream is not None else "sampler"] = self._position
-        states["rng"] = self._rng
+        states["stream" if self.stream is not None else "sampler"] = self.position
+        states["rng"] = self.rng
         return states
 
     def rewrap(self) -> None:
         """Wrap the model again for the current world (live recovery, after the members
         changed): phalanx DDP over the new group, or the model itself in a world of one."""
         self.strategy.rewrap(self.model)
-        if self._runlog is not None:
-            self._runlog.traffic = continue_from(self.traffic_source(), self._runlog.traffic())
+        if self.runlog is not None:
+            self.runlog.traffic = continue_from(self.traffic_source(), self.runlog.traffic())
 
     def replace_optimizer(self, optimizer: Optimizer) -> None:
         """Live recovery at ZeRO-1/2 builds the new world's optimizer: everything that steps or
         reads the optimizer follows it (the scheduler, the step, the callbacks, the log)."""
         self.optimizer = optimizer
         self.scheduler.optimizer = optimizer
-        self._stepper.optimizer = optimizer
-        self._callbacks.objects["optimizer"] = optimizer
-        if self._runlog is not None:
-            self._runlog.traffic = continue_from(self.traffic_source(), self._runlog.traffic())
+        self.stepper.optimizer = optimizer
+        self.callbacks.objects["optimizer"] = optimizer
+        if self.runlog is not None:
+            self.runlog.traffic = continue_from(self.traffic_source(), self.runlog.traffic())
 
     def traffic_source(self) -> TrafficSource:
         """What the log's traffic figures read: the strategy's sum of whatever sent them
@@ -326,8 +326,8 @@ class TrainerSetup:
         """This rank's micro-batches in the epoch (from the current position, after a
         live recovery dealt the rest of it over a new world)."""
         self.micro_batches_per_epoch = micro_batches
-        if isinstance(self._position, SamplerPosition):
-            self._position.micro_batches_per_epoch = micro_batches
+        if isinstance(self.position, SamplerPosition):
+            self.position.micro_batches_per_epoch = micro_batches
 
     def evaluation(self) -> EvalSetup:
         """What evaluation borrows: the world, the eval batch, the collator, the loss."""
@@ -360,16 +360,16 @@ class TrainerSetup:
 
     def open_runlog(self) -> RunLog:
         """The train() call's log and loss tally, from the loss summed so far."""
-        self._runlog = RunLog(self.world, self._report, self.traffic_source(), self.timeline)
-        self._runlog.loss_from(self.state.loss_sum, self.counted_steps())
-        return self._runlog
+        self.runlog = RunLog(self.world, self.report, self.traffic_source(), self.timeline)
+        self.runlog.loss_from(self.state.loss_sum, self.counted_steps())
+        return self.runlog
 
     def fold_loss(self) -> None:
         """Live recovery, on every member once the state is shared (collective): fold the
         run window's loss into loss_sum and count on from there, so that members who trained
         different steps (a replacement, none) report one train_loss. The steps a lost member
         trained count at the survivors' mean."""
-        runlog = self._runlog or self.open_runlog()
+        runlog = self.runlog or self.open_runlog()
         self.state.loss_sum, _ = runlog.settle_loss(self.counted_steps())
         runlog.run.reset(runlog.traffic().wait_s)
         runlog.loss_from(self.state.loss_sum, self.counted_steps())
@@ -385,12 +385,12 @@ class TrainerSetup:
 
     def settle_loss(self) -> dict[str, float]:
         """Collective: fold this call's step losses into state.loss_sum; the call's summary."""
-        if self._runlog is None:
+        if self.runlog is None:
             return {}
-        self.state.loss_sum, summary = self._runlog.settle_loss(self.counted_steps())
+        self.state.loss_sum, summary = self.runlog.settle_loss(self.counted_steps())
         return summary
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
         if self._closed:
             raise ConfigurationError(
                 "this Trainer was closed and has let go of the process group — make a new one"

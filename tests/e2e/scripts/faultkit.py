@@ -44,7 +44,7 @@ def signal_in_step(trainer: Trainer, opts: argparse.Namespace) -> None:
         time.sleep(0.05)  # two Ctrl-C are two key presses, not one
     if opts.signal_launcher:  # this step goes on until the launcher has passed it on
         deadline = time.monotonic() + FORWARDED_WITHIN_S
-        while not trainer.setup._stop_requests.received and time.monotonic() < deadline:
+        while not trainer.setup.stop_requests.received and time.monotonic() < deadline:
             time.sleep(0.01)
 
 
@@ -61,7 +61,7 @@ def kill_in_save(trainer: Trainer, where: str) -> None:
     # The save's own step, not the loop's: a background save is written while the loop
     # trains on (its files live in checkpoint-STEP.<random>.tmp, its seal names the step).
     die = lambda: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
-    checkpoints = trainer.setup._checkpointer
+    checkpoints = trainer.setup.checkpointer
     save, background = checkpoints.save, checkpoints.start_background
     write_file, seal = writes.write_file, lineage.seal
     written = [0]

@@ -55,7 +55,7 @@ def planned_arguments(
         trainer.collate_fn,
         choice,
     )
-    trainer._report.args = args  # the metric sinks record the settings the run trains with
+    trainer.report.args = args  # the metric sinks record the settings the run trains with
     return args, plan
 
 
