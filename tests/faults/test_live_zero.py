@@ -102,3 +102,18 @@ def test_twenty_trials_per_stage(tmp_path: Path, stage: str) -> None:
         killed = float((ledger / "killed_at").read_text())
         on_two = [e["t"] for es in _steps(ledger, run).values() for e in es if e["world"] == 2]
         assert min(on_two) - killed < 10, (trial, member, step, how, min(on_two) - killed)
+
+
+@pytest.mark.slow  # about a minute; tests/distributed/test_zero3_redeal.py holds the cause
+@pytest.mark.timeout(400)
+def test_stage3_three_losses_with_replacements_finish_together(tmp_path: Path) -> None:
+    """benchmarks/live_goodput.py --zero-stage 3's run: rank 1 of the world killed at steps
+    30, 60 and 90 of a 4-layer 512-wide MLP, replacements let in while --max-restarts
+    allows. The survivors were cut off at different points of an iteration; before
+    Root.abandon they then paired different gathers (a size mismatch aborted one, the
+    rest hung) in 3 runs of 5."""
+    out = _train(tmp_path / "run", tmp_path / "ledger", 120, ZERO_STAGE="3", WIDTH="512",
+                 DEPTH="4", KILL_STEPS="30,60,90", PAUSE_S="0.05", SAVE_STEPS="25")  # fmt: skip
+    assert out.count("live recovery:") >= 3 and "mismatch" not in out, out
+    assert out.count("done step=120") >= 1, out  # the survivors (replacements: --max-restarts)
+    assert len(set(re.findall(r"eval=(\S+)", out))) == 1, out

@@ -122,6 +122,21 @@ class Root:
             if buffers and dist.get_world_size(group) > 1:
                 self.comm.add(broadcast_coalesced(buffers, group))
 
+    def abandon(self) -> None:
+        """Forget an iteration whose group is gone (live recovery, before a re-deal): its
+        collectives failed with that group, so nothing is waited for. Every unit goes back
+        to idle and sharded, and the end of backward may be queued again. Left as it was,
+        a rank cut off in forward and one cut off in backward began the next iteration in
+        different phases, and their gathers no longer paired up (a size mismatch, or a
+        hang: benchmarks/live_goodput.py --zero-stage 3)."""
+        for u in self.units:
+            u.reducing = None
+            u.end_iteration()
+            u.reshard()
+        self._all_reduces, self._in_flight = [], []
+        self._end = EndOfBackward(self.end_of_backward)
+        self._forward_span = None
+
     def record_again(self) -> None:
         """Forget the order units ran in: the next iteration records it again, prefetching
         nothing (after a re-deal every rank must issue the same gathers, and a replacement

@@ -262,10 +262,13 @@ def redeal(model: nn.Module, wholes: list[torch.Tensor], mesh: DeviceMesh | None
     values of its parameters, in `sharded_parameters` order (live recovery: another world
     size). The sharded parameters are new objects: build the optimizer again."""
     info = mesh_info(mesh)
+    roots = list({id(u.root): u.root for u in units(model) if u.root is not None}.values())
+    for root in roots:
+        root.abandon()  # the iteration the loss cut short, wherever each rank was in it
     values = iter(wholes)
     for unit in units(model):
         unit.redeal(info, [next(values) for _ in unit.params])
-    for root in {id(u.root): u.root for u in units(model) if u.root is not None}.values():
+    for root in roots:
         root.record_again()  # every rank gathers in the same order from the next iteration
 
 
