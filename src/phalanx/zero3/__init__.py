@@ -81,8 +81,7 @@ def communication(model: nn.Module) -> Traffic:
     total = NO_TRAFFIC
     roots = set()  # units() gives each unit once, a group too
     for unit in units(model):
-        for group in unit.groups:
-            total += group.comm.traffic
+        total += unit.traffic
         if unit.root is not None and id(unit.root) not in roots:
             roots.add(id(unit.root))
             total += unit.root.comm.traffic

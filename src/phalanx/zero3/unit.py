@@ -18,6 +18,7 @@ from torch import nn
 
 from phalanx.errors import OffloadError
 from phalanx.parallel.collectives import ReduceScatterState
+from phalanx.parallel.traffic import NO_TRAFFIC, Traffic
 from phalanx.runtime.agree import raise_on_every_rank
 from phalanx.zero3.group import GradHook, ParamGroup, PendingAllReduce, Reduction
 from phalanx.zero3.mesh import MeshInfo, post_forward_group, unit_group
@@ -89,6 +90,9 @@ class Unit:
         self.reduced = False
         """This iteration's reduction is finished (the root may finish it mid-backward)."""
         self.groups: list[ParamGroup] = []
+        self.sent_before = NO_TRAFFIC
+        """What groups this unit dropped had sent (a regroup after a re-deal or a load with
+        assign): its counts go on from there, so a log's per-step figures never go back."""
         self.timeline: Timeline | None = None
         """Where its gathers and reductions are recorded (set by the root, or the Trainer)."""
         self._stale = True
@@ -108,7 +112,7 @@ class Unit:
         setting = self.reshard_after_forward
         if isinstance(setting, int) and not isinstance(setting, bool) and setting > 1:
             self.post_forward_group = post_forward_group(info, setting)
-        self.groups = []
+        self._drop_groups()
         self.mark_stale()
         self.refresh()
 
@@ -126,6 +130,7 @@ class Unit:
             raise_on_every_rank(failure, unit_group(self.info))
         elif failure is not None:
             raise failure
+        self._drop_groups()
         by_key: dict[tuple[torch.device, torch.dtype], list[ShardedParam]] = {}
         for p in self.params:
             device = self.info.device if p.home.away else p.local.device
@@ -138,6 +143,19 @@ class Unit:
         self.record_to(self.timeline)
         self.expected = sum(p.sharded.requires_grad for p in self.params)
         self._stale = False
+
+    def _drop_groups(self) -> None:
+        for g in self.groups:
+            self.sent_before += g.comm.traffic
+        self.groups = []
+
+    @property
+    def traffic(self) -> Traffic:
+        """Everything this unit's groups sent, the dropped ones' included."""
+        total = self.sent_before
+        for g in self.groups:
+            total += g.comm.traffic
+        return total
 
     def record_to(self, timeline: Timeline | None) -> None:
         self.timeline = timeline
