@@ -12,7 +12,7 @@ now turn on themselves, hands them back to the kernel.
 
 Measured on this model, 3 steps (start to peak / start to end, MB): stage 3, 338-342 /
 223-252 without the setting against 116 / -10 with it, for 216 MB of state in files;
-stage 1, 189-196 / 90-132 against 96-105 / 21-25, for 54 MB of gradients.
+stage 1, 189-196 / 90-132 against 96-117 / 18-54 (over many runs), for 54 MB of gradients.
 """
 
 from __future__ import annotations
@@ -96,5 +96,7 @@ def test_disk_offload_returns_what_a_step_frees(tmp_path: Path, stage: int) -> N
         assert r["end_mb"] - r["start_mb"] < 8 * params / LAYERS / 2**20 + WINDOW_MB, r
     else:
         # Parameters and gradients stay in memory at stage 1, allocated before the loop:
-        # the steps' leftovers are temporaries, far less than the gradients themselves.
-        assert r["end_mb"] - r["start_mb"] < 4 * params / 2**20, r
+        # the steps' leftovers are temporaries and the optimizer's window, below the
+        # gradients' size plus a window (18-54 MB measured, against 90-132 MB when freed
+        # blocks stay in glibc's heap; 54 MB alone failed 1 run in 4).
+        assert r["end_mb"] - r["start_mb"] < 4 * params / 2**20 + WINDOW_MB, r
