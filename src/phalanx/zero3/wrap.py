@@ -9,7 +9,6 @@ registered in place of the originals, and the module becomes an
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, overload
 
@@ -43,10 +42,10 @@ if TYPE_CHECKING:
 from phalanx.zero3.root import STATE, unit_of
 from phalanx.zero3.unit import Unit, UnitPhase
 
-# Which unit took each original parameter: a parameter still registered whole somewhere
-# else (tied weights) must not be taken a second time by another unit. Weak: it keeps no
-# parameter alive. Keyed by id(): tensors compare elementwise, so they cannot be keys.
-_TAKEN_BY: dict[int, tuple[weakref.ref[nn.Parameter], str]] = {}
+_TAKEN_BY = "_phalanx_taken_by"
+"""The attribute a unit writes on each original parameter it took (naming the unit): one
+still registered whole somewhere else (tied weights) must not be taken again by another
+unit. The fact belongs to the parameter, so it lives and dies with it."""
 
 
 @overload
@@ -98,7 +97,7 @@ def fully_shard(
     group = post_forward_group(info, reshard) if isinstance(reshard, int) and reshard > 1 else None
     unit = Unit(modules, params, info, policy, reshard, broadcast_buffers, group)
     for p, fqn, _ in managed:
-        _TAKEN_BY[id(p)] = (weakref.ref(p), f"{what} (at '{fqn}')")
+        setattr(p, _TAKEN_BY, f"{what} (at '{fqn}')")
     _install(modules, unit)
     return module
 
@@ -303,12 +302,8 @@ def _check_placements(managed: list[Managed], placement_fn: Callable[..., Any] |
 
 def _refuse_parameters_of_other_units(what: str, managed: list[Managed]) -> None:
     """A parameter another unit already took, still registered whole here: tied across units."""
-    for key, (ref, _) in list(_TAKEN_BY.items()):
-        if ref() is None:
-            del _TAKEN_BY[key]  # prune: that parameter is gone
     for p, fqn, _ in managed:
-        entry = _TAKEN_BY.get(id(p))
-        other = entry[1] if entry is not None and entry[0]() is p else None
+        other = getattr(p, _TAKEN_BY, None)
         if other is not None:
             raise ConfigurationError(
                 f"parameter '{fqn}' of {what} is also a parameter of the "
