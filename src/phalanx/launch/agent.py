@@ -81,7 +81,7 @@ class Agent:
                 self.sink.message(note)
             lifeline = Lifeline(self.config.grace_s, self.python)
             stack.callback(lifeline.close)
-            meeting = Meeting(self.config, lifeline, self.sink.message, self._cancelled)
+            meeting = Meeting(self.config, self.sink.message, self._cancelled)
             stack.callback(meeting.close)
             self.config = meeting.open()
             if self._cancelled():

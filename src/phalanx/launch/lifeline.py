@@ -80,7 +80,7 @@ class Lifeline:
         finally:
             os.close(read_end)
         self._pipe: IO[bytes] | None = os.fdopen(write_end, "wb", buffering=0)
-        self._lock = threading.Lock()  # the store helper is watched from another thread
+        self._lock = threading.Lock()  # watch and release may come from several threads
 
     def _send(self, line: str) -> None:
         with self._lock:

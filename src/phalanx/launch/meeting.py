@@ -23,7 +23,6 @@ from phalanx.ground.store_keys import LEFT_KEY
 from phalanx.ground.storeclient import StoreClient
 from phalanx.launch.config import LaunchConfig
 from phalanx.launch.etcdmeet import EtcdMeeting
-from phalanx.launch.lifeline import Lifeline
 from phalanx.launch.live import Connect, tcp_store
 from phalanx.launch.livenodes import NodeBeat, NodeWatch, claim_live_node
 from phalanx.launch.rendezvous import (
@@ -37,8 +36,6 @@ from phalanx.launch.storehost import StoreHost, bind_store_socket
 
 __all__ = ["Meeting"]
 
-# Long enough for the store helper to import torch on a busy machine.
-_OWN_STORE_TIMEOUT_S = 120.0
 # torchrun's exit barrier timeout: how long the host keeps the store for the other nodes.
 _EXIT_BARRIER_S = 300.0
 
@@ -49,13 +46,11 @@ class Meeting:
     def __init__(
         self,
         config: LaunchConfig,
-        lifeline: Lifeline,
         announce: Callable[[str], None],
         cancelled: Callable[[], bool],
     ) -> None:
         self.config = config
         self.port = config.master_port
-        self._lifeline = lifeline
         self._announce = announce
         self._cancelled = cancelled
         self._store: StoreHost | None = None
@@ -201,7 +196,7 @@ class Meeting:
             cfg.rdzv.port_flag,
             free_hint=cfg.nnodes == 1,
         )
-        self._store = StoreHost(sock, self._lifeline, self._announce)
+        self._store = StoreHost(sock)
         self.port = self._store.port
         if cfg.nnodes > 1 and cfg.rdzv.assign_node_rank:
             self._gather_nodes()
@@ -217,9 +212,7 @@ class Meeting:
             f"rendezvous {cfg.run_id!r}: hosting at {self._store.address}:{self.port}, "
             f"waiting for {cfg.nnodes - 1} more node{'s' if cfg.nnodes > 2 else ''}"
         )
-        with StoreClient(
-            self._store.address, self.port, max(_OWN_STORE_TIMEOUT_S, cfg.rdzv.read_timeout_s)
-        ) as client:
+        with StoreClient(self._store.address, self.port, cfg.rdzv.read_timeout_s) as client:
             wait_for_joiners(
                 client,
                 cfg.run_id,
@@ -270,13 +263,11 @@ class Meeting:
             say=self._announce,
             cancelled=self._cancelled,
         )
-        # The host's own first connection may start the store's helper, which imports torch.
-        wait_s = cfg.rdzv.read_timeout_s
         try:
-            client = StoreClient(host, self.port, max(wait_s, _OWN_STORE_TIMEOUT_S * hosting))
+            client = StoreClient(host, self.port, cfg.rdzv.read_timeout_s)
         except OSError as exc:
             why = (
-                "its helper did not start: the 'store:' lines above say why"
+                "this launcher's own store stopped serving (a bug: please report it)"
                 if hosting
                 else "node 0's launcher gave up or was stopped: its output says why"
             )

@@ -72,7 +72,8 @@ def _sleep_unless(cancelled: Callable[[], bool], seconds: float) -> None:
 
 
 def _serves_attempt(client: StoreClient, attempt: int) -> bool:
-    # The helper sets the key just after its store starts answering: give it a moment.
+    # The host's store holds the key from its first answer; a store that lacks it is
+    # not (yet) an attempt's.
     ready = client.wait_for([ATTEMPT_KEY], _ATTEMPT_KEY_WAIT_S)
     return ready and client.get(ATTEMPT_KEY) == str(attempt).encode()
 

@@ -7,38 +7,29 @@ every interface, IPv4 and IPv6, where anyone on the network can read and
 write its keys. The socket lives as long as the launcher, so the port never
 changes between restarts and never sits in TIME_WAIT.
 
-The store itself is torch's TCPStore, served from that socket
-(`master_listen_fd`) by a helper process: the launcher imports no torch. Each
-attempt gets a fresh helper, so no key of a failed attempt leaks into the
-next (as torchrun creates a new store per attempt). The helper is started with
-the attempt, before its workers: it imports torch while they do, so the store
-is serving when their `init` first knocks (started at the first knock instead,
-its import came after theirs, and every worker's `init` waited for it:
-benchmarks/startup.py). Workers reach it as torchrun's workers reach
+The store speaks torch's TCPStore protocol but is served by the launcher itself,
+in a thread (ground/storeserver.py): the launcher imports no torch, and a
+helper process that imported it (to run torch's own server) put a second torch
+import before every worker's `init` (benchmarks/startup.py). Each attempt gets
+a fresh server, so no key of a failed attempt leaks into the next (as torchrun
+creates a new store per attempt); clients that knock between two attempts wait
+in the socket's backlog. Workers reach it as torchrun's workers reach
 torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE).
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import signal
 import socket
-import subprocess
-import sys
-import threading
-from collections.abc import Callable
 
 from phalanx.errors import ConfigurationError, PortTakenError
 from phalanx.ground.ports import AddressUnresolved, NotThisHost, PortInUse, bind_own_address
-from phalanx.launch.lifeline import Lifeline
-from phalanx.launch.procgroup import signal_group
+from phalanx.ground.store_keys import ATTEMPT_KEY
+from phalanx.ground.storeserver import StoreServer
 
 __all__ = ["StoreHost", "bind_store_socket"]
 
 _BACKLOG = 4096
-_HELPER_EXIT_S = 2.0
-_SERVE = "from phalanx.runtime.store import serve_agent_store; serve_agent_store()"
 
 
 def bind_store_socket(host: str, port: int, port_flag: str, free_hint: bool) -> socket.socket:
@@ -83,67 +74,29 @@ def _port_taken(host: str, port: int, port_flag: str, free_hint: bool) -> str:
 
 
 class StoreHost:
-    """This node's store socket, and the helper that serves the current attempt from it."""
+    """This node's store socket, and the server that serves the current attempt from it."""
 
-    def __init__(
-        self,
-        sock: socket.socket,
-        lifeline: Lifeline,
-        announce: Callable[[str], None],
-        python: str = sys.executable,
-    ) -> None:
+    def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.address = str(sock.getsockname()[0])
         self.port = int(sock.getsockname()[1])
-        self._lifeline = lifeline
-        self._announce = announce
-        self._python = python
-        self._helper: subprocess.Popen[bytes] | None = None
+        self._server: StoreServer | None = None
 
     def open_attempt(self, attempt: int) -> None:
         """Serve attempt `attempt` with a fresh store; call it before starting the workers.
 
-        Clients that connect before the helper serves wait in the socket's backlog."""
-        self._helper = self._spawn_helper(attempt)
-
-    def _spawn_helper(self, attempt: int) -> subprocess.Popen[bytes]:
-        fd = self.sock.fileno()
-        helper = subprocess.Popen(
-            [self._python, "-c", _SERVE, str(fd), self.address, str(self.port), str(attempt)],
-            pass_fds=(fd,),
-            stdin=subprocess.PIPE,  # its lifeline: closed when the attempt or the launcher ends
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-        )
-        self._lifeline.watch(helper.pid)
-        threading.Thread(target=self._relay, args=(helper,), daemon=True).start()
-        return helper
-
-    def _relay(self, helper: subprocess.Popen[bytes]) -> None:
-        """The helper's complaints (a failed torch import, say) as launcher messages."""
-        assert helper.stderr is not None
-        with helper.stderr:
-            for line in helper.stderr:
-                text = line.decode(errors="replace").rstrip()
-                if text:
-                    self._announce(f"store: {text}")
+        The attempt's number is its first key: the other nodes' launchers wait for it
+        before they start their workers (a store of an older attempt must not be joined)."""
+        self.close_attempt()
+        # Stored as torch's client names it: with the "/" that every client puts first.
+        self._server = StoreServer(self.sock, {f"/{ATTEMPT_KEY}": str(attempt).encode()})
+        self._server.serve()
 
     def close_attempt(self) -> None:
-        """Stop serving this attempt: its clients are gone, and its keys go with the helper."""
-        helper, self._helper = self._helper, None
-        if helper is None:
-            return
-        assert helper.stdin is not None
-        with contextlib.suppress(OSError):
-            helper.stdin.close()
-        try:
-            helper.wait(timeout=_HELPER_EXIT_S)
-        except subprocess.TimeoutExpired:
-            signal_group(helper.pid, signal.SIGKILL)
-            helper.wait()
-        signal_group(helper.pid, signal.SIGKILL)  # anything it left in its group
-        self._lifeline.release(helper.pid)
+        """Stop serving this attempt: its clients' connections close, its keys go."""
+        server, self._server = self._server, None
+        if server is not None:
+            server.stop()
 
     def close(self) -> None:
         self.close_attempt()

@@ -18,7 +18,6 @@ from __future__ import annotations
 import errno
 import os
 import socket
-import sys
 import time
 from datetime import timedelta
 
@@ -28,11 +27,11 @@ from phalanx.errors import ConfigurationError, RendezvousError
 from phalanx.ground.jobenv import LaunchInfo
 from phalanx.ground.netif import is_loopback
 from phalanx.ground.ports import NotThisHost, PortInUse, bind_own_address, leads_back_here
-from phalanx.ground.store_keys import ATTEMPT_KEY, OWNER_KEY, joined_key
+from phalanx.ground.store_keys import OWNER_KEY, joined_key
 from phalanx.ground.storeclient import StoreClient
 from phalanx.runtime.etcdstore import etcd_store_from_env
 
-__all__ = ["make_store", "serve_agent_store"]
+__all__ = ["make_store"]
 
 # Who hosts this job's store ("pid P on HOST"), set by rank 0 as soon as it listens, so that
 # a second process given RANK=0 can say who has it; and one key per rank that joined.
@@ -226,25 +225,3 @@ def _raise_if_other_world(info: LaunchInfo, rank: int, their_size: str) -> None:
             f"WORLD_SIZE={info.world_size}, rank {rank} with WORLD_SIZE={their_size} — "
             "export the same WORLD_SIZE on every rank"
         )
-
-
-def serve_agent_store(argv: list[str] | None = None) -> None:
-    """The store helper `phalanx launch` starts (launch/storehost.py): serve one attempt.
-
-    argv: the listening socket's fd (bound by the launcher), its address, its
-    port, the attempt number. The store lives until the launcher closes our
-    stdin (the attempt ended) or dies (the pipe closes with it).
-    """
-    fd, host, port, attempt = (argv or sys.argv[1:])[:4]
-    store = dist.TCPStore(
-        host,
-        int(port),
-        None,
-        True,
-        timeout=timedelta(seconds=60),
-        wait_for_workers=False,
-        master_listen_fd=int(fd),
-    )
-    # Non-master launchers wait for this before starting an attempt's workers.
-    store.set(ATTEMPT_KEY, attempt)
-    sys.stdin.buffer.read()
