@@ -1,10 +1,11 @@
 """A restart at the same and at another world size: time to the first step, and the bytes
 each rank reads against the bytes it holds, with phalanx's reader against torch's.
 
-Two gloo ranks train a stage-3 Trainer (async_save.py's model, `--width` x
-`--layers`, AdamW) for `--steps` steps and save the last one in the background
-(collective-free, dcp_local.py). Then fresh ranks resume it, `--rounds` times in
-a balanced order, at 2 and at 3 ranks, each with two readers: phalanx's
+Two gloo ranks, and then three, train a stage-3 Trainer (async_save.py's model,
+`--width` x `--layers`, AdamW) for `--steps` steps and save the last one in the
+background (collective-free, dcp_local.py). Then fresh ranks resume them,
+`--rounds` times in a balanced order: 2 -> 2, 2 -> 3 and 3 -> 2, each with two
+readers: phalanx's
 (runtime/dcp_ranges.py: of each item the rows a rank holds) and torch's
 `FileSystemReader.read_data` (each item it touches, whole). Reported per case,
 the worst rank: the seconds from the Trainer's construction to the start of its
@@ -69,10 +70,12 @@ def _trainer(cfg: dict[str, Any], out: Path, max_steps: int, save_steps: int) ->
 
 def _save(rank: int, world: int, cfg: dict[str, Any]) -> None:
     steps = cfg["steps"]
-    _trainer(cfg, Path(cfg["root"]) / "run", steps, steps).train()
+    _trainer(cfg, Path(cfg["root"]) / f"run-{world}", steps, steps).train()
 
 
-def _resume(rank: int, world: int, cfg: dict[str, Any], reader: str, tag: str) -> dict[str, Any]:
+def _resume(
+    rank: int, world: int, cfg: dict[str, Any], saved_by: int, reader: str, tag: str
+) -> dict[str, Any]:
     from torch.distributed.checkpoint import FileSystemReader
 
     from phalanx.runtime import safe_dcp
@@ -103,7 +106,8 @@ def _resume(rank: int, world: int, cfg: dict[str, Any], reader: str, tag: str) -
         return run(*args, **kwargs)
 
     trainer.setup.stepper.run = step
-    trainer.train(resume_from_checkpoint=str(Path(cfg["root"]) / "run" / f"checkpoint-{steps}"))
+    saved = Path(cfg["root"]) / f"run-{saved_by}" / f"checkpoint-{steps}"
+    trainer.train(resume_from_checkpoint=str(saved))
     held = sum(getattr(p, "_local_tensor", p).nbytes for p in trainer.model.parameters())
     for state in trainer.optimizer.state.values():
         held += sum(getattr(v, "_local_tensor", v).nbytes for v in state.values())
@@ -127,11 +131,14 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict[str, Any]]] = {}
     try:
         run_ranks(_save, 2, cfg)
-        cases = [(world, reader) for world in (2, 3) for reader in READERS]
+        run_ranks(_save, 3, cfg)
+        moves = [(2, 2), (2, 3), (3, 2)]
+        cases = [(move, reader) for move in moves for reader in READERS]
         for r in range(opts.rounds):
-            for world, reader in balanced_order(r, cases):
-                ranks = run_ranks(_resume, world, cfg, reader, f"{reader}-{world}-{r}")
-                runs.setdefault(f"2 -> {world}, {reader}", []).append(
+            for (saved_by, world), reader in balanced_order(r, cases):
+                tag = f"{reader}-{saved_by}-{world}-{r}"
+                ranks = run_ranks(_resume, world, cfg, saved_by, reader, tag)
+                runs.setdefault(f"{saved_by} -> {world}, {reader}", []).append(
                     {
                         "first_step_s": max(x["first_step_s"] for x in ranks),
                         "read_over_held": max(x["read"] / x["held"] for x in ranks),

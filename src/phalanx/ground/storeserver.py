@@ -124,7 +124,7 @@ def _counter(value: bytes | None, amount: int) -> int:
     try:
         total = (int(value) if value is not None else 0) + amount
     except ValueError as exc:
-        raise _Refused(f"ADD to a value that is not a number: {value[:40]!r}") from exc
+        raise _Refused(f"ADD to a value that is not a number: {(value or b'')[:40]!r}") from exc
     if not _INT64[0] <= total <= _INT64[1]:
         raise _Refused("ADD past the int64 range")
     return total
