@@ -30,10 +30,12 @@ SAMPLES = 480  # live_trainer.py's dataset
 FLAGS = "--live-recovery --live-stall-timeout 5 --max-restarts 1"
 
 
-def _train(out: Path, ledger: Path, steps: int, nproc: int = 3, *extra: str, **env: str) -> str:
+def _train(
+    out: Path, ledger: Path, steps: int, nproc: int = 3, *extra: str, flags: str = FLAGS, **env: str
+) -> str:
     ledger.mkdir(exist_ok=True)
     run = launch(
-        f"--nproc-per-node {nproc} {FLAGS}",
+        f"--nproc-per-node {nproc} {flags}",
         SCRIPT,
         out,
         steps,

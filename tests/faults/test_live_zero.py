@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.faults.test_live_trainer import _check_epochs, _fit, _steps, _train
+from tests.faults.test_live_trainer import FLAGS, _check_epochs, _fit, _steps, _train
 
 pytestmark = pytest.mark.faults
 
@@ -61,6 +61,28 @@ def test_a_loss_rolls_back_to_the_neighbours_copy_and_ends_as_its_replay(
                     PHALANX_LIVE_REPLAY=recorded)  # fmt: skip
     assert _digests(replay) == _digests(lost), (lost, replay)
     assert _fit(replay) == _fit(lost)
+
+
+@pytest.mark.timeout(300)
+def test_a_rollback_to_the_end_of_a_padded_epoch_after_the_next_one_began(tmp_path: Path) -> None:
+    """The stage-3 goodput run's third loss, at stage 1 and with its admissions replayed
+    (steps 43 and 73): the second half of epoch 1 was dealt over 3 ranks from 464 of 480
+    samples, padded to 482; the snapshot at step 90 is that epoch's end; r1 dies in step
+    91, the first of epoch 2, and the survivors roll back to it. They once refused it
+    ("used_by_all=482 is outside this epoch's 480 indices") and the run was lost."""
+    admissions = tmp_path / "admissions.jsonl"
+    waiting = "generation {} ended: a replacement is waiting to join"
+    admissions.write_text("".join(
+        json.dumps({"step": step, "reason": waiting.format(gen)}) + "\n"
+        for gen, step in ((1, 43), (3, 73))
+    ))  # fmt: skip
+    flags = FLAGS.replace("--max-restarts 1", "--max-restarts 3")  # a replacement for each
+    out = _train(tmp_path / "run", tmp_path / "ledger", 120, flags=flags, ZERO_STAGE="1",
+                 KILL_STEPS="30,60,91", PHALANX_LIVE_REPLAY=str(admissions))  # fmt: skip
+    assert "live recovery: 2 ranks (r0, j2) at step 90" in out, out  # rolled back over it
+    worlds = _check_epochs(tmp_path / "ledger", 120, tmp_path / "run")
+    assert worlds[88:92] == [3, 3, 2, 2], worlds
+    assert len(set(re.findall(r"eval=(\S+)", out))) == 1, out
 
 
 @pytest.mark.slow  # choose()'s verdict is unit-tested (tests/unit/test_live_snapshots.py)

@@ -59,3 +59,24 @@ def test_a_new_epoch_starts_from_the_beginning_over_the_new_world() -> None:
     full = DistributedSampler(range(60), num_replicas=2, rank=0)
     full.set_epoch(1)
     assert list(iter(sampler)) == list(iter(full))
+
+
+def test_a_snapshot_at_a_padded_epochs_end_is_taken_back_after_the_next_epoch_began() -> None:
+    """The stage-3 goodput run's third loss: 464 of 480 used at 2 ranks, the rest dealt
+    over 3 (16 -> 18 with padding), the epoch finished (482 positions), a snapshot taken
+    there; then the next epoch began and a loss rolled back to that snapshot. Its
+    position is the whole epoch, and what is left of it is nothing (it was 482, refused)."""
+    samplers = [DistributedSampler(range(480), num_replicas=3, rank=r) for r in range(3)]
+    for r, s in enumerate(samplers):
+        s.set_epoch(1)
+        s.reshard(3, r, 464)
+    assert {len(s) for s in samplers} == {6}  # 16 left, padded to 18
+    used = samplers[0].used_by_all(6)
+    assert used == 480 and samplers[0].used_by_all(4) == 476
+    survivor = samplers[0]
+    survivor.set_epoch(2)  # the next epoch began, then the loss: back to the snapshot
+    survivor.set_epoch(1)
+    survivor.reshard(2, 0, used)
+    assert len(survivor) == 0 and list(iter(survivor)) == []
+    with pytest.raises(Exception, match="used_by_all=481 is outside this epoch's 480 indices"):
+        survivor.reshard(2, 0, 481)

@@ -141,6 +141,18 @@ class DistributedSampler(Sampler[int]):
             self._shard_from(0)
         self.epoch = epoch
 
+    def used_by_all(self, consumed: int) -> int:
+        """How many of this epoch's indices all ranks together have used once each has used
+        `consumed` of its shard: where this sharding starts plus every rank's share.
+
+        The padding that evens out the last round (repeats of the order's first
+        indices) counts as the epoch's end, never past it: a snapshot taken at the
+        end of a padded epoch says "all of it", which `reshard` takes after the
+        next epoch has begun too.
+        """
+        share = min(max(consumed, 0), self.num_samples)
+        return min(self.base + share * self.num_replicas, self._dataset_len)
+
     def reshard(self, num_replicas: int, rank: int, used_by_all: int) -> None:
         """Deal the rest of this epoch, from the `used_by_all`-th index of its order on, over
         `num_replicas` ranks (live recovery: the world changed mid-epoch).
@@ -148,13 +160,15 @@ class DistributedSampler(Sampler[int]):
         Nothing of the epoch is skipped or dealt twice; the rest is padded (or,
         with drop_last, cut) to a multiple of the new world as torch pads an
         epoch, so every rank has the same count. The next iteration starts there;
-        the next epoch is dealt as usual over the new world.
+        the next epoch is dealt as usual over the new world. `used_by_all` counts
+        the epoch's order (`used_by_all()`), padding apart: at most its length.
         """
         _check_rank(rank, num_replicas)
-        if not 0 <= used_by_all <= self.total_size:
+        if not 0 <= used_by_all <= self._dataset_len:
             raise ConfigurationError(
-                f"used_by_all={used_by_all} is outside this epoch's {self.total_size} indices "
-                "— pass how many of the epoch's indices all ranks together have used"
+                f"used_by_all={used_by_all} is outside this epoch's {self._dataset_len} "
+                "indices — pass how many of the epoch's indices all ranks together have used "
+                "(DistributedSampler.used_by_all)"
             )
         self.num_replicas, self.rank = num_replicas, rank
         self._shard_from(used_by_all)

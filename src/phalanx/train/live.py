@@ -152,13 +152,13 @@ class LiveTraining:
     # ------------------------------------------------------------ the state
     def _used_by_all(self) -> int:
         """Samples of the epoch's order every rank together has used (the sampler's start
-        plus each rank's share so far)."""
+        plus each rank's share so far; a padded epoch's end is its length)."""
         trainer = self.trainer
         sampler = trainer.sampler
         assert sampler is not None
-        batch = trainer.args.per_device_train_batch_size
-        mine = min(trainer.state.batches_done * batch, len(sampler))
-        return sampler.base + mine * sampler.num_replicas
+        return sampler.used_by_all(
+            trainer.state.batches_done * trainer.args.per_device_train_batch_size
+        )
 
     def _entries(self) -> dict[str, Stateful]:
         """The transferred checkpoint entries (plain Statefuls); under ZeRO-1/2 not the model
