@@ -57,10 +57,11 @@ test-all: lint bytecode
 test-faults: venv
 	$(VENV)/bin/pytest -q -m faults tests/faults
 
-# The checks only a CUDA machine can run (tests/gpu/, skipped without one). On a machine
-# whose python already has a CUDA torch: PYTHONPATH=src python -m pytest -q tests/gpu
+# The checks only a CUDA machine can run (tests/gpu/, skipped without one), as one table
+# (benchmarks/gpu_check.sh does the same from a fresh clone). On a machine whose python
+# already has a CUDA torch: PYTHONPATH=src:. python benchmarks/gpu_check.py
 gpu-check: venv
-	$(VENV)/bin/pytest -q tests/gpu
+	$(PY) benchmarks/gpu_check.py
 
 # Three etcd members on loopback (Debian: apt-get install -y etcd-server) until Ctrl-C; prints
 # the --rdzv-backend etcd --rdzv-endpoint flags to launch with (tests/etcdkit.py).
