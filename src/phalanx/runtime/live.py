@@ -43,7 +43,7 @@ from phalanx.ground.store_keys import (
     heartbeat_name,
 )
 
-__all__ = ["LIVE_BACKEND", "LiveGroup", "current_live_group"]
+__all__ = ["LIVE_BACKEND", "LiveGroup", "SideGroup", "current_live_group"]
 
 LIVE_BACKEND = "phalanx_live"
 """The backend name `init_process_group` is given under live recovery (runtime/__init__)."""
@@ -80,7 +80,8 @@ class _LiveWork(dist._Work):
             except RuntimeError as exc:
                 if "timed out" in str(exc).lower():
                     continue
-                raise self._group.lost(f"a collective failed ({_first_line(exc)})") from exc
+                reason = f"a collective failed ({_first_line(exc)})"
+                raise self._group.lost(reason, self._generation) from exc
 
     def is_completed(self) -> bool:
         return bool(self._inner.is_completed())
@@ -176,6 +177,10 @@ class LiveGroup(dist.ProcessGroup):
 
     def getBackendName(self) -> str:
         return LIVE_BACKEND
+
+    def parts(self) -> tuple[LiveGroup, dist.ProcessGroupGloo | None, int]:
+        """What a collective goes through: this group, the generation's gloo, its number."""
+        return self, self._inner, self.generation
 
     def _gloo(
         self, generation: int, rank: int, size: int, connect: timedelta | None = None
@@ -275,12 +280,21 @@ class LiveGroup(dist.ProcessGroup):
         if reason is not None or gen != self.generation:
             raise PeerLost(f"generation {gen} ended: {reason or 'the group was formed again'}")
 
-    def lost(self, reason: str) -> PeerLost:
-        """Mark the current generation aborted for every member; the error to raise here."""
+    def lost(self, reason: str, generation: int | None = None) -> PeerLost:
+        """Mark the current generation aborted for every member; the error to raise here. A
+        collective of an earlier `generation` (a side group's) ends only itself."""
         gen = self.generation
+        if generation is not None and generation != gen:
+            return PeerLost(f"generation {generation} ended: {reason}")
         self.live_store.end_generation(gen, self.member, reason)
         self._aborted.setdefault(gen, reason)
         return PeerLost(f"generation {gen} ended: {reason}")
+
+    def side_group(self, name: str) -> SideGroup:
+        """A second gloo group over this generation's members, for a thread of its own (the
+        background checkpoint writer), proved like the run's; its waits end as the run's do
+        when the generation ends. Collective over the members."""
+        return SideGroup(self, name)
 
     def grow_requested(self) -> bool:
         """Whether a replacement waits to join the current generation (seen by the watcher)."""
@@ -342,14 +356,18 @@ def start_heartbeat(member: str) -> None:
 
 
 def _delegate(name: str, inner_name: str) -> Callable[..., dist.Work]:
-    def op(self: LiveGroup, *args: Any) -> dist.Work:
-        generation = self.generation
-        self.raise_if_aborted(generation)
+    """`name` of a LiveGroup or a SideGroup: the inner gloo group's `inner_name`, started
+    unless its generation ended, waited for in slices."""
+
+    def op(self: LiveGroup | SideGroup, *args: Any) -> dist.Work:
+        live, group, generation = self.parts()
+        live.raise_if_aborted(generation)
         try:
-            inner = getattr(self._inner, inner_name)(*args)  # raise_if_aborted: joined, so set
+            inner = getattr(group, inner_name)(*args)  # raise_if_aborted: joined, so set
         except RuntimeError as exc:
-            raise self.lost(f"a collective could not start ({_first_line(exc)})") from exc
-        return _LiveWork(self, inner, generation)
+            reason = f"a collective could not start ({_first_line(exc)})"
+            raise live.lost(reason, generation) from exc
+        return _LiveWork(live, inner, generation)
 
     op.__name__ = name
     op.__doc__ = f"The inner gloo group's {name}, waited for in slices."
@@ -358,6 +376,50 @@ def _delegate(name: str, inner_name: str) -> Callable[..., dist.Work]:
 
 for _name, _inner_name in _OPS.items():
     setattr(LiveGroup, _name, _delegate(_name, _inner_name))
+
+
+class SideGroup(dist.ProcessGroup):
+    """One generation's second gloo group (`LiveGroup.side_group`): a thread's collectives
+    apart from the training thread's, which end with PeerLost, within a slice, once that
+    generation is over (a member lost or a replacement let in), instead of blocking on a
+    member that will never answer. Registered with torch like `dist.new_group`'s groups
+    (`dist.new_group` itself cannot be used: its name comes from a count of the groups a
+    process made, which a replacement does not share)."""
+
+    def __init__(self, live: LiveGroup, name: str) -> None:
+        generation, rank, size = live.generation, live.rank(), live.size()
+        super().__init__(rank, size)  # type: ignore[call-arg]  # the stubs know one overload
+        prefix = dist.PrefixStore(f"{KEY}g{generation}/{name}/", live.store)
+        self._inner = dist.ProcessGroupGloo(prefix, rank, size, live.timeout)
+        self._inner._set_default_timeout(live.timeout)
+        live._prove(self._inner, generation, live.members, rank, live.timeout)
+        self._live, self.generation = live, generation
+        self._rank, self._size = rank, size
+        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._inner)
+        world = dist.distributed_c10d._world
+        group_name = dist.distributed_c10d.GroupName(f"{LIVE_BACKEND}_g{generation}_{name}")
+        self._set_group_name(group_name)
+        world.pg_map[self] = ("gloo", prefix)
+        world.pg_names[self] = group_name
+        world.pg_group_ranks[self] = {r: r for r in range(size)}  # the generation's ranks
+        world.pg_backend_config[self] = "gloo"
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+    def getBackendName(self) -> str:
+        return "gloo"
+
+    def parts(self) -> tuple[LiveGroup, dist.ProcessGroupGloo, int]:
+        """What a collective goes through: the run's group, this gloo group, its generation."""
+        return self._live, self._inner, self.generation
+
+
+for _name, _inner_name in _OPS.items():
+    setattr(SideGroup, _name, _delegate(_name, _inner_name))
 
 
 def create_live_group(

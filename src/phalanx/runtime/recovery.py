@@ -75,22 +75,25 @@ class LiveRecovery:
         self.admit_at = None if admit_at is None else set(admit_at)
         self._connect = timedelta(seconds=settings.settle_s)
 
-    def boundary(self, step: int) -> None:
+    def boundary(self, step: int, before_grow: Callable[[], None] = lambda: None) -> None:
         """Between steps (`step` applied): PeerLost if the generation ended, or (on rank 0)
         to let a waiting replacement in, so every member leaves at this boundary or in the
-        next step's first collective."""
+        next step's first collective. `before_grow`: what rank 0 finishes first (the
+        generation's end would cut it: its part of a background save)."""
         group = self.group
         group.raise_if_aborted()
         if group.rank() != 0:
             return
         if self.admit_at is None:
             if group.grow_requested():
+                before_grow()
                 self.membership.ask_to_grow()
         elif step in self.admit_at:
             self.admit_at.discard(step)
             deadline = time.monotonic() + self.settings.quorum_timeout_s
             while not group.grow_requested() and time.monotonic() < deadline:
                 time.sleep(0.05)  # the replay's replacement is still starting
+            before_grow()
             self.membership.ask_to_grow()
 
     def recover(

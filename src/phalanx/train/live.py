@@ -94,7 +94,8 @@ class LiveTraining:
         return self.group.generation < 0
 
     def boundary(self) -> None:
-        self.recovery.boundary(self.trainer.state.global_step)
+        writer = self.trainer.checkpointer.background
+        self.recovery.boundary(self.trainer.state.global_step, writer.wait_written)
         if self.sharded is not None:
             self.sharded.maybe_snapshot(self._save)
 

@@ -92,6 +92,7 @@ class TrainingLoop:
                 except PeerLost as lost:
                     if setup.live is None:
                         raise
+                    self.saves.settle()  # a save in flight ends with its generation
                     setup.live.recover(lost)  # the step in flight is dropped on every member
                     steps = self._epoch_steps()
 
@@ -163,8 +164,7 @@ class TrainingLoop:
             best = record_evaluation(args, self.state, self._evaluate())
             save = save or (args.save_strategy == "best" and best)  # after its evaluation
         if save:
-            live = setup.live is not None
-            self._save(self.saves.in_background(live, setup.checkpoint_states()))
+            self._save(self.saves.in_background(setup.checkpoint_states()))
         if due.log or due.evaluate or save:
             self._callbacks.agree()  # what on_log, on_evaluate and on_save asked for
 

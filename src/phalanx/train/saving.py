@@ -11,12 +11,11 @@ save (at most one in flight; the wait is said), before a stop's save, at the end
 of train().
 
 Written there and then instead: `Trainer.save_checkpoint()` (complete on
-return), a stop's save, `save_async=False`, live recovery (its group changes
-under a writer), a sharded entry that cannot hand its state over, and a run
-with a callback of its own on `on_save`: Hugging Face's Trainer calls it once
-the checkpoint is on disk, with `state.global_step` the step saved and the
-model as saved, and callbacks rely on both (to upload `checkpoint-<step>`, to
-snapshot the model).
+return), a stop's save, `save_async=False`, a sharded entry that cannot hand
+its state over, and a run with a callback of its own on `on_save`: Hugging
+Face's Trainer calls it once the checkpoint is on disk, with
+`state.global_step` the step saved and the model as saved, and callbacks rely
+on both (to upload `checkpoint-<step>`, to snapshot the model).
 """
 
 from __future__ import annotations
@@ -73,12 +72,12 @@ class CheckpointSaves:
         self.saved_step: int | None = None
         """The step output_dir holds a checkpoint of, written or resumed by this Trainer."""
 
-    def in_background(self, live: bool, states: dict[str, Entry]) -> bool:
-        """Whether the loop's saves go to the background (the same on every rank): not under
-        live recovery (its group changes under a writer), nor for a callback's on_save."""
+    def in_background(self, states: dict[str, Entry]) -> bool:
+        """Whether the loop's saves go to the background (the same on every rank): not for a
+        callback's on_save. Under live recovery too: a write in flight when its generation
+        ends fails at once (background.py), and the loop settles it before it recovers."""
         return (
             self.args.save_async
-            and not live
             and not self.callbacks.listen_to("on_save")
             and self.checkpointer.can_write_in_background(states)
         )

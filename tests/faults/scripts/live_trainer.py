@@ -124,6 +124,23 @@ def die_in_rebuild(member: str) -> None:
     live.LiveTraining._rebuild = dying  # type: ignore[method-assign]
 
 
+def slow_writes() -> None:
+    """SLOW_WRITE_S=<s>: each background write waits that long before writing, so that a loss
+    in the next steps finds it in flight."""
+    seconds = float(os.environ.get("SLOW_WRITE_S", "0"))
+    if not seconds:
+        return
+    from phalanx.train.checkpoint import writes
+
+    write = writes.write
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(seconds)
+        return write(*args, **kwargs)
+
+    writes.write = slow
+
+
 def main() -> None:
     out, max_steps = Path(sys.argv[1]), int(sys.argv[2])
     resume = len(sys.argv) > 3
@@ -144,6 +161,7 @@ def main() -> None:
         zero_offload="disk" if os.environ.get("ZERO_OFFLOAD") == "disk" else None,
     )  # fmt: skip
     die_in_rebuild(member)
+    slow_writes()
     trainer = Trainer(model, args, train_dataset=data, callbacks=[Ledger(model, ledger)])
     model.trainer = trainer
     result = trainer.train(resume_from_checkpoint=True if resume else None)

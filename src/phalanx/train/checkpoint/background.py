@@ -16,7 +16,11 @@ sharded state; the agreement that every rank wrote its part before rank 0
 seals). Those collectives run on this thread while the training thread issues
 its own, so they go over a gloo group of their own, made once (a collective of
 every rank, at the first background save): two threads never share a group,
-and each group sees its collectives in the same order on every rank.
+and each group sees its collectives in the same order on every rank. Under live
+recovery it is made once per generation (`LiveGroup.side_group`), and a write
+in flight when its generation ends (a member lost, a replacement let in) fails
+within a slice instead of waiting on a member that will not answer: the loop
+settles it before it recovers (train/loop.py), and the next save writes again.
 
 The outcome (the `Saved`, or the one error every rank raised together) is kept
 until the training thread asks for it, at a step boundary all ranks agree on
@@ -38,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.runtime import World
+from phalanx.runtime.live import SideGroup, current_live_group
 
 T = TypeVar("T")
 
@@ -53,7 +58,8 @@ class BackgroundWriter(Generic[T]):
     def __init__(self, world: World) -> None:
         self.world = world
         self._writers: dist.ProcessGroup | None = None
-        """The writers' own gloo group (made at the first save), over the run's ranks."""
+        """The writers' own gloo group (made at the first save), over the run's ranks; under
+        live recovery, over the current generation's members (remade after a change)."""
         self._thread: threading.Thread | None = None
         self._result: T | None = None
         self._error: BaseException | None = None
@@ -65,15 +71,18 @@ class BackgroundWriter(Generic[T]):
         collectives may block `timeout_s` (torch's default: None).
 
         Collective the first time (every rank makes the group together)."""
-        if self._writers is None:
+        live, writers = current_live_group(), self._writers
+        if live is not None:
+            if not isinstance(writers, SideGroup) or writers.generation != live.generation:
+                writers = live.side_group("writers")
+        elif writers is None:
             timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
-            self._writers = dist.new_group(backend="gloo", timeout=timeout)
-            assert self._writers is not None  # every rank is a member
+            writers = dist.new_group(backend="gloo", timeout=timeout)
+            assert writers is not None  # every rank is a member
+        self._writers = writers
         # Made from the run's World at each call, never kept: it has the run's rank.
         cpu = torch.device("cpu")
-        return dataclasses.replace(
-            self.world, process_group=self._writers, device=cpu, backend="gloo"
-        )
+        return dataclasses.replace(self.world, process_group=writers, device=cpu, backend="gloo")
 
     @property
     def in_flight(self) -> bool:
@@ -83,6 +92,12 @@ class BackgroundWriter(Generic[T]):
     def done(self) -> bool:
         """Whether this rank's part of the save in flight has ended (True when none is)."""
         return self._thread is None or not self._thread.is_alive()
+
+    def wait_written(self) -> None:
+        """Wait until this rank's part of the save in flight has ended, without collecting it
+        (live recovery lets a replacement in only then: its generation's end would fail it)."""
+        if self._thread is not None:
+            self._thread.join()
 
     def start(self, step: int, write: Callable[[], T]) -> None:
         """Run `write` on the writer thread; the previous save must have been collected."""

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from phalanx import errors
-from phalanx.errors import CheckpointError, PhalanxError
+from phalanx.errors import CheckpointError, PeerLost, PhalanxError
 from phalanx.runtime import World
 from phalanx.train.checkpoint.dcp_local import LocalPlan, metadata, write_metadata, write_part
 from phalanx.train.checkpoint.directory import (
@@ -220,11 +220,16 @@ def _write_agreed(world: World, lineage: Lineage, staged: Staged) -> Saved:
         )
     if error is not None:
         mine["error"] = [type(error).__name__, str(error)]
-    agreed = world.all_gather_json(mine)  # the agreement: every rank's part is written
     outcome: dict[str, Any] | None = None
-    if world.is_main:
-        outcome = _seal_agreed(lineage, staged, plans, agreed)
-    outcome = world.broadcast_json(outcome)  # how rank 0's seal ended
+    try:
+        agreed = world.all_gather_json(mine)  # the agreement: every rank's part is written
+        if world.is_main:
+            outcome = _seal_agreed(lineage, staged, plans, agreed)
+        outcome = world.broadcast_json(outcome)  # how rank 0's seal ended
+    except PeerLost:  # live recovery: the generation ended under the write
+        if world.is_main:
+            discard(staged.tmp)  # gone already if it was sealed before the loss
+        raise
     if outcome["error"] is not None:
         rank, kind, message = outcome["error"]
         if rank == world.rank and error is not None:
