@@ -19,7 +19,9 @@ from tests.launchkit import launch
 
 pytestmark = pytest.mark.faults
 
-FAIL = "echo boom from $RANK >&2; exit 3"
+# Each worker beats once, as a phalanx worker does once its group has formed (a loss
+# before any beat restarts the group instead: test_live_setup_loss.py), then fails.
+FAIL = 'touch "$PHALANX_PROGRESS_DIR/live-r$RANK.beat"; echo boom from $RANK >&2; exit 3'
 
 
 @pytest.mark.timeout(90)

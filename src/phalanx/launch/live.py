@@ -132,10 +132,29 @@ class LiveSupervisor:
                 if code != 0 and (self.progress_dir / RESTART_MARK).exists():
                     self.fell_back = Failure(slot.worker, code)
                     return code
+                if code != 0 and self._before_the_first_group(slot):
+                    self.say(
+                        f"rank {slot.worker.rank} ({slot.member}) lost "
+                        f"({describe_returncode(code)}) before the run's group formed, where "
+                        "the others would wait for it: nothing has trained yet, so the worker "
+                        "group restarts (--max-restarts)"
+                    )
+                    self.fell_back = Failure(slot.worker, code)
+                    return code
                 status = code if code == 0 else self._lost(slot, code)
             if all(slot.done for slot in self._slots):
                 return self._final_status(status)
             time.sleep(self.interval_s)
+
+    def _before_the_first_group(self, slot: _Slot) -> bool:
+        """A first worker lost before any worker here beat: its generation 0 never formed
+        (a worker beats once its group has), so the survivors would wait for the lost one
+        inside its formation until the run's timeout. A replacement's loss is not this:
+        the run it was to join goes on."""
+        if not slot.member.startswith("r") or self.members:
+            return False
+        beats = (self.progress_dir / heartbeat_name(s.member) for s in self._slots)
+        return not any(beat.exists() for beat in beats)
 
     def _final_status(self, last: int) -> int:
         """0 when any worker finished the run; else the last failure's exit code."""

@@ -13,10 +13,12 @@ samples (same learning rate, more gradient noise), and an epoch takes more steps
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import random
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -241,6 +243,18 @@ def replayed_admissions() -> list[int] | None:
             f"the {MEMBERSHIP_LOG} of the run to replay"
         ) from exc
     return [int(e["step"]) for e in entries if "replacement is waiting" in e["reason"]]
+
+
+@contextlib.contextmanager
+def restart_if_lost() -> Iterator[None]:
+    """Around the run's setup, before its first step: a member lost there leaves the others
+    nothing to go on from that a fresh start would not give, and nothing has trained yet,
+    so the launcher restarts the worker group (--max-restarts) instead of replacing it."""
+    try:
+        yield
+    except PeerLost:
+        fall_back_to_restart()
+        raise
 
 
 def fall_back_to_restart() -> None:

@@ -33,6 +33,7 @@ from phalanx.train.cluster import ClusterReport
 from phalanx.train.config.args import TrainingArguments
 from phalanx.train.evaluation import ComputeMetrics, evaluate_model
 from phalanx.train.flow import record_save
+from phalanx.train.live import restart_if_lost
 from phalanx.train.logging.runlog import TrafficSource, emit
 from phalanx.train.loop import TrainingLoop
 from phalanx.train.nonfinite import check_parameters
@@ -82,20 +83,21 @@ class Trainer:
     ) -> None:
         """Join the world, then prepare the model, optimizer, data and callbacks (the
         arguments: the class docstring)."""
-        self.setup = setup = TrainerSetup(
-            model,
-            args,
-            train_dataset,
-            eval_dataset,
-            loss_fn,
-            optimizer,
-            collate_fn,
-            compute_metrics,
-            callbacks,
-            data_collator,
-            optimizers,
-            optimizer_cls_and_kwargs,
-        )
+        with restart_if_lost():  # live recovery: a member lost before the first step
+            self.setup = setup = TrainerSetup(
+                model,
+                args,
+                train_dataset,
+                eval_dataset,
+                loss_fn,
+                optimizer,
+                collate_fn,
+                compute_metrics,
+                callbacks,
+                data_collator,
+                optimizers,
+                optimizer_cls_and_kwargs,
+            )
         """What the run is made of; live recovery rebuilds its parts in place (train/live.py)."""
         self._report, self._callbacks = setup.report, setup.callbacks  # the setup's own
         self.cluster = ClusterReport(setup, self._report)
@@ -218,7 +220,8 @@ class Trainer:
         if setup.live is not None and setup.live.is_replacement:
             self._start.join()
         else:
-            resumed_from, steps_left = self._start.begin(resume_from_checkpoint)
+            with restart_if_lost():
+                resumed_from, steps_left = self._start.begin(resume_from_checkpoint)
             if not steps_left:
                 done = (self.state.global_step, self.setup.mean_loss(), 0.0, 0.0, resumed_from)
                 return TrainOutput(*done, self.world.launcher)

@@ -81,6 +81,9 @@ class Ledger(TrainerCallback):
     def __init__(self, model: Recorder, path: Path) -> None:
         self.model, self.path = model, path
 
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        die_in_setup(self.path.stem, "train")
+
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.model.pending = []  # a dropped step's samples were never trained on
 
@@ -141,6 +144,15 @@ def slow_writes() -> None:
     writes.write = slow
 
 
+def die_in_setup(member: str, where: str) -> None:
+    """DIE_IN_SETUP=<member>:<where>: that member dies (SIGKILL) before the Trainer is built
+    (`init`: before its group exists), once it is built (`built`), or as train() begins
+    (`train`), before the first step; in the first attempt only."""
+    first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if first and os.environ.get("DIE_IN_SETUP") == f"{member}:{where}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main() -> None:
     out, max_steps = Path(sys.argv[1]), int(sys.argv[2])
     resume = len(sys.argv) > 3
@@ -162,8 +174,10 @@ def main() -> None:
     )  # fmt: skip
     die_in_rebuild(member)
     slow_writes()
+    die_in_setup(member, "init")
     trainer = Trainer(model, args, train_dataset=data, callbacks=[Ledger(model, ledger)])
     model.trainer = trainer
+    die_in_setup(member, "built")
     result = trainer.train(resume_from_checkpoint=True if resume else None)
     digest = float(sum(p.detach().double().sum() for p in trainer.model.parameters()))
     model.eval()
