@@ -208,3 +208,30 @@ def test_a_new_attempt_starts_from_its_own_keys_on_the_same_port() -> None:
     finally:
         second.stop()
         listener.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_client_that_never_reads_its_replies_is_dropped_not_served_forever() -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    server = StoreServer(listener)
+    server.serve()
+    port = int(listener.getsockname()[1])
+    try:
+        with StoreClient("127.0.0.1", port, 10) as good, _raw(port) as greedy:
+            good.set("big", b"x" * (8 * 1024 * 1024))
+            assert good.check(["big"])  # answered after the set on its connection: stored
+            key = b"/big"
+            get = bytes([3]) + struct.pack("=Q", len(key)) + key
+            greedy.sendall(_validate() + get * 12)  # 96 MiB of replies asked for, none read
+            deadline = time.monotonic() + 30
+            while server.connections > 1 and time.monotonic() < deadline:
+                time.sleep(0.01)  # the event: the server lets the greedy one go
+            assert server.connections == 1
+            received = 0
+            while chunk := greedy.recv(1 << 20):  # what the kernel held, then the end
+                received += len(chunk)
+            assert received < 12 * 8 * 1024 * 1024
+            assert good.get("big") == b"x" * (8 * 1024 * 1024)
+    finally:
+        server.stop()
+        listener.close()

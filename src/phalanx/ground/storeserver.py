@@ -9,7 +9,8 @@ so torch's C++ client, gloo's rendezvous and `StoreClient` all use it unchanged:
 - a connection opens with VALIDATE and the magic number (anything else: closed);
 - a request is a command byte, then native-endian fixed-size integers and
   byte strings prefixed by a u64 length;
-- the same limits: keys up to 8 KiB, values up to 8 MiB, 128 Ki keys per request.
+- the same limits: keys up to 8 KiB, values up to 8 MiB, 128 Ki keys per request;
+  and one of its own: a client that leaves 64 MiB of replies unread is dropped.
 
 It runs in one thread of the launcher (`serve` / `stop`), on a listening socket
 the launcher owns, with `selectors`: each request is answered whole or not at
@@ -20,10 +21,12 @@ garbage (a stranger, a port scanner) loses its own connection and nothing else.
 from __future__ import annotations
 
 import contextlib
+import errno
 import selectors
 import socket
 import struct
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -59,6 +62,8 @@ _MAX_KEY = 8 * 1024
 _MAX_PAYLOAD = 8 * 1024 * 1024
 _MAX_KEYS = 128 * 1024
 _RECV_BYTES = 256 * 1024
+_MAX_UNSENT = 64 * 1024 * 1024  # replies a client leaves unread: past this it is dropped
+_ACCEPT_BACKOFF_S = 0.05  # out of file descriptors: let some close before accepting again
 _INT64 = (-(2**63), 2**63 - 1)
 
 _U32, _U64, _I64 = struct.Struct("=I"), struct.Struct("=Q"), struct.Struct("=q")
@@ -178,6 +183,11 @@ class StoreServer:
             _BARRIER: self._barrier,
         }
 
+    @property
+    def connections(self) -> int:
+        """How many clients are connected now."""
+        return len(self._clients)
+
     # ------------------------------------------------------------------ the thread
 
     def serve(self) -> None:
@@ -223,7 +233,9 @@ class StoreServer:
                 sock, _addr = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError:  # ECONNABORTED, EMFILE: this one is lost, the server goes on
+            except OSError as exc:  # ECONNABORTED: this one is lost, the server goes on
+                if exc.errno in (errno.EMFILE, errno.ENFILE):  # else the listener spins
+                    time.sleep(_ACCEPT_BACKOFF_S)
                 return
             sock.setblocking(False)
             with contextlib.suppress(OSError):
@@ -276,6 +288,9 @@ class StoreServer:
         if client.sock not in self._clients:
             return
         client.outbox += data
+        if len(client.outbox) > _MAX_UNSENT:  # it asks and never reads: memory is not its
+            self._drop(client)
+            return
         self._flush(client)
 
     def _flush(self, client: _Client) -> None:
