@@ -18,6 +18,7 @@ import dataclasses
 import json
 import os
 import random
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -194,7 +195,7 @@ class LiveTraining:
 
     # ------------------------------------------------------------ the rebuild
     def _rebuild(self, done: Recovered) -> None:
-        trainer = self.trainer
+        trainer, started = self.trainer, time.monotonic()
         data = self._data or {"epoch": trainer.state.epoch, "used_by_all": self._used_by_all()}
         self._data = None
         world = trainer.world
@@ -214,9 +215,11 @@ class LiveTraining:
         if self.sharded is not None:  # the new ring's first copies, before any step
             self.sharded.snapshot(self._save)
         who = ", ".join(done.members)
+        rebuilt_s = time.monotonic() - started  # the wrapper, ZeRO's re-deal, the first copies
         trainer.report.say(
             f"live recovery: {done.world_size} ranks ({who}) at step {done.step}, "
-            f"state from {done.donor}, {done.seconds:.2f} s — {done.reason}"
+            f"state from {done.donor}, {done.seconds:.2f} s, rebuilt in {rebuilt_s:.2f} s — "
+            f"{done.reason}"
         )
 
     def _record(self, done: Recovered) -> None:
