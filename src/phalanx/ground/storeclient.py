@@ -4,9 +4,7 @@ The launcher (which must never import torch) uses it to prove that a port is
 really a torch store and not merely open, to assign node ranks at rendezvous,
 and to wait for the master's next attempt; the workers use it to ask who
 already holds rank 0's store. It speaks the subset of the protocol those need
-(torch/csrc/distributed/c10d/TCPStoreLibUvBackend.cpp: a command byte, then
-fixed-size native-endian integers and length-prefixed byte strings), and is
-tested against a real `torch.distributed.TCPStore`.
+(store_wire.py), and is tested against a real `torch.distributed.TCPStore`.
 """
 
 from __future__ import annotations
@@ -14,20 +12,13 @@ from __future__ import annotations
 import errno
 import os
 import socket
-import struct
 import time
 from collections.abc import Callable, Sequence
 
+from phalanx.ground.store_wire import I64, MAGIC, READY, U32, U64, Query, sized
+
 __all__ = ["NotAStoreError", "StoreClient", "Unreachable"]
 
-# Set by the store a launcher hosts to the attempt it serves (runtime/store.py); the other
-# nodes' launchers wait for their own attempt number there before starting workers.
-
-# c10d::detail::validationMagicNumber and QueryType, in the order torch declares them.
-_VALIDATION_MAGIC = 0x3C85F7CE
-_VALIDATE, _SET, _COMPARE_SET, _GET, _ADD, _CHECK = 0, 1, 2, 3, 4, 5
-_PING = 13
-_READY = 0  # CheckResponseType::READY
 _POLL_S = 0.05
 # How much of a foreign program's greeting to show, and how long to wait for the rest of it.
 _GREETING_BYTES = 60
@@ -73,8 +64,7 @@ def _connect(host: str, port: int, timeout_s: float) -> socket.socket:
 def _key(key: str) -> bytes:
     # torch's client puts "/" before every key (TCPStore::keyPrefix_); so do we, so that
     # both see one key space.
-    data = ("/" + key).encode()
-    return struct.pack("=Q", len(data)) + data
+    return sized(("/" + key).encode())
 
 
 class StoreClient:
@@ -94,10 +84,10 @@ class StoreClient:
             self._sock.settimeout(timeout_s)
             nonce = int.from_bytes(os.urandom(4), "little")
             self._sock.sendall(
-                struct.pack("=BI", _VALIDATE, _VALIDATION_MAGIC) + struct.pack("=BI", _PING, nonce)
+                bytes([Query.VALIDATE]) + U32.pack(MAGIC) + bytes([Query.PING]) + U32.pack(nonce)
             )
             reply = self._recv_exactly(4, handshake=True)
-            if struct.unpack("=I", reply)[0] != nonce:
+            if U32.unpack(reply)[0] != nonce:
                 raise NotAStoreError(f"it answered {self._more(reply)!r} to the store handshake")
         except BaseException:
             self._sock.close()
@@ -134,36 +124,31 @@ class StoreClient:
 
     def add(self, key: str, amount: int) -> int:
         """Add to the counter `key` (0 when new) and return its new value."""
-        self._sock.sendall(bytes([_ADD]) + _key(key) + struct.pack("=q", amount))
-        return int(struct.unpack("=q", self._recv_exactly(8))[0])
+        self._sock.sendall(bytes([Query.ADD]) + _key(key) + I64.pack(amount))
+        return int(I64.unpack(self._recv_exactly(8))[0])
 
     def set(self, key: str, value: bytes) -> None:
-        self._sock.sendall(bytes([_SET]) + _key(key) + struct.pack("=Q", len(value)) + value)
+        self._sock.sendall(bytes([Query.SET]) + _key(key) + sized(value))
 
     def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
         """torch's compare_set: `desired` replaces `expected` (b"": absent) atomically; the
         value `key` holds afterwards (the current one when it did not match)."""
         self._sock.sendall(
-            bytes([_COMPARE_SET])
-            + _key(key)
-            + struct.pack("=Q", len(expected))
-            + expected
-            + struct.pack("=Q", len(desired))
-            + desired
+            bytes([Query.COMPARE_SET]) + _key(key) + sized(expected) + sized(desired)
         )
-        (size,) = struct.unpack("=Q", self._recv_exactly(8))
+        (size,) = U64.unpack(self._recv_exactly(8))
         return self._recv_exactly(size) if size else b""
 
     def check(self, keys: Sequence[str]) -> bool:
         """True when every key exists, without waiting."""
-        request = struct.pack("=Q", len(keys)) + b"".join(_key(k) for k in keys)
-        self._sock.sendall(bytes([_CHECK]) + request)
-        return self._recv_exactly(1)[0] == _READY
+        request = U64.pack(len(keys)) + b"".join(_key(k) for k in keys)
+        self._sock.sendall(bytes([Query.CHECK]) + request)
+        return self._recv_exactly(1) == READY
 
     def get(self, key: str) -> bytes:
         """The value of an existing `key` (check first: a missing key is the server's error)."""
-        self._sock.sendall(bytes([_GET]) + _key(key))
-        (size,) = struct.unpack("=Q", self._recv_exactly(8))
+        self._sock.sendall(bytes([Query.GET]) + _key(key))
+        (size,) = U64.unpack(self._recv_exactly(8))
         return self._recv_exactly(size) if size else b""
 
     def wait_for_count(

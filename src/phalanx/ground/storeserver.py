@@ -24,104 +24,32 @@ import contextlib
 import errno
 import selectors
 import socket
-import struct
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 
+from phalanx.ground.store_wire import (
+    I64,
+    MAGIC,
+    NOT_READY,
+    READY,
+    STOP_WAITING,
+    U32,
+    WAIT_CANCELED,
+    Incomplete,
+    Query,
+    Reader,
+    Refused,
+    sized,
+)
+
 __all__ = ["StoreServer"]
 
-_MAGIC = 0x3C85F7CE  # c10d::detail::validationMagicNumber
-# QueryType, in the order torch declares it (TCPStoreBackend.hpp).
-(
-    _VALIDATE,
-    _SET,
-    _COMPARE_SET,
-    _GET,
-    _ADD,
-    _CHECK,
-    _WAIT,
-    _GETNUMKEYS,
-    _DELETE_KEY,
-    _APPEND,
-    _MULTI_GET,
-    _MULTI_SET,
-    _CANCEL_WAIT,
-    _PING,
-    _QUEUE_PUSH,
-    _QUEUE_POP,
-    _QUEUE_LEN,
-    _LIST_KEYS,
-    _BARRIER,
-) = range(19)
-_READY, _NOT_READY = b"\x00", b"\x01"  # CheckResponseType
-_STOP_WAITING, _WAIT_CANCELED = b"\x00", b"\x01"  # WaitResponseType
-
-_MAX_KEY = 8 * 1024
-_MAX_PAYLOAD = 8 * 1024 * 1024
-_MAX_KEYS = 128 * 1024
 _RECV_BYTES = 256 * 1024
 _MAX_UNSENT = 64 * 1024 * 1024  # replies a client leaves unread: past this it is dropped
 _ACCEPT_BACKOFF_S = 0.05  # out of file descriptors: let some close before accepting again
 _INT64 = (-(2**63), 2**63 - 1)
-
-_U32, _U64, _I64 = struct.Struct("=I"), struct.Struct("=Q"), struct.Struct("=q")
-
-
-class _Incomplete(Exception):
-    """The request is not all here yet: wait for more bytes."""
-
-
-class _Refused(Exception):
-    """The client broke the protocol: its connection is closed."""
-
-
-class _Reader:
-    """Reads one request from the front of a buffer; raises `_Incomplete` past its end."""
-
-    def __init__(self, data: bytearray) -> None:
-        self._data = data
-        self.pos = 0
-
-    def take(self, size: int) -> bytes:
-        end = self.pos + size
-        if end > len(self._data):
-            raise _Incomplete
-        chunk = bytes(self._data[self.pos : end])
-        self.pos = end
-        return chunk
-
-    def u32(self) -> int:
-        return int(_U32.unpack(self.take(4))[0])
-
-    def u64(self) -> int:
-        return int(_U64.unpack(self.take(8))[0])
-
-    def i64(self) -> int:
-        return int(_I64.unpack(self.take(8))[0])
-
-    def sized(self, limit: int, what: str) -> bytes:
-        size = self.u64()
-        if size > limit:
-            raise _Refused(f"{what} of {size} bytes (at most {limit})")
-        return self.take(size)
-
-    def key(self) -> bytes:
-        return self.sized(_MAX_KEY, "a key")
-
-    def payload(self) -> bytes:
-        return self.sized(_MAX_PAYLOAD, "a value")
-
-    def keys(self) -> list[bytes]:
-        count = self.u64()
-        if count > _MAX_KEYS:
-            raise _Refused(f"{count} keys in one request (at most {_MAX_KEYS})")
-        return [self.key() for _ in range(count)]
-
-
-def _vector(value: bytes) -> bytes:
-    return _U64.pack(len(value)) + value
 
 
 def _counter(value: bytes | None, amount: int) -> int:
@@ -129,9 +57,9 @@ def _counter(value: bytes | None, amount: int) -> int:
     try:
         total = (int(value) if value is not None else 0) + amount
     except ValueError as exc:
-        raise _Refused(f"ADD to a value that is not a number: {(value or b'')[:40]!r}") from exc
+        raise Refused(f"ADD to a value that is not a number: {(value or b'')[:40]!r}") from exc
     if not _INT64[0] <= total <= _INT64[1]:
-        raise _Refused("ADD past the int64 range")
+        raise Refused("ADD past the int64 range")
     return total
 
 
@@ -162,25 +90,25 @@ class StoreServer:
         self._wake_r, self._wake_w = socket.socketpair()
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self._handlers: dict[int, Callable[[_Client, _Reader], None]] = {
-            _SET: self._set,
-            _COMPARE_SET: self._compare_set,
-            _GET: self._get,
-            _ADD: self._add,
-            _CHECK: self._check,
-            _WAIT: self._wait,
-            _GETNUMKEYS: self._num_keys,
-            _DELETE_KEY: self._delete,
-            _APPEND: self._append,
-            _MULTI_GET: self._multi_get,
-            _MULTI_SET: self._multi_set,
-            _CANCEL_WAIT: self._cancel_wait,
-            _PING: self._ping,
-            _QUEUE_PUSH: self._queue_push,
-            _QUEUE_POP: self._queue_pop,
-            _QUEUE_LEN: self._queue_len,
-            _LIST_KEYS: self._list_keys,
-            _BARRIER: self._barrier,
+        self._handlers: dict[int, Callable[[_Client, Reader], None]] = {
+            Query.SET: self._set,
+            Query.COMPARE_SET: self._compare_set,
+            Query.GET: self._get,
+            Query.ADD: self._add,
+            Query.CHECK: self._check,
+            Query.WAIT: self._wait,
+            Query.GETNUMKEYS: self._num_keys,
+            Query.DELETE_KEY: self._delete,
+            Query.APPEND: self._append,
+            Query.MULTI_GET: self._multi_get,
+            Query.MULTI_SET: self._multi_set,
+            Query.CANCEL_WAIT: self._cancel_wait,
+            Query.PING: self._ping,
+            Query.QUEUE_PUSH: self._queue_push,
+            Query.QUEUE_POP: self._queue_pop,
+            Query.QUEUE_LEN: self._queue_len,
+            Query.LIST_KEYS: self._list_keys,
+            Query.BARRIER: self._barrier,
         }
 
     @property
@@ -260,7 +188,7 @@ class StoreServer:
             client.inbox += data
             try:
                 self._answer(client)
-            except _Refused:
+            except Refused:
                 self._drop(client)
 
     # ------------------------------------------------------------------ framing
@@ -268,19 +196,19 @@ class StoreServer:
     def _answer(self, client: _Client) -> None:
         """Serve every whole request in the client's inbox, in order."""
         while client.inbox and client.sock in self._clients:
-            reader = _Reader(client.inbox)
+            reader = Reader(client.inbox)
             try:
                 command = reader.take(1)[0]
                 if not client.validated:
-                    if command != _VALIDATE or reader.u32() != _MAGIC:
-                        raise _Refused("the first request is not a store's handshake")
+                    if command != Query.VALIDATE or reader.u32() != MAGIC:
+                        raise Refused("the first request is not a store's handshake")
                     client.validated = True
                 else:
                     handler = self._handlers.get(command)
                     if handler is None:
-                        raise _Refused(f"unknown command {command}")
+                        raise Refused(f"unknown command {command}")
                     handler(client, reader)
-            except _Incomplete:
+            except Incomplete:
                 return
             del client.inbox[: reader.pos]
 
@@ -335,7 +263,7 @@ class StoreServer:
             if one:
                 waiters.remove(client)
             if client.awaited == 0:
-                self._send(client, _STOP_WAITING)
+                self._send(client, STOP_WAITING)
                 if one:
                     break
         if not one or not waiters:
@@ -356,11 +284,11 @@ class StoreServer:
 
     # ------------------------------------------------------------------ the requests
 
-    def _set(self, client: _Client, reader: _Reader) -> None:
+    def _set(self, client: _Client, reader: Reader) -> None:
         key, value = reader.key(), reader.payload()
         self._store(key, value)
 
-    def _compare_set(self, client: _Client, reader: _Reader) -> None:
+    def _compare_set(self, client: _Client, reader: Reader) -> None:
         key, expected, desired = reader.key(), reader.payload(), reader.payload()
         current = self._data.get(key)
         if current is None:  # absent: set when `expected` is empty, as torch's server
@@ -372,82 +300,79 @@ class StoreServer:
                 self._data[key] = desired
             result = self._data[key]
         self._wake(key)
-        self._send(client, _vector(result))
+        self._send(client, sized(result))
 
-    def _get(self, client: _Client, reader: _Reader) -> None:
-        self._send(client, _vector(self._data.get(reader.key(), b"")))
+    def _get(self, client: _Client, reader: Reader) -> None:
+        self._send(client, sized(self._data.get(reader.key(), b"")))
 
-    def _add(self, client: _Client, reader: _Reader) -> None:
+    def _add(self, client: _Client, reader: Reader) -> None:
         key, amount = reader.key(), reader.i64()
         total = _counter(self._data.get(key), amount)
         self._store(key, str(total).encode())
-        self._send(client, _I64.pack(total))
+        self._send(client, I64.pack(total))
 
-    def _check(self, client: _Client, reader: _Reader) -> None:
-        self._send(client, _READY if self._ready(reader.keys()) else _NOT_READY)
+    def _check(self, client: _Client, reader: Reader) -> None:
+        self._send(client, READY if self._ready(reader.keys()) else NOT_READY)
 
-    def _wait(self, client: _Client, reader: _Reader) -> None:
+    def _wait(self, client: _Client, reader: Reader) -> None:
         keys = reader.keys()
         if self._ready(keys):
-            self._send(client, _STOP_WAITING)
+            self._send(client, STOP_WAITING)
         else:
             self._park(client, [k for k in keys if k not in self._data])
 
-    def _num_keys(self, client: _Client, reader: _Reader) -> None:
-        self._send(client, _I64.pack(len(self._data)))
+    def _num_keys(self, client: _Client, reader: Reader) -> None:
+        self._send(client, I64.pack(len(self._data)))
 
-    def _delete(self, client: _Client, reader: _Reader) -> None:
+    def _delete(self, client: _Client, reader: Reader) -> None:
         deleted = self._data.pop(reader.key(), None) is not None
-        self._send(client, _I64.pack(int(deleted)))
+        self._send(client, I64.pack(int(deleted)))
 
-    def _append(self, client: _Client, reader: _Reader) -> None:
+    def _append(self, client: _Client, reader: Reader) -> None:
         key, value = reader.key(), reader.payload()
         self._store(key, self._data.get(key, b"") + value)
 
-    def _multi_get(self, client: _Client, reader: _Reader) -> None:
+    def _multi_get(self, client: _Client, reader: Reader) -> None:
         keys = reader.keys()
-        self._send(client, b"".join(_vector(self._data.get(k, b"")) for k in keys))
+        self._send(client, b"".join(sized(self._data.get(k, b"")) for k in keys))
 
-    def _multi_set(self, client: _Client, reader: _Reader) -> None:
-        count = reader.u64()
-        if count > _MAX_KEYS:
-            raise _Refused(f"{count} keys in one request (at most {_MAX_KEYS})")
-        pairs = [(reader.key(), reader.payload()) for _ in range(count)]
+    def _multi_set(self, client: _Client, reader: Reader) -> None:
+        pairs = [(reader.key(), reader.payload()) for _ in range(reader.count())]
         for key, value in pairs:
             self._store(key, value)
 
-    def _cancel_wait(self, client: _Client, reader: _Reader) -> None:
+    def _cancel_wait(self, client: _Client, reader: Reader) -> None:
         self._forget_waits(client)
-        self._send(client, _WAIT_CANCELED)
+        self._send(client, WAIT_CANCELED)
 
-    def _ping(self, client: _Client, reader: _Reader) -> None:
-        self._send(client, _U32.pack(reader.u32()))
+    def _ping(self, client: _Client, reader: Reader) -> None:
+        self._send(client, U32.pack(reader.u32()))
 
-    def _queue_push(self, client: _Client, reader: _Reader) -> None:
+    def _queue_push(self, client: _Client, reader: Reader) -> None:
         key, value = reader.key(), reader.payload()
         self._queues.setdefault(key, deque()).append(value)
         self._wake(key, one=True)
 
-    def _queue_pop(self, client: _Client, reader: _Reader) -> None:
+    def _queue_pop(self, client: _Client, reader: Reader) -> None:
         queue = self._queues.setdefault(reader.key(), deque())
-        reply = _I64.pack(len(queue))
+        reply = I64.pack(len(queue))
         if queue:
-            reply += _vector(queue.popleft())
+            reply += sized(queue.popleft())
         self._send(client, reply)
 
-    def _queue_len(self, client: _Client, reader: _Reader) -> None:
-        self._send(client, _I64.pack(len(self._queues.get(reader.key(), ()))))
+    def _queue_len(self, client: _Client, reader: Reader) -> None:
+        self._send(client, I64.pack(len(self._queues.get(reader.key(), ()))))
 
-    def _list_keys(self, client: _Client, reader: _Reader) -> None:
+    def _list_keys(self, client: _Client, reader: Reader) -> None:
         keys = list(self._data)
-        self._send(client, _I64.pack(len(keys)) + b"".join(_vector(k) for k in keys))
+        self._send(client, I64.pack(len(keys)) + b"".join(sized(k) for k in keys))
 
-    def _barrier(self, client: _Client, reader: _Reader) -> None:
+    def _barrier(self, client: _Client, reader: Reader) -> None:
         key, world_size = reader.key(), reader.i64()
         count = _counter(self._data.get(key), 1)
         self._data[key] = str(count).encode()  # the ones parked wake only when all are here
         if count >= world_size:
             self._wake(key)
-            self._send(client, _STOP_WAITING)
+            self._send(client, STOP_WAITING)
         else:
             self._park(client, [key])
