@@ -43,7 +43,7 @@ from phalanx.ground.store_keys import (
     heartbeat_name,
 )
 
-__all__ = ["LIVE_BACKEND", "LiveGroup", "SideGroup", "current_live_group"]
+__all__ = ["LIVE_BACKEND", "LiveGroup", "current_live_group", "delegate_collectives"]
 
 LIVE_BACKEND = "phalanx_live"
 """The backend name `init_process_group` is given under live recovery (runtime/__init__)."""
@@ -290,12 +290,6 @@ class LiveGroup(dist.ProcessGroup):
         self._aborted.setdefault(gen, reason)
         return PeerLost(f"generation {gen} ended: {reason}")
 
-    def side_group(self, name: str) -> SideGroup:
-        """A second gloo group over this generation's members, for a thread of its own (the
-        background checkpoint writer), proved like the run's; its waits end as the run's do
-        when the generation ends. Collective over the members."""
-        return SideGroup(self, name)
-
     def grow_requested(self) -> bool:
         """Whether a replacement waits to join the current generation (seen by the watcher)."""
         return self.generation in self._grow_asked
@@ -359,7 +353,7 @@ def _delegate(name: str, inner_name: str) -> Callable[..., dist.Work]:
     """`name` of a LiveGroup or a SideGroup: the inner gloo group's `inner_name`, started
     unless its generation ended, waited for in slices."""
 
-    def op(self: LiveGroup | SideGroup, *args: Any) -> dist.Work:
+    def op(self: Any, *args: Any) -> dist.Work:  # a LiveGroup or a SideGroup
         live, group, generation = self.parts()
         live.raise_if_aborted(generation)
         try:
@@ -374,52 +368,14 @@ def _delegate(name: str, inner_name: str) -> Callable[..., dist.Work]:
     return op
 
 
-for _name, _inner_name in _OPS.items():
-    setattr(LiveGroup, _name, _delegate(_name, _inner_name))
+def delegate_collectives(cls: type) -> None:
+    """Give `cls` (a LiveGroup, a SideGroup: each with `parts()`) every collective
+    torch.distributed calls a group by, each run by `_delegate`."""
+    for name, inner_name in _OPS.items():
+        setattr(cls, name, _delegate(name, inner_name))
 
 
-class SideGroup(dist.ProcessGroup):
-    """One generation's second gloo group (`LiveGroup.side_group`): a thread's collectives
-    apart from the training thread's, which end with PeerLost, within a slice, once that
-    generation is over (a member lost or a replacement let in), instead of blocking on a
-    member that will never answer. Registered with torch like `dist.new_group`'s groups
-    (`dist.new_group` itself cannot be used: its name comes from a count of the groups a
-    process made, which a replacement does not share)."""
-
-    def __init__(self, live: LiveGroup, name: str) -> None:
-        generation, rank, size = live.generation, live.rank(), live.size()
-        super().__init__(rank, size)  # type: ignore[call-arg]  # the stubs know one overload
-        prefix = dist.PrefixStore(f"{KEY}g{generation}/{name}/", live.store)
-        self._inner = dist.ProcessGroupGloo(prefix, rank, size, live.timeout)
-        self._inner._set_default_timeout(live.timeout)
-        live._prove(self._inner, generation, live.members, rank, live.timeout)
-        self._live, self.generation = live, generation
-        self._rank, self._size = rank, size
-        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._inner)
-        world = dist.distributed_c10d._world
-        group_name = dist.distributed_c10d.GroupName(f"{LIVE_BACKEND}_g{generation}_{name}")
-        self._set_group_name(group_name)
-        world.pg_map[self] = ("gloo", prefix)
-        world.pg_names[self] = group_name
-        world.pg_group_ranks[self] = {r: r for r in range(size)}  # the generation's ranks
-        world.pg_backend_config[self] = "gloo"
-
-    def rank(self) -> int:
-        return self._rank
-
-    def size(self) -> int:
-        return self._size
-
-    def getBackendName(self) -> str:
-        return "gloo"
-
-    def parts(self) -> tuple[LiveGroup, dist.ProcessGroupGloo, int]:
-        """What a collective goes through: the run's group, this gloo group, its generation."""
-        return self._live, self._inner, self.generation
-
-
-for _name, _inner_name in _OPS.items():
-    setattr(SideGroup, _name, _delegate(_name, _inner_name))
+delegate_collectives(LiveGroup)
 
 
 def create_live_group(

@@ -17,7 +17,7 @@ seals). Those collectives run on this thread while the training thread issues
 its own, so they go over a gloo group of their own, made once (a collective of
 every rank, at the first background save): two threads never share a group,
 and each group sees its collectives in the same order on every rank. Under live
-recovery it is made once per generation (`LiveGroup.side_group`), and a write
+recovery it is made once per generation (runtime/live_side.py), and a write
 in flight when its generation ends (a member lost, a replacement let in) fails
 within a slice instead of waiting on a member that will not answer: the loop
 settles it before it recovers (train/loop.py), and the next save writes again.
@@ -42,7 +42,8 @@ import torch
 import torch.distributed as dist
 
 from phalanx.runtime import World
-from phalanx.runtime.live import SideGroup, current_live_group
+from phalanx.runtime.live import current_live_group
+from phalanx.runtime.live_side import SideGroup
 
 T = TypeVar("T")
 
@@ -74,7 +75,7 @@ class BackgroundWriter(Generic[T]):
         live, writers = current_live_group(), self._writers
         if live is not None:
             if not isinstance(writers, SideGroup) or writers.generation != live.generation:
-                writers = live.side_group("writers")
+                writers = SideGroup(live, "writers")
         elif writers is None:
             timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
             writers = dist.new_group(backend="gloo", timeout=timeout)
