@@ -27,6 +27,14 @@ from phalanx.ground.ports import free_port
 __all__ = ["EtcdCluster", "etcd_cluster_of", "etcd_missing"]
 
 READY_S = 30.0
+_PORT_ATTEMPTS = 3
+_IN_USE = "bind: address already in use"
+
+
+class _PortTaken(AssertionError):
+    """A member could not listen: its free port was taken before it bound it."""
+
+
 _PROBE = (
     "import sys; from phalanx.ground.etcd import Etcd, EtcdKV; "
     "EtcdKV(Etcd([sys.argv[1]], float(sys.argv[2])), 'phalanx-test/').set('ready', b'1')"
@@ -85,6 +93,11 @@ class EtcdCluster:
     members: list[_Member] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        self._place()
+
+    def _place(self) -> None:
+        """The members, their ports and the cluster's token (again after a port was lost)."""
+        self.members = []
         for k, host in enumerate(self.hosts):
             # On loopback the members share one address: free ports each. In namespaces each
             # has its own address, and etcd's own ports.
@@ -93,20 +106,35 @@ class EtcdCluster:
             data = self.root / f"m{k}"
             self.members.append(_Member(f"m{k}", host, ports[0], ports[1], data, wrap))
         self._cluster = ",".join(f"{m.name}=http://{m.host}:{m.peer_port}" for m in self.members)
-        self._token = f"phx{os.getpid()}{int(time.time())}"
+        self._token = f"phx{os.getpid()}{time.monotonic_ns()}"
 
     @property
     def endpoints(self) -> str:
         return ",".join(m.endpoint for m in self.members)
 
     def start(self, k: int | None = None) -> None:
-        """Start every member (or member `k` again, on its old data), then wait for a leader."""
-        for member in self.members if k is None else [self.members[k]]:
-            log = (self.root / f"{member.name}.log").open("ab")
-            member.proc = subprocess.Popen(
-                member.argv(self._cluster, self._token), stdout=log, stderr=subprocess.STDOUT
-            )
-        self.wait_ready()
+        """Start every member (or member `k` again, on its old data), then wait for a leader.
+
+        A free port is free only until someone binds it: another test's cluster, started
+        at the same moment by another pytest worker, may take one first. A member that
+        died of it is the whole cluster started again on new ports (a few times)."""
+        for attempt in range(_PORT_ATTEMPTS):
+            for member in self.members if k is None else [self.members[k]]:
+                log = (self.root / f"{member.name}.log").open("ab")
+                member.proc = subprocess.Popen(
+                    member.argv(self._cluster, self._token), stdout=log, stderr=subprocess.STDOUT
+                )
+            try:
+                self.wait_ready()
+                return
+            except _PortTaken:
+                if k is not None or self.wrap or attempt == _PORT_ATTEMPTS - 1:
+                    raise
+                self.close()
+                for member in self.members:
+                    shutil.rmtree(member.data_dir, ignore_errors=True)
+                    (self.root / f"{member.name}.log").unlink(missing_ok=True)
+                self._place()
 
     def wait_ready(self) -> None:
         """Until a write through every running member is committed (a leader was elected)."""
@@ -123,6 +151,10 @@ class EtcdCluster:
                     kv.set("ready", b"1")
                     break
                 except (OSError, RuntimeError) as exc:
+                    own_log = (self.root / f"{member.name}.log").read_text(errors="replace")
+                    if member.proc.poll() is not None and _IN_USE in own_log:
+                        kv.close()
+                        raise _PortTaken(f"etcd {member.name}: {self.logs()}") from exc
                     if time.monotonic() > deadline:
                         why = f"etcd {member.name} never ready: {self.logs()}"
                         raise AssertionError(why) from exc
