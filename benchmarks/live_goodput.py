@@ -21,6 +21,8 @@ same three steps. Reported: each run's wall time, the lost time (variant minus
     python benchmarks/live_goodput.py --rounds 1 --steps 90 --kills 20,40,60   # ~1 minute
     python benchmarks/live_goodput.py --zero-stage 1 --width 512 --depth 4 \
         --out docs/results/live_goodput_zero1.json    # ZeRO-1: snapshots every 10 steps
+    python benchmarks/live_goodput.py --zero-stage 3 --nproc 4 --shard-size 2 ...  # HSDP 2x2:
+        # a lost shard from its replica, no snapshot while the mesh is whole
 """
 
 from __future__ import annotations
@@ -47,7 +49,13 @@ PEAK_RSS_MB: dict[str, list[float]] = {}
 
 
 def run_once(
-    variant: str, steps: int, kills: str, save_every: int, pause_s: float, extra: dict[str, str]
+    variant: str,
+    steps: int,
+    kills: str,
+    save_every: int,
+    pause_s: float,
+    extra: dict[str, str],
+    nproc: int = 3,
 ) -> float:
     """Wall seconds of one launch to its exit (it must succeed)."""
     work = Path(tempfile.mkdtemp(prefix=f"goodput-{variant}-"))
@@ -55,7 +63,7 @@ def run_once(
     ledger.mkdir()
     env = {**os.environ, "LEDGER_DIR": str(ledger), "OMP_NUM_THREADS": "1",
            "PAUSE_S": str(pause_s), "SAVE_STEPS": str(save_every), **extra}  # fmt: skip
-    flags = ["--nproc-per-node", "3", "--max-restarts", "3"]
+    flags = ["--nproc-per-node", str(nproc), "--max-restarts", "3"]
     if variant in ("live", "quiet-live"):
         flags += ["--live-recovery", "--live-stall-timeout", "2"]
     else:
@@ -87,12 +95,15 @@ def main() -> None:
     parser.add_argument("--zero-stage", default="0", help="ZeRO stage (1-2: snapshots)")
     parser.add_argument("--width", default="32", help="hidden width of the model")
     parser.add_argument("--depth", default="0", help="hidden layers of width x width")
+    parser.add_argument("--nproc", type=int, default=3, help="ranks")
+    parser.add_argument("--shard-size", default="", help="stage 3: HSDP's zero3_shard_size")
     ns = parser.parse_args()
-    extra = {"ZERO_STAGE": ns.zero_stage, "WIDTH": ns.width, "DEPTH": ns.depth}
+    extra = {"ZERO_STAGE": ns.zero_stage, "WIDTH": ns.width, "DEPTH": ns.depth,
+             "ZERO3_SHARD_SIZE": ns.shard_size}  # fmt: skip
     walls: dict[str, list[float]] = {v: [] for v in VARIANTS}
     for round_index in range(ns.rounds):
         for variant in interleave.balanced_order(round_index, VARIANTS):
-            wall = run_once(variant, ns.steps, ns.kills, ns.save_every, ns.pause, extra)
+            wall = run_once(variant, ns.steps, ns.kills, ns.save_every, ns.pause, extra, ns.nproc)
             walls[variant].append(wall)
             print(f"round {round_index} {variant:8s} {wall:7.2f} s", flush=True)
     median = {v: statistics.median(w) for v, w in walls.items()}

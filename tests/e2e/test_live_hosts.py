@@ -12,6 +12,7 @@ plugs a fresh link into the same bridge. The loop is tests/faults/scripts/live_l
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -154,3 +155,60 @@ def test_a_lost_host_is_replaced_by_a_new_one(hosts: Hosts, tmp_path: Path) -> N
     assert "node 1 is back" in a_out and "nodes lost during the run: 1" in a_out, a_out
     done = _digests(a_out + c_out)
     assert len(done) == 1 and (a_out + c_out).count(f"done step={STEPS}") == 2, a_out + c_out
+
+
+@pytest.mark.timeout(240)
+def test_hsdp_across_two_hosts_takes_a_lost_shard_from_the_other_host(
+    hosts: Hosts, tmp_path: Path
+) -> None:
+    """The Trainer at zero_stage=3 with zero3_shard_size=2 on two hosts of 2 ranks: each
+    host's ranks are a row of the 2 x 2 mesh, holding the whole model; the rows replicate.
+    r1 (host A) dies in step 14: its shard comes from r3, its replica on host B, at step 13
+    (nothing rolled back, no snapshot kept while the mesh was whole). A's launcher starts
+    j1, which joins; the rows are the hosts again (r0 and j1 on A, r2 and r3 on B), each
+    member ending on its column's shard, and every sample was trained once."""
+    from tests.faults.test_live_trainer import SCRIPT, _check_epochs
+
+    steps, out_dir, ledger = 60, tmp_path / "out", tmp_path / "ledger"
+    ledger.mkdir()
+    secret = secret_file(tmp_path / "run.secret")
+    env = clean_env(LEDGER_DIR=str(ledger), OMP_NUM_THREADS="1", ZERO_STAGE="3",
+                    ZERO3_SHARD_SIZE="2", KILL_MEMBER="r1", KILL_STEP="13", HOLD_STEP="25",
+                    HOLD_WORLD="4")  # fmt: skip
+    logs = [tmp_path / "a.log", tmp_path / "b.log"]
+    b = hosts.add("b", 2)
+    procs = []
+    for node_rank, (netns, log) in enumerate(zip((hosts.a, b), logs, strict=True)):
+        flags = ["--nnodes", "2", "--node-rank", str(node_rank), "--master-addr", MASTER_IP,
+                 "--master-port", str(PORT), "--nproc-per-node", "2", "--live-recovery",
+                 "--live-stall-timeout", "5", "--max-restarts", "1", "--rdzv-timeout", "60",
+                 "--run-secret-file", str(secret)]  # fmt: skip
+        argv = ["ip", "netns", "exec", netns, sys.executable, "-m", "phalanx", "launch", *flags]
+        with log.open("wb") as sink:
+            procs.append(subprocess.Popen([*argv, str(SCRIPT), str(out_dir), str(steps)],
+                                          cwd=REPO, env=env, stdout=sink,
+                                          stderr=subprocess.STDOUT))  # fmt: skip
+    try:
+        for proc in procs:
+            proc.wait(timeout=200)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    text = "\n".join(log.read_text() for log in logs)
+    assert [p.returncode for p in procs] == [0, 0], text
+    membership = (out_dir / "live_membership.jsonl").read_text().splitlines()
+    first = re.search(r'"members": (\[[^]]*\]).*"step": (\d+)', membership[0])
+    assert first is not None and first.groups() == ('["r0", "r2", "r3"]', "13"), membership
+    assert "live recovery: 4 ranks (r0, r2, r3, j1)" in text, text
+    worlds = _check_epochs(ledger, steps, out_dir)
+    assert worlds[:13] == [4] * 13 and worlds[13] == 3 and worlds[-1] == 4, worlds
+    entries = [json.loads(line) for path in ledger.glob("*.jsonl")
+               for line in path.read_text().splitlines()]  # fmt: skip
+    kept = [e for e in entries if e["world"] == 4 and e["copy_bytes"]]
+    assert not kept, f"a snapshot was kept while every shard had a replica: {kept[:3]}"
+    digest = dict(re.findall(r"\[(\w+)\] done step=\d+ loss=\S+ digest=(\S+)", text))
+    assert digest.keys() == {"r0", "r2", "r3", "j1"}, text
+    assert digest["r0"] == digest["r2"] and digest["j1"] == digest["r3"], digest  # columns
+    assert digest["r0"] != digest["j1"], digest

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.faults
 STEPS = 60
 
 
-def _digests(out: str) -> set[str]:
+def _digests(out: str) -> set[tuple[str, str]]:
     """Each member's digest of its parameters (at stage 3 its own shards: one per member)."""
     return set(re.findall(r"\[(\w+)\] done step=\d+ loss=\S+ digest=(\S+)", out))
 
@@ -60,6 +60,35 @@ def test_a_loss_rolls_back_to_the_neighbours_copy_and_ends_as_its_replay(
                     ZERO_OFFLOAD=offload, KILL_MEMBER="r1", KILL_STEP="10",
                     PHALANX_LIVE_REPLAY=recorded)  # fmt: skip
     assert _digests(replay) == _digests(lost), (lost, replay)
+    assert _fit(replay) == _fit(lost)
+
+
+@pytest.mark.timeout(400)
+def test_hsdp_takes_a_lost_shard_from_its_replica_and_ends_as_its_replay(tmp_path: Path) -> None:
+    """zero3_shard_size=2 on 4 ranks (a 2 x 2 mesh; rows r0 r1 and r2 r3): r1 dies in step
+    14. Its shard is r3's too, so the survivors go on from step 13, with nothing rolled
+    back and no snapshot kept while the mesh was whole; over 3 ranks (every rank sharding)
+    they keep neighbours' copies until j1 joins and the mesh is 2 x 2 again, copies let
+    go. The replicas agree at every check, every sample is trained once, and the run
+    ends bit-identical to its replay."""
+    hsdp = {"ZERO_STAGE": "3", "ZERO3_SHARD_SIZE": "2", "REPLICA_CHECK_STEPS": "5"}
+    lost = _train(tmp_path / "lost", tmp_path / "ledger", STEPS, 4, KILL_MEMBER="r1",
+                  KILL_STEP="13", HOLD_STEP="25", HOLD_WORLD="4", **hsdp)  # fmt: skip
+    worlds = _check_epochs(tmp_path / "ledger", STEPS, tmp_path / "lost")
+    assert worlds[:13] == [4] * 13 and worlds[13] == 3 and worlds[-1] == 4, worlds
+    log = (tmp_path / "lost" / "live_membership.jsonl").read_text().splitlines()
+    first = json.loads(log[0])
+    assert (first["members"], first["step"]) == (["r0", "r2", "r3"], 13), log  # no rollback
+    assert "live recovery: 4 ranks (r0, r2, r3, j1)" in lost, lost
+    steps = _steps(tmp_path / "ledger", tmp_path / "lost")
+    copies = {(e["world"], e["copy_bytes"] > 0) for entries in steps.values() for e in entries}
+    assert copies == {(4, False), (3, True)}, copies  # copies only while nothing replicates
+    digests = _digests(lost)  # one per shard: each replica pair agrees
+    assert len(digests) == 4 and len({d for _, d in digests}) == 2, lost
+    recorded = str(tmp_path / "lost" / "live_membership.jsonl")
+    replay = _train(tmp_path / "replay", tmp_path / "ledger_replay", STEPS, 4, KILL_MEMBER="r1",
+                    KILL_STEP="13", PHALANX_LIVE_REPLAY=recorded, **hsdp)  # fmt: skip
+    assert _digests(replay) == digests, (lost, replay)
     assert _fit(replay) == _fit(lost)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from phalanx.train.live_snapshots import Snapshot, Snapshots, choose
+from phalanx.zero3.hybrid import hybrid_layout
 
 RING = ("r0", "r1", "r2")
 
@@ -61,3 +62,23 @@ def test_a_member_keeps_two_of_its_own_and_two_of_its_neighbours() -> None:
     assert snaps.held()["own"] == [[list(RING), 5], [list(RING), 10]]
     assert snaps.kept_at("r2", (RING, 10)) is not None and snaps.kept_at("r1", (RING, 10)) is None
     assert snaps.due(10) and not snaps.due(11)
+
+
+def test_hsdp_takes_a_lost_rank_piece_from_its_replica_at_the_present_step() -> None:
+    """A 2 x 2 mesh: pieces 0 and 1 held by (r0, r2) and (r1, r3). r1 lost: r3 provides its
+    piece now, and nothing rolls back (no snapshot was kept)."""
+    ring, slots = ["r0", "r1", "r2", "r3"], [["r0", "r2"], ["r1", "r3"]]
+    now = {"own": [], "kept": [], "ring": ring, "applied": 13, "slots": slots}
+    held: dict[str, Any] = {"r0": now, "r2": now, "r3": now, "j1": None}
+    choice = choose(held)
+    assert choice is not None and not choice.rolls_back and choice.step == 13
+    assert choice.providers == [("r0", False), ("r3", False)] and choice.owners == ("r0", "r3")
+    assert choose({"r0": now, "r2": now}) is None  # both replicas of piece 1 gone
+
+
+def test_hsdp_rows_follow_the_hosts() -> None:
+    # Ranks 0 and 3 on node 0, 1 and 2 on node 1 (a replacement joined at the end).
+    assert hybrid_layout([0, 1, 1, 0], 2) == [[0, 3], [1, 2]]
+    assert hybrid_layout([0, 0, 1, 1, 2, 2], 2) == [[0, 1], [2, 3], [4, 5]]
+    assert hybrid_layout([0, 0, 1], 2) is None  # 3 ranks left of 2 x 2: shard over all
+    assert hybrid_layout([0, 0], 2) is None  # one row: FSDP

@@ -1,5 +1,6 @@
-"""The Trainer's live recovery at ZeRO stages 1-2: snapshots kept by neighbours, the rollback
-and the re-deal (train/live_snapshots.py says the design; this runs it over the Trainer)."""
+"""The Trainer's live recovery at ZeRO stages 1-3: snapshots kept by neighbours (or, under
+HSDP, a shard's replicas), the rollback and the re-deal (train/live_snapshots.py says the
+design; this runs it over the Trainer)."""
 
 from __future__ import annotations
 
@@ -52,8 +53,12 @@ class ShardedLive:
 
     def snapshot(self, save: Save) -> None:
         """This member's pieces and replicated state now; its pieces passed to the next
-        member around the ring, and the previous member's kept (collective)."""
+        member around the ring, and the previous member's kept (collective). None while
+        every piece has a replica (HSDP): older copies are let go."""
         trainer, step = self.trainer, self.trainer.state.global_step
+        if all(len(slot) > 1 for slot in trainer.strategy.live_slots()):
+            self.snapshots = Snapshots(self.snapshots.every)
+            return
         replicated = copy.deepcopy(save())
         runlog = trainer.runlog or trainer.open_runlog()
         replicated["window"] = copy.deepcopy(runlog.run)  # this member's own, never sent
@@ -72,14 +77,18 @@ class ShardedLive:
         pieces to every member (runtime/recovery.py's `Sync`)."""
         group, me = self.group, self.group.member
         step = self.trainer.state.global_step
-        now = {"ring": list(self.ring), "applied": step}
-        mine = {**self.snapshots.held(), **now} if self.ring else None
+        mine = None  # a replacement's: it holds nothing yet
+        if self.ring:
+            slots = [[self.ring[r] for r in slot] for slot in self.trainer.strategy.live_slots()]
+            now = {"ring": list(self.ring), "applied": step, "slots": slots}
+            mine = {**self.snapshots.held(), **now}
         held = dict(zip(group.members, all_gather_json(mine, group), strict=True))
         choice = choose(held)
         if choice is None:
             raise LostShards(
                 f"generation {group.generation}: the lost ranks' ZeRO pieces exist nowhere (two "
-                "neighbours lost together, or before the first snapshot)"
+                "neighbours lost together, every replica of an HSDP shard, or a loss before "
+                "the first snapshot)"
             )
         key = (choice.ring, choice.step)
         rep: dict[str, Any] | None = None
@@ -92,7 +101,7 @@ class ShardedLive:
             broadcast_tensors(
                 self._pieces_of(old, provider, kept, choice), group.members.index(provider), group
             )
-            for old, (provider, kept) in zip(choice.ring, choice.providers, strict=True)
+            for old, (provider, kept) in zip(choice.owners, choice.providers, strict=True)
         ]
         if choice.rolls_back and me in choice.ring:  # this member's own window, at that step
             own = self.snapshots.own_at(key)

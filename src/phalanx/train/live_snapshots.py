@@ -16,8 +16,12 @@ spot, and nothing rolls back. Otherwise everyone rolls back to it: at most
 `live_snapshot_steps` steps are trained again, on the new world, with the
 data re-dealt from where that snapshot stood. Two neighbours lost together
 take a ring's pieces with them: then nothing covers them, and the run falls
-back to a restart from its checkpoint, saying so. Design and costs:
-docs/reliability.md, "Sharded live recovery".
+back to a restart from its checkpoint, saying so.
+
+Under HSDP (zero3_shard_size) each piece has a holder in every row: a lost rank's
+piece is taken from a replica, at the present step, and no snapshot is kept while
+every piece has two holders. Design and costs: docs/reliability.md, "Sharded live
+recovery".
 """
 
 from __future__ import annotations
@@ -85,13 +89,15 @@ class Snapshots:
 
 @dataclass(frozen=True)
 class Choice:
-    """The snapshot every member restores from, and who provides each old rank's pieces."""
+    """The snapshot every member restores from, and who provides each old piece."""
 
     ring: Ring
     step: int
     providers: list[tuple[str, bool]]
-    """For each member of `ring`, in order: who provides its pieces, and whether from what
-    it kept (True) or from its own snapshot (False)."""
+    """For each piece of the sharded state, in order: who provides it, and whether from
+    what it kept (True) or from its own snapshot or state (False)."""
+    owners: Ring
+    """For each piece, the member whose it was (its provider's ring neighbour, if kept)."""
     replicated_from: str
     """A member holding the replicated state at `step` (its own snapshot)."""
     rolls_back: bool
@@ -100,16 +106,22 @@ class Choice:
 def choose(held: Mapping[str, dict[str, Any] | None]) -> Choice | None:
     """The newest snapshot every member of its ring is covered at (None: none is).
 
-    `held`: each new member's `Snapshots.held()` with the ring its pieces are dealt over now
-    and the step it applied ("ring", "applied"), or None for a replacement, which holds
-    nothing. When every member of that ring is here and applied the same step, the present
-    is the snapshot: each provides its pieces on the spot, and nothing rolls back.
+    `held`: each new member's `Snapshots.held()` with the ring its pieces are dealt over now,
+    who holds each piece ("slots": one list of members per piece; each member alone by
+    default, under HSDP a piece's replicas) and the step it applied ("ring", "applied"),
+    or None for a replacement, which holds nothing. When every piece has a holder here
+    and all applied the same step, the present is the snapshot: a holder of each piece
+    provides it on the spot, and nothing rolls back.
     """
-    nows = {(tuple(i["ring"]), i["applied"]) for i in held.values() if i is not None}
+    nows = {_now(info) for info in held.values() if info is not None}
     if len(nows) == 1:
-        ring, step = nows.pop()
-        if ring and all(held.get(member) is not None for member in ring):
-            return Choice(ring, step, [(m, False) for m in ring], ring[0], rolls_back=False)
+        ring, step, slots = nows.pop()
+        holders = [next((m for m in slot if held.get(m) is not None), None) for slot in slots]
+        present = [m for m in holders if m is not None]
+        if ring and len(present) == len(slots):
+            return Choice(
+                ring, step, [(m, False) for m in present], tuple(present), present[0], False
+            )
     candidates = {
         (tuple(r), s) for info in held.values() if info is not None for r, s in info["own"]
     }
@@ -117,8 +129,14 @@ def choose(held: Mapping[str, dict[str, Any] | None]) -> Choice | None:
         providers = _providers(held, *key)
         if providers is not None:
             source = next(m for m, from_kept in providers if not from_kept)
-            return Choice(key[0], key[1], providers, source, rolls_back=True)
+            return Choice(key[0], key[1], providers, key[0], source, rolls_back=True)
     return None
+
+
+def _now(info: dict[str, Any]) -> tuple[Ring, int, tuple[Ring, ...]]:
+    ring = tuple(info["ring"])
+    slots = info.get("slots") or [[member] for member in ring]
+    return ring, int(info["applied"]), tuple(tuple(slot) for slot in slots)
 
 
 def _providers(

@@ -13,6 +13,7 @@ from torch import nn
 
 from phalanx.parallel.traffic import NO_TRAFFIC, Traffic
 from phalanx.zero3.auto_wrap import Policy, by_class_names, repeated_blocks, shard_model
+from phalanx.zero3.hybrid import hybrid_mesh
 from phalanx.zero3.meta_init import Materialized, has_meta_tensors, materialize
 from phalanx.zero3.module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from phalanx.zero3.params import ShardUseError
@@ -55,6 +56,7 @@ __all__ = [
     "full_state_dict",
     "fully_shard",
     "has_meta_tensors",
+    "hybrid_mesh",
     "is_sharded",
     "load_full_state_dict",
     "load_model_sharded",

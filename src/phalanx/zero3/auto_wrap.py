@@ -10,12 +10,16 @@ root.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from torch import nn
 
 from phalanx.errors import ConfigurationError
 from phalanx.zero3.policies import DiskOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from phalanx.zero3.wrap import fully_shard
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 Policy = Callable[[nn.Module], Iterable[nn.Module]]
 
@@ -70,11 +74,13 @@ def shard_model(
     policy: Policy | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
     offload_policy: OffloadPolicy | None = None,
+    mesh: DeviceMesh | None = None,
 ) -> nn.Module:
-    """fully_shard each unit the policy picks (default: the repeated blocks), then the root.
-    A fractional disk offload chooses its shards in files over the whole model first."""
+    """fully_shard each unit the policy picks (default: the repeated blocks), then the root,
+    over `mesh` (default: every rank). A fractional disk offload chooses its shards in
+    files over the whole model first."""
     if isinstance(offload_policy, DiskOffloadPolicy):
         offload_policy.plan(p for p in model.parameters() if not hasattr(p, "_local_tensor"))
     for unit in (policy or repeated_blocks)(model):
-        fully_shard(unit, mp_policy=mp_policy, offload_policy=offload_policy)
-    return fully_shard(model, mp_policy=mp_policy, offload_policy=offload_policy)
+        fully_shard(unit, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    return fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)

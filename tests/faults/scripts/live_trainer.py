@@ -93,12 +93,23 @@ class Ledger(TrainerCallback):
         group = current_live_group()
         entry = {"step": state.global_step, "world": trainer.world.world_size,
                  "epoch": trainer.state.epoch, "indices": self.model.pending,
-                 "t": time.time(), "gen": -1 if group is None else group.generation}  # fmt: skip
+                 "t": time.time(), "gen": -1 if group is None else group.generation,
+                 "copy_bytes": copy_bytes(trainer)}  # fmt: skip
         with self.path.open("a") as out:
             out.write(json.dumps(entry) + "\n")
         time.sleep(PAUSE_S)
         if state.global_step == HOLD_STEP:
             hold_for_the_replacement(trainer)
+
+
+def copy_bytes(trainer: Trainer) -> int:
+    """The bytes of ZeRO pieces this member holds in snapshots (its own and its neighbour's)."""
+    live = trainer.setup.live
+    sharded = None if live is None else live.sharded
+    if sharded is None:
+        return 0
+    snaps = [*sharded.snapshots.own, *(kept for _, kept in sharded.snapshots.kept)]
+    return sum(t.numel() * t.element_size() for s in snaps for t in s.pieces.values())
 
 
 def hold_for_the_replacement(trainer: Trainer) -> None:
@@ -171,6 +182,8 @@ def main() -> None:
         sync_method=SYNC, sync_every=4, fault_tolerance=TOLERANCE,
         zero_stage=STAGES[os.environ.get("ZERO_STAGE", "0")],
         zero_offload="disk" if os.environ.get("ZERO_OFFLOAD") == "disk" else None,
+        zero3_shard_size=int(os.environ.get("ZERO3_SHARD_SIZE") or 0) or None,
+        replica_check_steps=int(os.environ.get("REPLICA_CHECK_STEPS", "0")),
     )  # fmt: skip
     die_in_rebuild(member)
     slow_writes()

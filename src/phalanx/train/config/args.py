@@ -131,6 +131,13 @@ class TrainingArguments(Config):
     """Under zero_stage=3, the class names of the modules that become units (e.g. "Block",
     "GPT2Block", "LlamaDecoderLayer"); None takes the model's repeated blocks (the heaviest
     list of modules of one class). The root is always a unit too."""
+    zero3_shard_size: int | None = None
+    """Under zero_stage=3, HSDP: shard the model over groups of this many ranks (typically
+    a host's: its GPUs) and replicate it across the groups, so gathers and reduce-scatters
+    stay inside a group and only the reduced gradient shards cross between them; the world
+    size must be a multiple of it. Under fault_tolerance="live" a lost rank's shard then
+    comes from a replica, with no snapshot kept (docs/reliability.md). None: shard over
+    every rank."""
     zero_offload: ZeroOffload | None = None
     """Where ZeRO's sharded state lives when device memory is short: "disk" keeps the
     optimizer state (stages 1-3) and, at stage 3, the sharded parameters and gradients in

@@ -226,6 +226,17 @@ def _check_zero(args: TrainingArguments) -> None:
         f"zero3_units={args.zero3_units} only means something with zero_stage=3 — set "
         "zero_stage=3, or drop zero3_units",
     )
+    size = args.zero3_shard_size
+    require(
+        size is None or args.zero_stage == 3,
+        f"zero3_shard_size={size} is HSDP's shard group, which only zero_stage=3 has — set "
+        "zero_stage=3, or drop zero3_shard_size",
+    )
+    require(
+        size is None or size >= 1,
+        f"zero3_shard_size={size} must be >= 1 — the ranks each copy of the model is "
+        "sharded over (e.g. the GPUs per host)",
+    )
     require(
         args.zero_offload is None or args.zero_stage != 0,
         f"zero_offload={args.zero_offload!r} offloads ZeRO's sharded state, and zero_stage=0 "

@@ -232,6 +232,12 @@ class Strategy:
         """The optimizer's hyperparameters per group, to roll back with the pieces."""
         return []
 
+    def live_slots(self) -> list[list[int]]:
+        """Who holds each piece of the sharded state, in piece order (the ranks now): each
+        rank its own here; under HSDP every replica of a shard (train/live_sharded.py takes
+        a lost rank's piece from one, and keeps no snapshot while each piece has two)."""
+        return [[rank] for rank in range(self.world.world_size)]
+
     def live_restore(
         self,
         model: nn.Module,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -16,11 +16,15 @@ from phalanx.optim.local_sgd import PeriodicSync
 from phalanx.parallel.sharding import piece_of, row_numel
 from phalanx.parallel.traffic import Traffic
 from phalanx.runtime.hostmem import return_freed_memory
+from phalanx.runtime.live import current_live_group
 from phalanx.train.checkpoint.stateful import Entry
 from phalanx.train.setup import prepare_device_model
 from phalanx.train.strategy.base import Strategy
 from phalanx.train.trainer_state import ShardedModel
 from phalanx.zero3.meta_init import has_meta_tensors, materialize
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["FullyShard"]
 
@@ -47,7 +51,7 @@ class FullyShard(Strategy):
         if zero3.unit_of(model) is None:  # unless it arrives sharded already
             args = self.args
             policy = zero3.by_class_names(args.zero3_units) if args.zero3_units else None
-            zero3.shard_model(model, policy, offload_policy=self.offload)
+            zero3.shard_model(model, policy, offload_policy=self.offload, mesh=self._mesh())
         if has_meta_tensors(model):
             materialize(model, self.world.device, group=self.world.process_group)
         for unit in zero3.units(model):  # its gathers and reductions on the timeline
@@ -57,6 +61,23 @@ class FullyShard(Strategy):
 
     def rewrap(self, model: nn.Module) -> nn.Module:
         return self.wrap(model)
+
+    def _mesh(self) -> DeviceMesh | None:
+        """HSDP's mesh when zero3_shard_size asks for one (zero3/hybrid.py; collective), None
+        for every rank. A world it does not divide is refused at the start; after a live
+        loss it shards over every rank until a replacement makes the rows whole again."""
+        size, world = self.args.zero3_shard_size, self.world
+        if size is None or not world.is_distributed:
+            return None
+        live = current_live_group()
+        if world.world_size % size and (live is None or live.generation == 0):
+            raise ConfigurationError(
+                f"zero3_shard_size={size} does not divide the {world.world_size} ranks into "
+                "groups that each hold a copy of the model — launch a multiple of it (e.g. "
+                "whole hosts), or change zero3_shard_size"
+            )
+        device_type = "cuda" if world.device.type == "cuda" else "cpu"
+        return zero3.hybrid_mesh(size, world.node_rank, device_type)
 
     @property
     def records_own_timeline(self) -> bool:
@@ -97,6 +118,13 @@ class FullyShard(Strategy):
         assert self.wrapped is not None
         return _plain_groups(optimizer, zero3.sharded_parameters(self.wrapped))
 
+    def live_slots(self) -> list[list[int]]:
+        """The mesh's columns: a shard's holders are its replicas, one per row."""
+        assert self.wrapped is not None
+        unit = zero3.unit_of(self.wrapped)
+        assert unit is not None
+        return [list(column) for column in zip(*unit.info.row_ranks, strict=True)]
+
     def live_restore(
         self,
         model: nn.Module,
@@ -110,7 +138,7 @@ class FullyShard(Strategy):
         old_params = zero3.sharded_parameters(model)
         shapes = [p.shape for p in old_params]
         wholes, state = whole_from_rows(shapes, bundles)
-        zero3.redeal(model, wholes)
+        zero3.redeal(model, wholes, self._mesh())
         new_params = zero3.sharded_parameters(model)
         streamer = streamer_of(optimizer)
         if streamer is not None:
