@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.e2e.test_multinode import _check, _ip, _netns_unavailable
 from tests.faults.test_live import STEPS, _check_exact, _digests
@@ -212,3 +213,11 @@ def test_hsdp_across_two_hosts_takes_a_lost_shard_from_the_other_host(
     assert digest.keys() == {"r0", "r2", "r3", "j1"}, text
     assert digest["r0"] == digest["r2"] and digest["j1"] == digest["r3"], digest  # columns
     assert digest["r0"] != digest["j1"], digest
+    # The last checkpoint, written from the rows by host ([[r0, j1], [r2, r3]]), holds the
+    # whole model: its sum is a row's, its two shards'.
+    whole = tmp_path / "whole.pt"
+    argv = [sys.executable, "-m", "phalanx", "consolidate", str(out_dir / f"checkpoint-{steps}")]
+    subprocess.run([*argv, str(whole)], cwd=REPO, check=True, capture_output=True, timeout=120)
+    model = torch.load(whole, weights_only=True)["model"]
+    total = float(sum(t.double().sum() for t in model.values()))
+    assert total == pytest.approx(float(digest["r0"]) + float(digest["j1"]), rel=1e-9), total

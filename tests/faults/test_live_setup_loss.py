@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.faults.test_live_trainer import _fit, _train
+from phalanx.ground.ports import free_port
+from tests.faults.test_live_trainer import SCRIPT, _fit, _train
+from tests.launchkit import LAUNCH, clean_env, finish, secret_file, start
 
 pytestmark = pytest.mark.faults
 
@@ -37,3 +39,35 @@ def test_a_member_lost_before_the_first_step_restarts_the_group(
         assert "lost (killed by SIGKILL (signal 9)) before the run's group formed" in out, out
     assert out.count("done step=20") == 3 and "replacement" not in out, out
     assert _fit(out) == _fit(quiet)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("lost", ["r3", pytest.param("r1", marks=pytest.mark.slow)])
+def test_a_loss_before_the_group_forms_restarts_every_node(tmp_path: Path, lost: str) -> None:
+    """Two launchers (node 0 hosts the store; ranks 0-1 and 2-3): a worker of either node
+    killed before the run's group formed. Its launcher restarted its own group alone, and
+    the other node's workers waited in the formation for the run's timeout (30 minutes)
+    while the restarted node waited for a store the host never served again. Now its
+    launcher asks every node to restart (a signed key in the store, acknowledged), and
+    the run ends as an undisturbed one does."""
+    secret = secret_file(tmp_path / "run.secret")
+    port = free_port()
+    env = clean_env(LEDGER_DIR=str(tmp_path / "ledger"), OMP_NUM_THREADS="1",
+                    DIE_IN_SETUP=f"{lost}:init")  # fmt: skip
+    (tmp_path / "ledger").mkdir()
+    procs = [
+        start([*LAUNCH, "--nnodes", "2", "--node-rank", node, "--master-addr", "127.0.0.1",
+               "--master-port", port, "--nproc-per-node", "2", "--live-recovery",
+               "--live-stall-timeout", "5", "--max-restarts", "1", "--rdzv-timeout", "60",
+               "--run-secret-file", secret, SCRIPT, tmp_path / "out", 20], env)
+        for node in (0, 1)
+    ]  # fmt: skip
+    outs = [finish(proc, 240) for proc in procs]
+    text = "\n".join(out + err for out, err in outs)
+    assert [proc.returncode for proc in procs] == [0, 0], text
+    host = 0 if lost == "r1" else 1
+    said = f"node {host}: rank {lost[1]} ({lost}) lost (killed by SIGKILL (signal 9)) before"
+    other = outs[1 - host][0] + outs[1 - host][1]
+    assert said in other and "restarts with it" in other, text
+    assert text.count("restarting the worker group (restart 1 of 1)") == 2, text
+    assert text.count("done step=20") == 4, text

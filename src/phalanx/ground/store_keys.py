@@ -76,6 +76,11 @@ RESTART_MARK = "live-restart"
 """A file in the progress directory: this run cannot go on without a lost rank (ZeRO's
 shards), so a loss restarts the group from its checkpoint instead."""
 
+RESTART_KEY = f"{KEY}restart"
+"""In a run over several nodes: why a launcher restarts its worker group (RESTART_MARK, or a
+loss before the first group formed), so that every node's launcher restarts its own with
+it; each one that saw it adds `<RESTART_KEY>/ack/<node rank>` (launch/live.py)."""
+
 HEARTBEAT_S = 0.5
 """How often a worker's heartbeat file is touched."""
 

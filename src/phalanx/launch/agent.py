@@ -136,6 +136,8 @@ class Agent:
                 status = supervisor.run()
                 if supervisor.fell_back is not None:
                     return self._after_failure(group, supervisor.fell_back, restart, progress_dir)
+                if supervisor.restart_asked is not None:
+                    return self._restart_with_the_others(group, restart)
                 signum = self.stop_request.signum
                 group.stop(
                     _sent_signal(signum or signal.SIGTERM), self.config.grace_s, self.stop_request
@@ -230,6 +232,20 @@ class Agent:
             self.sink.message(f"no restarts left (--max-restarts {max_restarts})")
         return failure.exit_code
 
+    def _restart_with_the_others(self, group: WorkerGroup, restart: int) -> int | None:
+        """Another node's launcher restarts its worker group (launch/live.py): stop this
+        node's and restart it too; None when another attempt is allowed."""
+        group.stop(signal.SIGTERM, self.config.grace_s, self.stop_request)
+        group.drain_output()
+        max_restarts = self.config.max_restarts
+        if restart < max_restarts and not self._cancelled():
+            self.sink.message(
+                f"restarting the worker group (restart {restart + 1} of {max_restarts})"
+            )
+            return None
+        self.sink.message(f"no restarts left (--max-restarts {max_restarts})")
+        return int(ExitCode.FAILED)
+
     def _live_env(self) -> dict[str, str]:
         live = self.config.live
         if live is None:
@@ -274,6 +290,7 @@ class Agent:
             interval_s=self.config.monitor_interval_s,
             members=members,
             node_rank=self.config.node_rank if self.config.nnodes > 1 else None,
+            nnodes=self.config.nnodes,
         )
 
     def _supervise(self, group: WorkerGroup) -> Failure | int:

@@ -23,6 +23,7 @@ from phalanx.ground.live_store import LiveStore, StoreConn
 from phalanx.ground.runauth import RunKey
 from phalanx.ground.store_keys import (
     GENERATION_KEY,
+    RESTART_KEY,
     RESTART_MARK,
     claim_key,
     heartbeat_name,
@@ -43,6 +44,8 @@ Connect = Callable[[], StoreConn]
 """A new connection to the job's store (the attempt's): a TCPStore's, or etcd's."""
 
 _STORE_TIMEOUT_S = 10.0
+_RESTART_POLL_S = 0.5
+"""How often a launcher of a run over several nodes looks for another's restart."""
 
 
 def tcp_store(addr: tuple[str, int]) -> Connect:
@@ -107,6 +110,11 @@ class LiveSupervisor:
     the run late); empty: the first workers, `r<rank>`."""
     node_rank: int | None = None
     """This node's rank in a run over several nodes: its members are kept in the store."""
+    nnodes: int = 1
+    restart_asked: str | None = None
+    """Why another node's launcher restarts its worker group (RESTART_KEY): this one
+    restarts its own with it, since its workers cannot go on alone."""
+    _next_poll: float = 0.0
     _slots: list[_Slot] = field(default_factory=list)
     _losses: list[tuple[_Slot, int, str]] = field(default_factory=list)
     """Each loss in order: the slot, its exit status, why (for the summary)."""
@@ -129,22 +137,67 @@ class LiveSupervisor:
                     self._fence_if_stalled(slot)
                     continue
                 slot.done = True
+                lost = f"rank {slot.worker.rank} ({slot.member}) lost ({describe_returncode(code)})"
                 if code != 0 and (self.progress_dir / RESTART_MARK).exists():
+                    self._ask_every_node(f"{lost}, which the run cannot go on without")
                     self.fell_back = Failure(slot.worker, code)
                     return code
                 if code != 0 and self._before_the_first_group(slot):
                     self.say(
-                        f"rank {slot.worker.rank} ({slot.member}) lost "
-                        f"({describe_returncode(code)}) before the run's group formed, where "
-                        "the others would wait for it: nothing has trained yet, so the worker "
-                        "group restarts (--max-restarts)"
+                        f"{lost} before the run's group formed, where the others would wait "
+                        "for it: nothing has trained yet, so the worker group restarts "
+                        "(--max-restarts)"
                     )
+                    self._ask_every_node(f"{lost} before the run's group formed")
                     self.fell_back = Failure(slot.worker, code)
                     return code
                 status = code if code == 0 else self._lost(slot, code)
             if all(slot.done for slot in self._slots):
                 return self._final_status(status)
+            asked = self._restart_elsewhere()
+            if asked is not None:
+                self.say(f"{asked}: this node's worker group restarts with it")
+                self.restart_asked = asked
+                return 1
             time.sleep(self.interval_s)
+
+    def _ask_every_node(self, reason: str) -> None:
+        """In a run over several nodes, restart every node's worker group with this one's:
+        the others' workers would wait for this node's in the first group's formation, or
+        hold state the restart leaves behind. Waits, up to the stall timeout (a lost node
+        never answers), until each other launcher has seen it: the store's host serves
+        the next attempt's store, without this key, right after."""
+        if self.node_rank is None:
+            return
+        deadline = time.monotonic() + self.stall_s
+        others = [n for n in range(self.nnodes) if n != self.node_rank]
+        try:
+            with self.connect() as client:
+                store = LiveStore(client, self.key)
+                store.put(RESTART_KEY, f"node {self.node_rank}: {reason}")
+                while time.monotonic() < deadline and not all(
+                    store.read(f"{RESTART_KEY}/ack/{n}") is not None for n in others
+                ):
+                    time.sleep(self.interval_s)
+        except (OSError, RuntimeError) as exc:  # RuntimeError: etcd's StoreLost
+            self.say(f"could not ask the other nodes to restart with this one ({exc})")
+
+    def _restart_elsewhere(self) -> str | None:
+        """In a run over several nodes, every _RESTART_POLL_S: why another node's launcher
+        restarts its worker group, if one does (acknowledged in the store)."""
+        now = time.monotonic()
+        if self.node_rank is None or now < self._next_poll:
+            return None
+        self._next_poll = now + _RESTART_POLL_S
+        try:
+            with self.connect() as client:
+                store = LiveStore(client, self.key)
+                reason = store.read(RESTART_KEY)
+                if reason is not None:
+                    store.put(f"{RESTART_KEY}/ack/{self.node_rank}", "seen")
+                return reason
+        except (OSError, RuntimeError):  # the store away or without a quorum: asked again
+            return None
 
     def _before_the_first_group(self, slot: _Slot) -> bool:
         """A first worker lost before any worker here beat: its generation 0 never formed
