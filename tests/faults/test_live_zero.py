@@ -85,6 +85,9 @@ def test_hsdp_takes_a_lost_shard_from_its_replica_and_ends_as_its_replay(tmp_pat
     steps = _steps(tmp_path / "ledger", tmp_path / "lost")
     copies = {(e["world"], e["copy_bytes"] > 0) for entries in steps.values() for e in entries}
     assert copies == {(4, False), (3, True)}, copies  # copies only while nothing replicates
+    r0 = [json.loads(line) for line in (tmp_path / "ledger" / "r0.jsonl").read_text().splitlines()]
+    held = {e["copy_bytes"] for e in r0 if e["world"] == 3}
+    assert len(held) == 1, held  # one pair at rest: the last one let go once all hold the next
     digests = _digests(lost)  # one per shard: each replica pair agrees
     assert len(digests) == 4 and len({d for _, d in digests}) == 2, lost
     recorded = str(tmp_path / "lost" / "live_membership.jsonl")

@@ -62,6 +62,8 @@ def test_a_member_keeps_two_of_its_own_and_two_of_its_neighbours() -> None:
     assert snaps.held()["own"] == [[list(RING), 5], [list(RING), 10]]
     assert snaps.kept_at("r2", (RING, 10)) is not None and snaps.kept_at("r1", (RING, 10)) is None
     assert snaps.due(10) and not snaps.due(11)
+    snaps.settle()  # every member holds step 10's pair: step 5's goes
+    assert snaps.held() == {"own": [[list(RING), 10]], "kept": [["r2", list(RING), 10]]}
 
 
 def test_hsdp_takes_a_lost_rank_piece_from_its_replica_at_the_present_step() -> None:

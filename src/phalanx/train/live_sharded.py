@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from phalanx.errors import NoQuorum
 from phalanx.runtime.live import LiveGroup
@@ -68,6 +69,10 @@ class ShardedLive:
             kept = pass_to_next(pieces, self.group)
             before = self.ring[(self.ring.index(self.group.member) - 1) % len(self.ring)]
             self.snapshots.add(own, Snapshot(self.ring, step, kept), before)
+            # Done here means every member contributed, so every member holds the new pair
+            # (each adds it before this): the previous one is needed by no one.
+            dist.all_reduce(torch.zeros(1), group=self.group)
+            self.snapshots.settle()
         else:
             self.snapshots.own = [own]
 

@@ -5,8 +5,11 @@ rank would take them with it. Every `live_snapshot_steps` steps, at a step
 boundary, each member copies what only it holds (its pieces of the parameters
 and of the optimizer state) and the run's small replicated state (counters,
 scheduler, data position, loss tally, hyperparameters) into host memory, and
-passes its pieces to the next member around the ring, which keeps them. Each
-member keeps its last two snapshots and its predecessor's last two.
+passes its pieces to the next member around the ring, which keeps them. Once
+every member holds the new pair (one small all-reduce after the exchange), each
+lets the previous pair go: at rest a member holds one snapshot of its own and
+one of its predecessor's; while an exchange is under way, or after a loss cut
+one, also the previous pair.
 
 After a change of members, every member says which snapshots it holds, and all
 choose the same one: the newest (ring, step) for which each member of that ring
@@ -35,7 +38,8 @@ from torch import Tensor
 __all__ = ["Choice", "Snapshot", "Snapshots", "choose"]
 
 KEPT = 2
-"""Snapshots kept per owner: the newest may be incomplete when a loss cuts its exchange."""
+"""Snapshots kept per owner until every member holds the newest (`settle`): a loss can cut
+its exchange, leaving it on some members only."""
 
 Ring = tuple[str, ...]
 
@@ -72,6 +76,10 @@ class Snapshots:
         self.own = [*[s for s in self.own if s.key != own.key][-(KEPT - 1) :], own]
         older = [(m, s) for m, s in self.kept if s.key != kept.key][-(KEPT - 1) :]
         self.kept = [*older, (kept_from, kept)]
+
+    def settle(self) -> None:
+        """Every member holds the newest pair (own and kept): the older ones go."""
+        self.own, self.kept = self.own[-1:], self.kept[-1:]
 
     def held(self) -> dict[str, Any]:
         """What this member can provide, for `choose` (JSON)."""
