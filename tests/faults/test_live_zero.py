@@ -121,14 +121,22 @@ def test_a_rollback_to_the_end_of_a_padded_epoch_after_the_next_one_began(tmp_pa
 
 @pytest.mark.slow  # choose()'s verdict is unit-tested (tests/unit/test_live_snapshots.py)
 @pytest.mark.timeout(400)
-def test_two_neighbours_lost_together_fall_back_to_the_checkpoint(tmp_path: Path) -> None:
-    """r1 dies at step 13, then r2 (which kept r1's pieces) inside the rebuild: r1's pieces
-    exist nowhere. r0 says so in one line and the launcher restarts every rank from the
-    step-10 checkpoint; the run ends where an undisturbed one does."""
-    quiet = _train(tmp_path / "quiet", tmp_path / "ql", 30, 3, "resume", ZERO_STAGE="1",
-                   SAVE_STEPS="5")  # fmt: skip
-    out = _train(tmp_path / "out", tmp_path / "ledger", 30, 3, "resume", ZERO_STAGE="1",
-                 SAVE_STEPS="5", KILL_STEPS="13", DIE_IN_REBUILD="r2")  # fmt: skip
+@pytest.mark.parametrize(
+    ("setting", "nproc", "second"),
+    [({"ZERO_STAGE": "1"}, 3, "r2"), ({"ZERO_STAGE": "3", "ZERO3_SHARD_SIZE": "2"}, 4, "r3")],
+    ids=["stage1", "hsdp"],
+)
+def test_two_neighbours_lost_together_fall_back_to_the_checkpoint(
+    tmp_path: Path, setting: dict[str, str], nproc: int, second: str
+) -> None:
+    """r1 dies at step 13, then `second` inside the rebuild: at stage 1 r2, which kept r1's
+    pieces; under HSDP (2 x 2) r3, r1's replica. r1's pieces exist nowhere. r0 says so in
+    one line and the launcher restarts every rank from the step-10 checkpoint; the run
+    ends where an undisturbed one does."""
+    quiet = _train(tmp_path / "quiet", tmp_path / "ql", 30, nproc, "resume", SAVE_STEPS="5",
+                   **setting)  # fmt: skip
+    out = _train(tmp_path / "out", tmp_path / "ledger", 30, nproc, "resume", SAVE_STEPS="5",
+                 KILL_STEPS="13", DIE_IN_REBUILD=second, **setting)  # fmt: skip
     said = [line for line in out.splitlines() if "LostShards: " in line and "[rank 0]" in line]
     assert len(said) == 1 and "exist nowhere (two neighbours lost together" in said[0], out
     assert "restarting the worker group" in out and "resumed from checkpoint-10" in out, out
