@@ -131,31 +131,32 @@ def pass_to_next(
     tensors: dict[str, torch.Tensor], group: dist.ProcessGroup | None = None
 ) -> dict[str, torch.Tensor]:
     """Around the ring: send `tensors` to the next rank, receive the previous rank's (for
-    keeping a neighbour's copy). Sizes first, then the bytes, each send beside its receive."""
+    keeping a neighbour's copy). Every rank's sizes first, then two all-to-alls in which
+    each rank sends only to the next: collectives, not sends and receives, since a timed
+    wait on gloo's send or receive closes its connection when the time runs out, and live
+    recovery waits in short slices (runtime/live.py)."""
     world = dist.get_world_size(group)
     me = dist.get_rank(group)
     after, before = (me + 1) % world, (me - 1) % world
-    ranks = [dist.get_global_rank(group, r) if group is not None else r for r in (after, before)]
     header, blob = pack(tensors)
-    data = json.dumps(header).encode()
-    mine = torch.tensor([len(data), blob.numel()], dtype=torch.int64)
-    theirs = torch.zeros(2, dtype=torch.int64)
-    _swap(mine, theirs, ranks, group)
-    header_in = torch.empty(int(theirs[0]), dtype=torch.uint8)
-    _swap(torch.frombuffer(bytearray(data), dtype=torch.uint8), header_in, ranks, group)
-    blob_in = torch.empty(int(theirs[1]), dtype=torch.uint8)
-    _swap(blob, blob_in, ranks, group)
+    data = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
+    sizes = all_gather_json([data.numel(), blob.numel()], group)
+    header_in = _to_next(data, int(sizes[before][0]), after, before, world, group)
+    blob_in = _to_next(blob, int(sizes[before][1]), after, before, world, group)
     return unpack(json.loads(header_in.numpy().tobytes()), blob_in)
 
 
-def _swap(
-    send: torch.Tensor, recv: torch.Tensor, ranks: list[int], group: dist.ProcessGroup | None
-) -> None:
-    """Send to ranks[0] while receiving from ranks[1] (no deadlock around a ring)."""
-    if send.numel() == 0 and recv.numel() == 0:
-        return
-    sent = dist.isend(send, dst=ranks[0], group=group) if send.numel() else None
-    if recv.numel():
-        dist.recv(recv, src=ranks[1], group=group)
-    if sent is not None:
-        sent.wait()
+def _to_next(
+    send: torch.Tensor,
+    size_in: int,
+    after: int,
+    before: int,
+    world: int,
+    group: dist.ProcessGroup | None,
+) -> torch.Tensor:
+    """`send` to group rank `after`, and `size_in` bytes from `before`, in one all-to-all."""
+    received = torch.empty(size_in, dtype=torch.uint8)
+    out_splits = [size_in if r == before else 0 for r in range(world)]
+    in_splits = [send.numel() if r == after else 0 for r in range(world)]
+    dist.all_to_all_single(received, send, out_splits, in_splits, group=group)
+    return received
