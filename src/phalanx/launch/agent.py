@@ -223,6 +223,18 @@ class Agent:
                 f"{ExitCode.CONFIGURATION}): not restarting — fix the configuration"
             )
             return failure.exit_code
+        return self._another_attempt(restart, failure.exit_code)
+
+    def _restart_with_the_others(self, group: WorkerGroup, restart: int) -> int | None:
+        """Another node's launcher restarts its worker group (launch/live.py): stop this
+        node's and restart it too; None when another attempt is allowed."""
+        group.stop(signal.SIGTERM, self.config.grace_s, self.stop_request)
+        group.drain_output()
+        return self._another_attempt(restart, int(ExitCode.FAILED))
+
+    def _another_attempt(self, restart: int, exit_code: int) -> int | None:
+        """None, said, when --max-restarts allows another attempt; else `exit_code`."""
+        max_restarts = self.config.max_restarts
         if restart < max_restarts and not self._cancelled():
             self.sink.message(
                 f"restarting the worker group (restart {restart + 1} of {max_restarts})"
@@ -230,21 +242,7 @@ class Agent:
             return None
         if max_restarts:
             self.sink.message(f"no restarts left (--max-restarts {max_restarts})")
-        return failure.exit_code
-
-    def _restart_with_the_others(self, group: WorkerGroup, restart: int) -> int | None:
-        """Another node's launcher restarts its worker group (launch/live.py): stop this
-        node's and restart it too; None when another attempt is allowed."""
-        group.stop(signal.SIGTERM, self.config.grace_s, self.stop_request)
-        group.drain_output()
-        max_restarts = self.config.max_restarts
-        if restart < max_restarts and not self._cancelled():
-            self.sink.message(
-                f"restarting the worker group (restart {restart + 1} of {max_restarts})"
-            )
-            return None
-        self.sink.message(f"no restarts left (--max-restarts {max_restarts})")
-        return int(ExitCode.FAILED)
+        return exit_code
 
     def _live_env(self) -> dict[str, str]:
         live = self.config.live

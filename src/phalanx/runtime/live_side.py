@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _register_process_group
 
 from phalanx.ground.store_keys import KEY
-from phalanx.runtime.live import LIVE_BACKEND, LiveGroup, delegate_collectives
+from phalanx.runtime.live import LIVE_BACKEND, LiveGroup, _first_line, delegate_collectives
 
 __all__ = ["SideGroup"]
 
@@ -46,7 +46,7 @@ class SideGroup(dist.ProcessGroup):
             self._inner._set_default_timeout(live.timeout)
             live._prove(self._inner, generation, [live.members[r] for r in ranks], rank, connect)
         except RuntimeError as exc:
-            reason = f"its {name} group did not form ({str(exc).splitlines()[0][:200]})"
+            reason = f"its {name} group did not form ({_first_line(exc)})"
             raise live.lost(reason, generation) from exc
         self._live, self.generation = live, generation
         self._rank, self._size = rank, size
