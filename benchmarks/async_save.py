@@ -17,7 +17,10 @@ The writers' gloo group, which the first background save makes (a
 collective), is made before training, its time reported apart. Before each
 save every earlier write is finished (outside the timing), so a save's stall is
 its own: the seconds from the save's start until the loop may take its next
-step (`Trainer._save`, or `dcp.async_save`'s return). Reported
+step (`Trainer._save`, or `dcp.async_save`'s return). Under disk offload the
+background save copies nothing of the offloaded state at the step (it holds
+it in its files: offload/held.py): reported are the bytes held and the share
+of them the next step reached first and copied aside. Reported
 per variant: the median stall and its ratio to sync's (for `async`, the part
 spent in the checkpointer's stage: the per-rank gather, the staging folder's
 name and the copy); the seconds until the
@@ -159,6 +162,8 @@ class Probe:
         self.pending: dict[str, Any] | None = None
         self.staged_bytes = 0
         """What this rank's last background save copied (its part of the state)."""
+        self.holds: list[Any] = []
+        """Each background save's SaveHold (disk offload): what it held, what it copied aside."""
         self.stage_s: list[float] = []
         """Of each background save's stall, the copy's share (the collectives around it too)."""
         self.done_at = 0.0
@@ -234,6 +239,15 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
     from phalanx.train import Trainer, TrainingArguments
 
+    if cfg.get("writer_policy") == "idle":  # an experiment: the writer runs only on idle CPU
+        import threading
+
+        import phalanx.train.checkpoint.background as background
+
+        def idle() -> None:
+            os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
+
+        background._lower_priority = idle
     root = Path(cfg["root"]) / f"stage{cfg['stage']}"
     stage, offload = STAGES[cfg["stage"]]
     extra: dict[str, Any] = {}
@@ -280,6 +294,7 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         "group_s": group_s,
         "staged_bytes": probe.staged_bytes,
         "stage_s": probe.stage_s,
+        "held": [(hold.held_bytes, hold.aside_bytes) for hold in probe.holds],
     }
 
 
@@ -290,6 +305,8 @@ def _counting(checkpointer: Any, probe: Probe) -> Any:
     def start_background(*args: Any, **kwargs: Any) -> Any:
         staged = start(*args, **kwargs)
         probe.staged_bytes = staged.bytes
+        if staged.hold is not None:  # disk offload: the files written from, uncopied
+            probe.holds.append(staged.hold)
         probe.stage_s.append(staged.blocked_s)
         return staged
 
@@ -336,6 +353,10 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     out["quiet_step_s"] = max(quiet)
     out["writers_group_s"] = max(r["group_s"] for r in ranks)
     out["async"]["of_which_stage_s"] = max(statistics.median(r["stage_s"]) for r in ranks)
+    if all(r["held"] for r in ranks):
+        out["held_mb"] = [statistics.median(h for h, _ in r["held"]) / 2**20 for r in ranks]
+        shares = [statistics.median(a / h for h, a in r["held"] if h) for r in ranks]
+        out["copied_aside_share"] = max(shares)
     return out
 
 
@@ -349,6 +370,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stages", default="0,1,3,3d")
     parser.add_argument("--staging-mb", type=int, default=300)
     parser.add_argument("--tiny", action="store_true", help="a check that it runs")
+    parser.add_argument(
+        "--writer-policy",
+        choices=("nice", "idle"),
+        default="nice",
+        help="the writer thread niced (phalanx's) or under SCHED_IDLE (an experiment)",
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     opts = parser.parse_args(argv)
     if opts.tiny:

@@ -27,6 +27,8 @@ from phalanx.ground.ports import free_port
 __all__ = ["EtcdCluster", "etcd_cluster_of", "etcd_missing"]
 
 READY_S = 30.0
+_TRY_S = 1.0
+"""One readiness try's bound; READY_S bounds them all."""
 _PORT_ATTEMPTS = 3
 _IN_USE = "bind: address already in use"
 
@@ -145,7 +147,9 @@ class EtcdCluster:
             if member.wrap:  # in a namespace of its own: asked from inside it
                 self._probe_inside(member)
                 continue
-            kv = EtcdKV(Etcd([member.endpoint], READY_S), "phalanx-test/")
+            # Each try short: a member that died of a taken port leaves that port to whoever
+            # took it, which may accept and never answer (one long try was 30 s of nothing).
+            kv = EtcdKV(Etcd([member.endpoint], _TRY_S), "phalanx-test/")
             while True:
                 try:
                     kv.set("ready", b"1")

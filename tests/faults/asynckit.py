@@ -7,6 +7,8 @@ import threading
 from typing import Any
 
 import phalanx.train.checkpoint.writes as writes
+from phalanx.offload.held import SaveHold
+from phalanx.offload.stream import Streamer
 from phalanx.train import Trainer
 from phalanx.train.checkpoint.background import BackgroundWriter
 
@@ -74,3 +76,17 @@ def local_params(trainer: Trainer) -> list[list[float]]:
         getattr(p, "_local_tensor", p).detach().reshape(-1).tolist()
         for p in trainer.model.parameters()
     ]
+
+
+def record_holds() -> list[SaveHold]:
+    """Every SaveHold a background save takes in this process from now on (offload/held.py)."""
+    holds: list[SaveHold] = []
+    original = Streamer.hold_for_save
+
+    def recorded(self: Streamer) -> SaveHold:
+        hold = original(self)
+        holds.append(hold)
+        return hold
+
+    Streamer.hold_for_save = recorded  # type: ignore[method-assign]
+    return holds

@@ -21,31 +21,38 @@ import pytest
 
 import phalanx.train.checkpoint.writes as writes
 from phalanx.train.checkpoint.directory import list_checkpoints, verify_checkpoint
-from tests.faults.asynckit import Gate, hold_writes, local_params, said
+from tests.faults.asynckit import Gate, hold_writes, local_params, record_holds, said
 from tests.faults.trainkit import in_step, make_trainer
 from tests.harness import run_workers
 
 pytestmark = pytest.mark.faults
 
 
-def _held_run(rank: int, world: int, root: str, stage: int) -> dict[str, Any]:
+def _settings(stage: int | str, root: Path) -> dict[str, Any]:
+    if stage == "3d":  # stage 3 with disk offload: its files are written from, not copied
+        return {"zero_stage": 3, "zero_offload": "disk", "zero_offload_dir": str(root / "off")}
+    return {"zero_stage": stage}
+
+
+def _held_run(rank: int, world: int, root: str, stage: int | str) -> dict[str, Any]:
     base = Path(root)
-    whole = make_trainer(base / "whole", save_steps=0, zero_stage=stage)
+    whole = make_trainer(base / "whole", save_steps=0, **_settings(stage, base))
     whole.train()
     straight = local_params(whole)
 
     second, fourth = Gate(2), Gate(4)
     hold_writes(second, fourth, release_on_collect=True)
+    holds = record_holds()
 
     def release_in_step_4(trainer: Any) -> None:
         if in_step(trainer, 4):
             second.release.set()
 
-    held = make_trainer(base / "held", release_in_step_4, save_steps=2, zero_stage=stage)
+    held = make_trainer(base / "held", release_in_step_4, save_steps=2, **_settings(stage, base))
     lines = said(held)
     held.train()
 
-    resumed = make_trainer(base / "resumed", save_steps=0, zero_stage=stage)
+    resumed = make_trainer(base / "resumed", save_steps=0, **_settings(stage, base))
     out = resumed.train(resume_from_checkpoint=str(base / "held" / "checkpoint-2"))
     return {
         "straight": straight,
@@ -53,19 +60,29 @@ def _held_run(rank: int, world: int, root: str, stage: int) -> dict[str, Any]:
         "resumed_from": out.resumed_from,
         "lines": lines,
         "writer": second.thread,
+        "held_bytes": [hold.held_bytes for hold in holds],
+        "aside_bytes": [hold.aside_bytes for hold in holds],
     }
 
 
-@pytest.mark.parametrize("stage", [0, pytest.param(1, marks=pytest.mark.slow), 3])
+@pytest.mark.parametrize("stage", [0, pytest.param(1, marks=pytest.mark.slow), 3, "3d"])
 @pytest.mark.timeout(240)
 def test_the_loop_trains_on_while_a_checkpoint_is_written_and_it_is_the_steps(
-    tmp_path: Path, stage: int
+    tmp_path: Path, stage: int | str
 ) -> None:
     runs = run_workers(_held_run, 2, str(tmp_path), stage, init_pg=False, timeout=220)
     for run in runs:
         assert run.value["writer"] == "phalanx-save-2"
         assert run.value["resumed_from"] == str(tmp_path / "held" / "checkpoint-2")
         assert run.value["resumed"] == run.value["straight"], "checkpoint-2 is not step 2's"
+        held, aside = run.value["held_bytes"], run.value["aside_bytes"]
+        if stage == "3d":
+            # Every save wrote its offloaded shards and state from their files, uncopied at
+            # the step; checkpoint-2's, held until step 4, had all of it copied aside first.
+            assert len(held) == 4 and all(b > 0 for b in held), held
+            assert aside[0] == held[0], (held, aside)
+        else:
+            assert held == [], held
     held = tmp_path / "held"
     assert [step for step, _ in list_checkpoints(held)] == [8, 6, 4, 2]
     for _, path in list_checkpoints(held):

@@ -30,6 +30,7 @@ from torch.optim import Optimizer
 from phalanx.errors import OffloadError
 from phalanx.offload.files import OffloadFiles
 from phalanx.offload.fused import fuse_where_default, local
+from phalanx.offload.held import SaveHold
 from phalanx.parallel.traffic import TimedWait
 from phalanx.runtime.agree import raise_on_every_rank
 from phalanx.runtime.hostmem import return_freed_memory
@@ -82,6 +83,9 @@ class Streamer:
         self._writes: list[Future[None]] = []
         self._first_ahead: Future[None] | None = None
         """The next step's first window, read while forward and backward run."""
+        self.hold: SaveHold | None = None
+        """The background save in flight's file-backed tensors: copied aside before a
+        window's step overwrites those it has not yet written (held.py)."""
         base = type(optimizer).step
         self._raw_step: Callable[[Optimizer], Any] = getattr(base, "__wrapped__", base)
 
@@ -178,6 +182,7 @@ class Streamer:
                     ahead = self._read(*self._tensors(optimizer, windows[i + 1]))
                 for group, members in zip(groups, window):
                     group["params"] = members
+                self._keep_for_save(written)
                 self._raw_step(optimizer)
                 stepped = [p for members in window for p in members]
                 moved = self.adopt(optimizer, stepped)
@@ -277,10 +282,23 @@ class Streamer:
         def populate(_: list[torch.Tensor]) -> None:
             self.files.populate(read)
             self.files.populate(written, writable=True)
+            self._keep_for_save(written)  # here, off the training thread, where it can
 
         nbytes = sum(t.nbytes for t in written + read)
         self.stats.read_bytes += nbytes
         return self._reader.submit(self._timed, "read", populate, written + read, nbytes)
+
+    def hold_for_save(self) -> SaveHold:
+        """A hold on this optimizer's file-backed tensors for one background save: kept still
+        for its writer until it is closed (held.py)."""
+        self.hold = SaveHold(self.files.holds, self.files.release)
+        return self.hold
+
+    def _keep_for_save(self, written: list[torch.Tensor]) -> None:
+        """`written` is about to be stepped: the save in flight copies aside what it needs."""
+        hold = self.hold
+        if hold is not None and not hold.closed:
+            hold.before_overwrite(written)
 
     def _write(self, tensors: list[torch.Tensor], grads: list[torch.Tensor] | None = None) -> None:
         """Write a window back and drop it, on the write thread. Its gradients are only

@@ -122,7 +122,7 @@ def first_nonfinite(model: nn.Module) -> str | None:
 
 def first_nonfinite_in(named: Iterable[tuple[str, Tensor]]) -> str | None:
     """The first name whose tensor (a DTensor: its local shard) holds a NaN or an inf."""
-    tensors = [(name, _local(t)) for name, t in named]
+    tensors = [(name, local_of(t)) for name, t in named]
     tensors = [(name, t) for name, t in tensors if t.numel() and t.is_floating_point()]
     if not tensors:
         return None
@@ -133,7 +133,8 @@ def first_nonfinite_in(named: Iterable[tuple[str, Tensor]]) -> str | None:
     return next(name for name, t in tensors if not bool(torch.isfinite(t).all()))
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local_of(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard; any other tensor itself."""
     to_local = getattr(tensor, "to_local", None)  # a DTensor
     return to_local() if callable(to_local) else tensor
 

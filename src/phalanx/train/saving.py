@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from phalanx.errors import PhalanxError
+from phalanx.offload import Streamer
 from phalanx.train.callbacks import Callbacks
 from phalanx.train.checkpoint import hf_save
 from phalanx.train.checkpoint.checkpointer import Checkpointer
@@ -38,7 +39,7 @@ from phalanx.train.checkpoint.stateful import Entry
 from phalanx.train.checkpoint.writes import Saved, Staged
 from phalanx.train.config.args import TrainingArguments
 from phalanx.train.logging.report import RunReport, human_size
-from phalanx.train.nonfinite import first_nonfinite_in, nonfinite_error
+from phalanx.train.nonfinite import first_nonfinite_in, local_of, nonfinite_error
 
 
 class CheckpointSaves:
@@ -82,10 +83,18 @@ class CheckpointSaves:
             and self.checkpointer.can_write_in_background(states)
         )
 
-    def save(self, states: dict[str, Entry], step: int, best: str | None, background: bool) -> Path:
+    def save(
+        self,
+        states: dict[str, Entry],
+        step: int,
+        best: str | None,
+        background: bool,
+        streamer: Streamer | None = None,
+    ) -> Path:
         """Write checkpoint-<step> now, or stage it and hand it to the writer thread (the
         save in flight, if any, must have been collected); `best`: the best checkpoint so
-        far, which save_total_limit must keep for load_best_model_at_end."""
+        far, which save_total_limit must keep for load_best_model_at_end; `streamer`: the
+        offloaded optimizer's, whose files a background save writes from, uncopied."""
         args = self.args
         notes = {"args.json": json.dumps(args.to_dict(), indent=1).encode()}
         notes.update(hf_save.checkpoint_notes(self.model, self.tied))  # config.json, for export
@@ -93,7 +102,10 @@ class CheckpointSaves:
         self.checkpointer.protect = Path(best) if args.load_best_model_at_end and best else None
         if background:
             timeout, validate = args.ddp_timeout, partial(_nonfinite_model, step)
-            self.checkpointer.start_background(states, step, notes, derived, timeout, validate)
+            hold = streamer.hold_for_save() if streamer is not None else None
+            self.checkpointer.start_background(
+                states, step, notes, derived, timeout, validate, hold
+            )
         else:
             self._report(self.checkpointer.save(states, step, notes, derived))
         self.saved_step = step
@@ -139,11 +151,15 @@ class CheckpointSaves:
         self.sealed(saved.path)  # sealed: Ray Train gets it (cluster.py)
 
 
-def _nonfinite_model(step: int, staged: Staged) -> PhalanxError | None:
-    """The copy's model (rank 0's whole one, or this rank's shards) holds a NaN or an inf:
-    checkpoint-<step> must not be written over good ones."""
+def _nonfinite_model(
+    step: int, staged: Staged, of_step: Callable[[torch.Tensor], torch.Tensor]
+) -> PhalanxError | None:
+    """The copy's model (rank 0's whole one, or this rank's shards; `of_step`: each one's
+    values of the step) holds a NaN or an inf: checkpoint-<step> must not be written over
+    good ones."""
     part = staged.replicated.get("model", staged.sharded.get("model"))
-    name = None if part is None else first_nonfinite_in(_named_tensors(part))
+    named = ((name, of_step(local_of(t))) for name, t in _named_tensors(part or {}))
+    name = None if part is None else first_nonfinite_in(named)
     return None if name is None else nonfinite_error(name, step)
 
 

@@ -300,6 +300,7 @@ class Trainer:
         self.setup.settle_loss()  # the checkpoint's loss_sum counts every step so far
         with timelines.span_of(self.timeline, "checkpoint save"):
             best = self.state.best_model_checkpoint
-            path = saves.save(self.checkpoint_states(), step, best, background)
+            streamer = self.strategy.offload_streamer(self.optimizer)
+            path = saves.save(self.checkpoint_states(), step, best, background, streamer)
         record_save(self.state, path)
         return path

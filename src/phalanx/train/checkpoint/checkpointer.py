@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from phalanx.errors import CheckpointError, PhalanxError
+from phalanx.offload.held import SaveHold
 from phalanx.runtime import World
 from phalanx.train.checkpoint import writes
 from phalanx.train.checkpoint.background import BackgroundWriter
@@ -103,18 +104,23 @@ class Checkpointer:
         notes: Mapping[str, bytes] | None = None,
         derived: writes.Derived | None = None,
         timeout_s: float | None = None,
-        validate: Callable[[writes.Staged], PhalanxError | None] | None = None,
+        validate: Callable[[writes.Staged, Callable[[Any], Any]], PhalanxError | None]
+        | None = None,
+        hold: SaveHold | None = None,
     ) -> writes.Staged:
         """Collective: copy every rank's part of checkpoint-<step> to host memory now, and
         write it on the writer thread while training goes on; `background.collect()`
         returns its `Saved` (or raises its error). The previous one must be collected.
         `timeout_s`: how long the writers' collectives may block (its group is made at the
         first background save); `validate`: run on every rank's copy before it is written
-        (a refusal fails the save on every rank)."""
+        (a refusal fails the save on every rank); `hold`: the offloaded tensors it keeps
+        still are written from their files, not copied (offload/held.py)."""
         assert not self.background.in_flight, "collect the save in flight first"
         writers = self.background.writers_world(timeout_s)
         pool, self._pool = self._pool, []
-        staged = writes.stage(self.world, self.output_dir, states, step, notes, derived, True, pool)
+        staged = writes.stage(
+            self.world, self.output_dir, states, step, notes, derived, True, pool, hold
+        )
         self._pool = staged.buffers  # reused once this save is written (staging.py)
         staged.validate = validate
         self.background.start(step, partial(writes.write, writers, self.lineage, staged))

@@ -31,6 +31,7 @@ import io
 import itertools
 import os
 import pickle
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,7 @@ from typing import Any
 import torch
 
 from phalanx.ground.safe_files import open_new
+from phalanx.offload.held import SaveHold
 from phalanx.runtime import World
 
 METADATA = ".metadata"
@@ -110,8 +112,9 @@ def dtensor_chunks(tensor: Any) -> list[tuple[int, tuple[int, ...], tuple[int, .
     return chunks
 
 
-def write_part(plan: LocalPlan, directory: Path) -> list[int]:
-    """Write this rank's items into `directory/__<rank>_0.distcp` (fsynced); their lengths."""
+def write_part(plan: LocalPlan, directory: Path, hold: SaveHold | None = None) -> list[int]:
+    """Write this rank's items into `directory/__<rank>_0.distcp` (fsynced); their lengths.
+    `hold`: the tensors it keeps still are written from it (offload/held.py)."""
     directory.mkdir(parents=True, exist_ok=True)
     lengths = []
     path = directory / data_file(plan.rank)
@@ -122,14 +125,18 @@ def write_part(plan: LocalPlan, directory: Path) -> list[int]:
             if isinstance(data, io.BytesIO):  # a value: the planner's torch.save of it
                 stream.write(data.getbuffer())
             else:
-                tensor = data.detach()
-                if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
-                    tensor = tensor.clone()  # a view: torch.save would write all its storage
-                torch.save(tensor.cpu(), stream)
+                with _still(hold, data.detach()) as tensor:
+                    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+                        tensor = tensor.clone()  # a view: torch.save would write all its storage
+                    torch.save(tensor.cpu(), stream)
             lengths.append(stream.tell() - start)
         stream.flush()
         os.fsync(stream.fileno())
     return lengths
+
+
+def _still(hold: SaveHold | None, tensor: torch.Tensor) -> AbstractContextManager[torch.Tensor]:
+    return nullcontext(tensor) if hold is None else hold.reading(tensor)
 
 
 def data_file(rank: int) -> str:

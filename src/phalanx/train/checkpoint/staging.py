@@ -19,6 +19,10 @@ synchronize: the step after waits for nothing else. On the CPU it is a copy:
 benchmarks/async_staging.py measured it against a copy-on-write fork
 (docs/trainer.md, "Background saves").
 
+Offloaded state (a disk offload's file-backed tensors) is not copied: a `SaveHold`
+keeps it still until the writer has written it (offload/held.py), so the step
+boundary does not read the whole state back out of its files.
+
 The memory of one save's copy is the next one's (`pool`): a fresh allocation
 costs a page fault per 4 KB page, 3 to 5 times the copy itself on the 2-core
 machine (async_staging.py, `copy` against `reused`), and pinned memory is slow
@@ -36,11 +40,15 @@ from typing import Any
 
 import torch
 
+from phalanx.offload.held import SaveHold
+
 
 class Stager:
     """Copies one checkpoint's state to host memory; `bytes` counts what it copied."""
 
-    def __init__(self, pin: bool, pool: list[torch.Tensor] | None = None) -> None:
+    def __init__(
+        self, pin: bool, pool: list[torch.Tensor] | None = None, hold: SaveHold | None = None
+    ) -> None:
         self.pin = pin
         """Pinned host memory (a CUDA state): the device copies run without a sync each."""
         self.bytes = 0
@@ -51,6 +59,8 @@ class Stager:
             self._pool.setdefault(buffer.numel(), []).append(buffer)
         self._storages: dict[tuple[str, int], torch.Tensor] = {}
         self._device_copies = False
+        self.hold = hold
+        """Where the file-backed tensors are kept still instead of copied (None: copied)."""
 
     def copy(self, obj: Any) -> Any:
         """`obj` with every tensor in it copied to host memory (module docstring)."""
@@ -82,9 +92,12 @@ class Stager:
         from torch.distributed.tensor import DTensor
 
         if isinstance(tensor, DTensor):
-            local = self._whole(tensor._local_tensor.detach())
+            local = tensor._local_tensor.detach()
+            local = self._held(local) if self._holds(local) else self._whole(local)
             return DTensor(local, tensor._spec, requires_grad=False)
         tensor = tensor.detach()
+        if self._holds(tensor):
+            return self._held(tensor)
         if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_nested:
             return tensor.to("cpu", copy=True)  # no storage to share: as it is
         if tensor.untyped_storage().data_ptr() == 0:
@@ -92,6 +105,13 @@ class Stager:
         storage = self._storage(tensor)
         view = torch.empty(0, dtype=tensor.dtype)
         return view.set_(storage, tensor.storage_offset(), tensor.size(), tensor.stride())
+
+    def _holds(self, tensor: torch.Tensor) -> bool:
+        return self.hold is not None and self.hold.holds(tensor)
+
+    def _held(self, tensor: torch.Tensor) -> torch.Tensor:
+        assert self.hold is not None
+        return self.hold.hold(tensor)
 
     def _storage(self, tensor: torch.Tensor) -> torch.UntypedStorage:
         """The host copy of `tensor`'s whole storage, made once per storage."""

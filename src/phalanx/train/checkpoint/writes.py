@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -43,6 +44,7 @@ from typing import Any
 
 from phalanx import errors
 from phalanx.errors import CheckpointError, PeerLost, PhalanxError
+from phalanx.offload.held import SaveHold
 from phalanx.runtime import World
 from phalanx.train.checkpoint.dcp_local import LocalPlan, metadata, write_metadata, write_part
 from phalanx.train.checkpoint.directory import (
@@ -106,13 +108,16 @@ class Staged:
     """Rank 0: the manifest entries of the files it wrote (hashed on the way)."""
     failure: BaseException | None = None
     """Why this rank could not take its part (raised in the write's first turn)."""
-    validate: Callable[[Staged], PhalanxError | None] | None = None
+    validate: Callable[[Staged, Callable[[Any], Any]], PhalanxError | None] | None = None
     """Run by every rank's writer on the copy before a byte is written: a refusal (a NaN
-    model) fails the save on every rank, as a failed write does."""
+    model) fails the save on every rank, as a failed write does. Its second argument gives
+    each staged tensor's values of the step (a held one's may be its copy aside)."""
     bytes: int = 0
     """Host memory the copy took on this rank."""
     buffers: list[Any] = field(default_factory=list)
     """The byte buffers the copy lives in (the next save's pool once this one is written)."""
+    hold: SaveHold | None = None
+    """The offloaded tensors written from their files, not copied (offload/held.py)."""
     blocked_s: float = 0.0
 
 
@@ -134,9 +139,11 @@ def stage(
     derived: Derived | None,
     copy: bool,
     pool: list[Any] | None = None,
+    hold: SaveHold | None = None,
 ) -> Staged:
     """Collective: the save's first half (module docstring); `copy`: to host memory, into
-    the buffers of `pool` where their sizes fit (staging.py)."""
+    the buffers of `pool` where their sizes fit (staging.py), but for the file-backed
+    tensors that `hold` keeps still instead."""
     started = time.perf_counter()
     placements = {name: placement_of(entry) for name, entry in states.items()}
     per_rank = {
@@ -148,7 +155,8 @@ def stage(
     staged = Staged(step, tmp, placements, started, dict(notes or {}), derived, copy)
     if world.is_main:
         staged.per_rank = per_rank
-    stager = Stager(pin=world.device.type == "cuda", pool=pool)
+    stager = Stager(pin=world.device.type == "cuda", pool=pool, hold=hold if copy else None)
+    staged.hold = stager.hold
     try:
         for name, entry in states.items():
             if placements[name] == "sharded":
@@ -168,7 +176,11 @@ def stage(
 def write(world: World, lineage: Lineage, staged: Staged) -> Saved:
     """Collective over `world`: the save's second half (module docstring)."""
     if staged.copied:
-        return _write_agreed(world, lineage, staged)
+        try:
+            return _write_agreed(world, lineage, staged)
+        finally:
+            if staged.hold is not None:
+                staged.hold.close()
     turn = partial(_turn, world, lineage.output_dir, staged)
     for name, part in staged.sharded.items():
         turn(partial(_write_sharded, staged, name, part), everyone=True, part=name)
@@ -203,12 +215,13 @@ def _write_agreed(world: World, lineage: Lineage, staged: Staged) -> Saved:
     error: PhalanxError | None = None
     try:
         _raise_failure(staged)
-        refused = staged.validate(staged) if staged.validate is not None else None
+        with staged.hold.still() if staged.hold is not None else nullcontext(_as_is) as of_step:
+            refused = staged.validate(staged, of_step) if staged.validate is not None else None
         if refused is not None:
             raise refused
         for name, part in staged.sharded.items():
             plans[name] = LocalPlan(part, world.rank)
-            mine["lengths"][name] = write_part(plans[name], staged.tmp / name)
+            mine["lengths"][name] = write_part(plans[name], staged.tmp / name, staged.hold)
         if world.is_main:
             _write_files(staged)
     except PhalanxError as exc:
@@ -239,6 +252,10 @@ def _write_agreed(world: World, lineage: Lineage, staged: Staged) -> Saved:
         )
     path = lineage.output_dir / f"{PREFIX}{staged.step}"
     return Saved(path, outcome["size"], time.perf_counter() - staged.started, staged.blocked_s)
+
+
+def _as_is(tensor: Any) -> Any:
+    return tensor
 
 
 def _raise_agreed(failure: list[Any], rank: int, mine: PhalanxError | None) -> None:

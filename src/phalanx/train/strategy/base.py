@@ -28,7 +28,13 @@ from phalanx.ddp.module import DistributedDataParallel
 from phalanx.ddp.powersgd import PowerSGDState
 from phalanx.diagnostics.timeline import Timeline
 from phalanx.errors import ConfigurationError
-from phalanx.offload import DiskOffloadPolicy, OffloadPolicy, offload_optimizer, streamer_of
+from phalanx.offload import (
+    DiskOffloadPolicy,
+    OffloadPolicy,
+    Streamer,
+    offload_optimizer,
+    streamer_of,
+)
 from phalanx.optim.local_sgd import PeriodicSync
 from phalanx.optim.zero import ZeroRedundancyOptimizer
 from phalanx.parallel.traffic import NO_TRAFFIC, Traffic
@@ -265,14 +271,18 @@ class Strategy:
             total += periodic_sync.stats.traffic
         return total
 
+    def offload_streamer(self, optimizer: Optimizer | None) -> Streamer | None:
+        """The windowed step of the optimizer's offloaded state (disk offload), if any."""
+        inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's local one
+        return streamer_of(inner) if isinstance(inner, Optimizer) else None
+
     def release(self, optimizer: Optimizer | None) -> None:
         """Unhook DDP from the model (it outlives the Trainer: left hooked, its parameters
         would report gradients to a reducer nobody drives), finish the offloaded step's
         writes, and remove the offload files, once."""
         if isinstance(self.wrapped, DistributedDataParallel):
             self.wrapped.reducer.remove_hooks()
-        inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's local one
-        streamer = streamer_of(inner) if isinstance(inner, Optimizer) else None
+        streamer = self.offload_streamer(optimizer)
         if streamer is not None:
             streamer.close()
         if isinstance(self.offload, DiskOffloadPolicy):
