@@ -1,7 +1,7 @@
 """How long a checkpoint blocks the Trainer's loop: a background save against a save written
 there and then, and against torch's own `dcp.async_save` of the same state.
 
-Two gloo ranks train a stack of `--layers` Linear(W, W) blocks with AdamW (W =
+Two gloo ranks (`--nproc`) train a stack of `--layers` Linear(W, W) blocks with AdamW (W =
 `--width`; 2048 x 6: 25M parameters, 100 MB, 300 MB with Adam's state) under
 each `--stages` entry: 0, 1, 3, and 3 with disk offload (`3d`). Every
 `--every` steps one save is made, the variants in interleaved rounds (a
@@ -369,6 +369,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--stages", default="0,1,3,3d")
     parser.add_argument("--staging-mb", type=int, default=300)
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=2,
+        help="ranks (one thread each): 1 leaves a core of this 2-core machine to the writer",
+    )
     parser.add_argument("--tiny", action="store_true", help="a check that it runs")
     parser.add_argument(
         "--writer-policy",
@@ -386,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         for stage in opts.stages.split(","):
             cfg = {**vars(opts), "root": str(root), "stage": stage}
             cfg.pop("out")
-            ranks = run_ranks(_rank, 2, cfg)
+            ranks = run_ranks(_rank, opts.nproc, cfg)
             results[f"stage {stage}"] = summary = summarize(ranks)
             print(f"stage {stage}: {json.dumps(summary)}", flush=True)
         results["staging"] = async_staging.measure(opts.staging_mb, rounds=3 if opts.tiny else 5)
