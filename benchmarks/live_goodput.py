@@ -23,6 +23,7 @@ same three steps. Reported: each run's wall time, the lost time (variant minus
         --out docs/results/live_goodput_zero1.json    # ZeRO-1: snapshots every 10 steps
     python benchmarks/live_goodput.py --zero-stage 3 --nproc 4 --shard-size 2 ...  # HSDP 2x2:
         # a lost shard from its replica, no snapshot while the mesh is whole
+    python benchmarks/live_goodput.py --zero-stage 3 --offload disk ...  # snapshots in files
 """
 
 from __future__ import annotations
@@ -97,9 +98,10 @@ def main() -> None:
     parser.add_argument("--depth", default="0", help="hidden layers of width x width")
     parser.add_argument("--nproc", type=int, default=3, help="ranks")
     parser.add_argument("--shard-size", default="", help="stage 3: HSDP's zero3_shard_size")
+    parser.add_argument("--offload", default="", choices=("", "disk"), help="zero_offload")
     ns = parser.parse_args()
     extra = {"ZERO_STAGE": ns.zero_stage, "WIDTH": ns.width, "DEPTH": ns.depth,
-             "ZERO3_SHARD_SIZE": ns.shard_size}  # fmt: skip
+             "ZERO3_SHARD_SIZE": ns.shard_size, "ZERO_OFFLOAD": ns.offload}  # fmt: skip
     walls: dict[str, list[float]] = {v: [] for v in VARIANTS}
     for round_index in range(ns.rounds):
         for variant in interleave.balanced_order(round_index, VARIANTS):

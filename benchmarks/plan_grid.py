@@ -21,7 +21,7 @@ Last, the Trainer with zero_stage="auto" (no budget given: it reads the cgroup)
 under a cap that kills stage 0 trains to the loss of the uncapped stage-0 run.
 Results: docs/results/plan_grid.json, and the tables docs/planner.md quotes.
 
-    sudo python benchmarks/plan_grid.py                   # ~2 hours on 2 loaded cores
+    sudo python benchmarks/plan_grid.py                   # ~20 minutes on 2 cores
     sudo python benchmarks/plan_grid.py --models mlp-t --trainer-model mlp-t --steps 2
 """
 

@@ -155,7 +155,7 @@ def worker_config(name: str, config: Any, steps: int) -> dict[str, Any]:
 def _predicted(name: str, c: Any, rates: Any, configs: list[Any]) -> list[float]:
     from phalanx.train.plan import predict_memory
 
-    return sorted(predict_memory(x, c, 2, rates.libraries_bytes).total / 2**20 for x in configs)
+    return sorted(predict_memory(x, c, 2, rates).total / 2**20 for x in configs)
 
 
 def budgets(name: str, c: Any, rates: Any, configs: list[Any], n: int) -> list[float]:
@@ -176,7 +176,7 @@ def killing_cap(name: str, c: Any, rates: Any) -> float:
 
     spec = MODELS[name]
     stage0 = Config(0, "none", 0.0, spec.global_batch // 2, 1)
-    return round(0.6 * predict_memory(stage0, c, 2, rates.libraries_bytes).total / 2**20)
+    return round(0.6 * predict_memory(stage0, c, 2, rates).total / 2**20)
 
 
 def cell(

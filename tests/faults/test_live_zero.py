@@ -57,6 +57,9 @@ def test_a_loss_rolls_back_to_the_neighbours_copy_and_ends_as_its_replay(
     assert (first["members"], first["step"]) == (["r0", "r2"], 10), log  # rolled back
     assert "live recovery: 3 ranks (r0, r2, j1)" in lost, lost
     assert lost.count("done step=") == 3 and len(set(re.findall(r"eval=(\S+)", lost))) == 1, lost
+    entries = [e for es in _steps(tmp_path / "ledger").values() for e in es if e["copy_bytes"]]
+    in_memory = {e["copy_bytes_in_memory"] > 0 for e in entries}
+    assert entries and in_memory == {not offload}, in_memory  # offload: the copies in files
     recorded = str(tmp_path / "lost" / "live_membership.jsonl")
     replay = _train(tmp_path / "replay", tmp_path / "ledger_replay", STEPS, ZERO_STAGE=stage,
                     ZERO_OFFLOAD=offload, KILL_MEMBER="r1", KILL_STEP="10",

@@ -4,9 +4,12 @@ itself or by the neighbour that kept its pieces; none when two neighbours went t
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from phalanx.train.live_snapshots import Snapshot, Snapshots, choose
+import torch
+
+from phalanx.train.live_snapshots import PieceFiles, Snapshot, Snapshots, choose
 from phalanx.zero3.hybrid import hybrid_layout
 
 RING = ("r0", "r1", "r2")
@@ -84,3 +87,28 @@ def test_hsdp_rows_follow_the_hosts() -> None:
     assert hybrid_layout([0, 0, 1, 1, 2, 2], 2) == [[0, 1], [2, 3], [4, 5]]
     assert hybrid_layout([0, 0, 1], 2) is None  # 3 ranks left of 2 x 2: shard over all
     assert hybrid_layout([0, 0], 2) is None  # one row: FSDP
+
+
+def test_under_disk_offload_the_pieces_are_in_files_and_go_with_their_snapshot(
+    tmp_path: Path,
+) -> None:
+    files = PieceFiles(tmp_path, 0)
+    snapshots = Snapshots(10, files=files)
+    ring = ("r0", "r1")
+
+    def pair(step: int) -> tuple[Snapshot, Snapshot]:
+        own = Snapshot(ring, step, {"p0": torch.full((256,), float(step))})
+        return own, Snapshot(ring, step, {"p0": torch.full((256,), -float(step))})
+
+    snapshots.add(*pair(10), "r1")
+    snapshots.add(*pair(20), "r1")  # an exchange under way: both pairs held
+    assert snapshots.nbytes(in_files=False) == 0
+    assert snapshots.nbytes(in_files=True) == 4 * 256 * 4
+    directory = files.files.directory
+    assert len(list(directory.iterdir())) == 4
+    snapshots.settle()  # every member holds step 20's pair: step 10's files go
+    assert len(list(directory.iterdir())) == 2
+    own = snapshots.own_at((ring, 20))
+    assert own is not None and own.pieces["p0"].tolist() == [20.0] * 256  # read back
+    snapshots.close()
+    assert not directory.exists()

@@ -208,6 +208,14 @@ class OffloadFiles:
         for region in self._regions_of(tensors):
             _madvise(region, _MADV_DONTNEED)
 
+    def remove(self, tensors: list[torch.Tensor]) -> None:
+        """Delete these tensors' files: their disk space goes once the tensors are freed (a
+        mapping keeps its file's data until then)."""
+        for region in self._regions_of(tensors):
+            self._regions.pop(region.address, None)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(region.path)
+
     def discard(self, tensors: list[torch.Tensor]) -> None:
         """Zero these tensors by dropping their pages, dirty or not, unwritten: for values
         nobody will read again (a gradient set to None), whose write-back and read-back

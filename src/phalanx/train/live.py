@@ -103,8 +103,11 @@ class LiveTraining:
             self.sharded.maybe_snapshot(self._save)
 
     def finish(self) -> None:
-        """Training ended: a replacement still starting need not join (it exits 0)."""
+        """Training ended: a replacement still starting need not join (it exits 0); the
+        snapshots go."""
         self.recovery.finish(self.trainer.state.global_step)
+        if self.sharded is not None:
+            self.sharded.snapshots.close()
 
     def recover(self, lost: PeerLost) -> None:
         """Drop the step in flight, agree on the members, take the donor's state, rebuild;

@@ -12,10 +12,11 @@ import torch
 import torch.distributed as dist
 
 from phalanx.errors import NoQuorum
+from phalanx.offload import DiskOffloadPolicy
 from phalanx.runtime.live import LiveGroup
 from phalanx.runtime.recovery import LiveRecovery
 from phalanx.runtime.wire import all_gather_json, broadcast_tensors, pass_to_next
-from phalanx.train.live_snapshots import Choice, Snapshot, Snapshots, choose
+from phalanx.train.live_snapshots import Choice, PieceFiles, Snapshot, Snapshots, choose
 from phalanx.train.logging.progress_bar import StepWindow
 
 if TYPE_CHECKING:
@@ -39,7 +40,7 @@ class ShardedLive:
         self.trainer = trainer
         self.group = group
         self.recovery = recovery
-        self.snapshots = Snapshots(trainer.args.live_snapshot_steps)
+        self.snapshots = Snapshots(trainer.args.live_snapshot_steps, files=_piece_files(trainer))
         self.ring: tuple[str, ...] = tuple(group.members)
         """The members the pieces are dealt over now (empty: a replacement not yet in)."""
         self.restored: tuple[Choice, dict[str, Any], list[dict[str, torch.Tensor]]] | None = None
@@ -58,7 +59,7 @@ class ShardedLive:
         every piece has a replica (HSDP): older copies are let go."""
         trainer, step = self.trainer, self.trainer.state.global_step
         if all(len(slot) > 1 for slot in trainer.strategy.live_slots()):
-            self.snapshots = Snapshots(self.snapshots.every)
+            self.snapshots.clear()
             return
         replicated = copy.deepcopy(save())
         runlog = trainer.runlog or trainer.open_runlog()
@@ -74,7 +75,7 @@ class ShardedLive:
             dist.all_reduce(torch.zeros(1), group=self.group)
             self.snapshots.settle()
         else:
-            self.snapshots.own = [own]
+            self.snapshots.only(own)
 
     # ------------------------------------------------------------ the sync
     def sync(self, save: Save) -> tuple[int, str, bool]:
@@ -143,6 +144,14 @@ class ShardedLive:
         if choice.rolls_back:  # steps after the snapshot are trained again: their losses go
             runlog.run = window if window is not None else StepWindow(runlog.traffic().wait_s)
         self.ring = tuple(self.group.members)
+
+
+def _piece_files(trainer: TrainerSetup) -> PieceFiles | None:
+    """Under disk offload, files for the snapshots' pieces beside the offloaded state."""
+    policy = trainer.strategy.offload
+    if not isinstance(policy, DiskOffloadPolicy):
+        return None
+    return PieceFiles(policy.path, trainer.world.rank)
 
 
 def _shared(state: dict[str, Any] | None) -> dict[str, Any] | None:

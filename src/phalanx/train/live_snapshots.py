@@ -21,6 +21,11 @@ data re-dealt from where that snapshot stood. Two neighbours lost together
 take a ring's pieces with them: then nothing covers them, and the run falls
 back to a restart from its checkpoint, saying so.
 
+Under disk offload the snapshots' pieces go to files of their own beside the
+offloaded state (`PieceFiles`), unmapped once written: a run that offloads
+because its state does not fit in memory does not hold two more copies of its
+part there.
+
 Under HSDP (zero3_shard_size) each piece has a holder in every row: a lost rank's
 piece is taken from a replica, at the present step, and no snapshot is kept while
 every piece has two holders. Design and costs: docs/reliability.md, "Sharded live
@@ -31,11 +36,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from torch import Tensor
 
-__all__ = ["Choice", "Snapshot", "Snapshots", "choose"]
+from phalanx.offload.files import OffloadFiles
+
+__all__ = ["Choice", "PieceFiles", "Snapshot", "Snapshots", "choose"]
 
 KEPT = 2
 """Snapshots kept per owner until every member holds the newest (`settle`): a loss can cut
@@ -60,6 +68,30 @@ class Snapshot:
         return self.ring, self.step
 
 
+class PieceFiles:
+    """Snapshot pieces kept in files (a scratch directory of this process's under
+    zero_offload_dir), not in host memory: written through the page cache and unmapped at
+    once, so they are the kernel's to write back and to drop, and read back from there
+    only by a rollback."""
+
+    def __init__(self, parent: str | Path, rank: int) -> None:
+        self.files = OffloadFiles(parent, rank, "zero_offload_dir")
+
+    def keep(self, pieces: dict[str, Tensor]) -> dict[str, Tensor]:
+        kept = {name: self.files.copy(piece) for name, piece in pieces.items()}
+        self.files.forget(list(kept.values()))
+        return kept
+
+    def let_go(self, pieces: dict[str, Tensor]) -> None:
+        self.files.remove(list(pieces.values()))
+
+    def holds(self, piece: Tensor) -> bool:
+        return self.files.holds(piece)
+
+    def close(self) -> None:
+        self.files.close()
+
+
 @dataclass
 class Snapshots:
     """This member's own snapshots and the ones it keeps for its predecessor, newest last."""
@@ -68,18 +100,56 @@ class Snapshots:
     own: list[Snapshot] = field(default_factory=list)
     kept: list[tuple[str, Snapshot]] = field(default_factory=list)
     """(whose, snapshot): the previous member's pieces around each snapshot's ring."""
+    files: PieceFiles | None = None
+    """Where the pieces are kept under disk offload (None: in host memory)."""
 
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
 
     def add(self, own: Snapshot, kept: Snapshot, kept_from: str) -> None:
-        self.own = [*[s for s in self.own if s.key != own.key][-(KEPT - 1) :], own]
+        own, kept = self._stored(own), self._stored(kept)
+        mine = [*[s for s in self.own if s.key != own.key][-(KEPT - 1) :], own]
         older = [(m, s) for m, s in self.kept if s.key != kept.key][-(KEPT - 1) :]
-        self.kept = [*older, (kept_from, kept)]
+        self._keep(mine, [*older, (kept_from, kept)])
+
+    def only(self, own: Snapshot) -> None:
+        """A ring of one: this member's own snapshot, nothing kept for anyone."""
+        self._keep([self._stored(own)], [])
 
     def settle(self) -> None:
         """Every member holds the newest pair (own and kept): the older ones go."""
-        self.own, self.kept = self.own[-1:], self.kept[-1:]
+        self._keep(self.own[-1:], self.kept[-1:])
+
+    def clear(self) -> None:
+        self._keep([], [])
+
+    def close(self) -> None:
+        """The run is over: every snapshot goes, and their files' directory."""
+        self.clear()
+        if self.files is not None:
+            self.files.close()
+
+    def _stored(self, snapshot: Snapshot) -> Snapshot:
+        if self.files is not None:
+            snapshot.pieces = self.files.keep(snapshot.pieces)
+        return snapshot
+
+    def _keep(self, own: list[Snapshot], kept: list[tuple[str, Snapshot]]) -> None:
+        """These snapshots from now on; the files of any other go."""
+        if self.files is not None:
+            staying = {id(s) for s in own} | {id(s) for _, s in kept}
+            for snapshot in [*self.own, *(s for _, s in self.kept)]:
+                if id(snapshot) not in staying:
+                    self.files.let_go(snapshot.pieces)
+        self.own, self.kept = own, kept
+
+    def nbytes(self, in_files: bool | None = None) -> int:
+        """Bytes of pieces held (`in_files`: only those in files, or only those not)."""
+        pieces = [t for s in [*self.own, *(k for _, k in self.kept)] for t in s.pieces.values()]
+        if in_files is not None:
+            held = self.files.holds if self.files is not None else (lambda _: False)
+            pieces = [t for t in pieces if held(t) == in_files]
+        return sum(t.numel() * t.element_size() for t in pieces)
 
     def held(self) -> dict[str, Any]:
         """What this member can provide, for `choose` (JSON)."""

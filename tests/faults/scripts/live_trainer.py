@@ -94,7 +94,8 @@ class Ledger(TrainerCallback):
         entry = {"step": state.global_step, "world": trainer.world.world_size,
                  "epoch": trainer.state.epoch, "indices": self.model.pending,
                  "t": time.time(), "gen": -1 if group is None else group.generation,
-                 "copy_bytes": copy_bytes(trainer)}  # fmt: skip
+                 "copy_bytes": copy_bytes(trainer),
+                 "copy_bytes_in_memory": copy_bytes(trainer, in_files=False)}  # fmt: skip
         with self.path.open("a") as out:
             out.write(json.dumps(entry) + "\n")
         time.sleep(PAUSE_S)
@@ -102,14 +103,12 @@ class Ledger(TrainerCallback):
             hold_for_the_replacement(trainer)
 
 
-def copy_bytes(trainer: Trainer) -> int:
-    """The bytes of ZeRO pieces this member holds in snapshots (its own and its neighbour's)."""
+def copy_bytes(trainer: Trainer, in_files: bool | None = None) -> int:
+    """The bytes of ZeRO pieces this member holds in snapshots (its own and its neighbour's;
+    `in_files`: only those in files, or only those in memory)."""
     live = trainer.setup.live
     sharded = None if live is None else live.sharded
-    if sharded is None:
-        return 0
-    snaps = [*sharded.snapshots.own, *(kept for _, kept in sharded.snapshots.kept)]
-    return sum(t.numel() * t.element_size() for s in snaps for t in s.pieces.values())
+    return 0 if sharded is None else sharded.snapshots.nbytes(in_files)
 
 
 def hold_for_the_replacement(trainer: Trainer) -> None:

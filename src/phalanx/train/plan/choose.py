@@ -103,7 +103,7 @@ def choose(
     if not configs:
         raise ConfigurationError("no stage and offload to plan among — allow zero_stage 1-3")
     for config in configs:
-        memory = predict_memory(config, count, world, rates.libraries_bytes)
+        memory = predict_memory(config, count, world, rates)
         step = predict_step_s(config, count, rates, world)
         fits = memory.total <= budget * (1 - HEADROOM)
         weighed.append(Candidate(config, memory, step, fits))

@@ -31,10 +31,12 @@ from phalanx.train.plan.probe import Rates
 __all__ = ["Config", "Parts", "predict_memory", "predict_step_s"]
 
 Tier = Literal["none", "cpu", "disk"]
-_WINDOWS_RESIDENT = 3
+_WINDOWS_RESIDENT = 7
 """Offloaded windows in memory at once at the step's peak: the one stepping, the next one
-read ahead, the last one being written back (stream.py; more in flight are written and
-dropped as they finish)."""
+read ahead, the next step's first one, and the four stream.py lets be written back at once
+(their pages go only once written, at the disk's pace). benchmarks/plan_grid.py measured
+it: with 3 counted the peak of a 67M-parameter MLP's stage 3 in files was 35% above the
+prediction, its files' pages resident in the step (RssFile 344 MB of its 590)."""
 
 
 @dataclass(frozen=True, order=True)
@@ -92,10 +94,11 @@ def _in_files(config: Config, count: ModelCount) -> tuple[float, float]:
     return share(shards), share(state)
 
 
-def predict_memory(config: Config, count: ModelCount, world: int, libraries: float) -> Parts:
+def predict_memory(config: Config, count: ModelCount, world: int, rates: Rates) -> Parts:
     """The configuration's peak bytes per rank, by part: the larger of its two phases,
-    forward and backward (activations, stage 3's gathered units) and the optimizer step
-    (the offloaded step's windows, the per-tensor AdamW's temporaries)."""
+    forward and backward (activations, stage 3's gathered units, stage 2's reductions in
+    flight) and the optimizer step (the offloaded step's windows, the per-tensor AdamW's
+    temporaries)."""
     p, n = float(count.params), world
     shards_out, state_out = _in_files(config, count)
     per_rank = 1 if config.stage == 0 else n
@@ -113,15 +116,24 @@ def predict_memory(config: Config, count: ModelCount, world: int, libraries: flo
         grads = p if config.stage < 2 else p / n
         # DDP's buckets (one rank runs without DDP); stage 2 frees each bucket as it is sent
         kept = p if config.stage < 2 and n > 1 else 0.0
-        # stage 2: the gradients of buckets not yet sent, and the send buffers in flight
-        passing = 0.0 if config.stage < 2 else min(p, 2.0 * DEFAULT_BUCKET_CAP_MB * 2**20)
+        passing = 0.0
+        if config.stage == 2 and config.accumulation > 1:
+            # the micro-batches before the last run no_sync: their whole-size .grads build up,
+            # and the last backward turns them into reduce-scatter inputs (grad_sharding.py)
+            grads = p + p / n
+        elif config.stage == 2:
+            passing = _in_flight(config, count, rates, p)
     if config.offload == "disk":  # the windows in memory; the step fused: no temporaries
         offloaded = state * state_out + 2 * p / n * shards_out
-        stepping = min(offloaded, _WINDOWS_RESIDENT * config.window_mb * 2**20)
+        # a window is a parameter at least: its shard, gradient and state together
+        largest_cost = (2 + count.state_per_param_byte) * max(count.param_bytes) / n
+        window = max(config.window_mb * 2**20, largest_cost)
+        stepping = min(offloaded, _WINDOWS_RESIDENT * window)
     else:
         stepping = 2.0 * largest  # torch's per-tensor AdamW: two temporaries of a tensor
     activations = count.activations(config.micro_batch)
     backward_peak = activations + passing >= stepping  # else the step's is the peak
+    libraries = rates.libraries_bytes
     return Parts(
         parameters=params,
         gradients=grads,
@@ -130,6 +142,18 @@ def predict_memory(config: Config, count: ModelCount, world: int, libraries: flo
         collective_buffers=kept + (passing if backward_peak else 0.0),
         libraries=libraries,
     )
+
+
+def _in_flight(config: Config, count: ModelCount, rates: Rates, p: float) -> float:
+    """Stage 2's gradient bytes between autograd and their reduce-scatter's end, at most:
+    the buckets sent while the backward ran leave at the reductions' pace, so what the
+    backward makes faster than that waits, as .grads or as reduce-scatter inputs (two
+    buckets at least: the one filling, the one in flight). Measured by plan_grid.py: 2
+    buckets counted, a 252M-parameter MLP's peak was 14% above the prediction."""
+    backward_s = 2 / 3 * count.flops(config.micro_batch) / rates.flops_per_s
+    backward_s += 2 * p / rates.memory_bytes_per_s  # it reads the weights, writes the grads
+    sent = rates.collective_bytes_in("reduce_scatter", backward_s)
+    return min(p, max(2.0 * DEFAULT_BUCKET_CAP_MB * 2**20, p - sent))
 
 
 def predict_step_s(config: Config, count: ModelCount, rates: Rates, world: int) -> float:

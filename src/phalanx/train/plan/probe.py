@@ -1,7 +1,7 @@
 """How fast this machine is, for the planner's step times: a short probe, every rank at once.
 
 Compute is a matrix product timed on this process's threads; the optimizer is
-torch's AdamW stepping a 16 MB tensor (fused, as the offloaded step runs it, and
+torch's AdamW stepping a 16 MB tensor, every rank at once (fused, as the offloaded step runs it, and
 per tensor, torch's CPU default); the collectives are the ones ZeRO issues
 (all-reduce, all-gather, reduce-scatter) timed on the run's group at two sizes,
 so each has a latency and a bandwidth; the disk is a file in the offload
@@ -34,6 +34,7 @@ from phalanx.parallel.collectives import (
     wait_all_gather,
     wait_reduce_scatter,
 )
+from phalanx.runtime.hostmem import return_freed_memory
 from phalanx.runtime.wire import all_gather_json
 
 __all__ = ["Rates", "measure_rates", "resident_bytes"]
@@ -68,6 +69,12 @@ class Rates:
         if nbytes <= 0:
             return 0.0
         return calls * self.collective_latency_s[kind] + nbytes / self.collective_bytes_per_s[kind]
+
+    def collective_bytes_in(self, kind: str, seconds: float) -> float:
+        """How many bytes collectives of `kind` move in `seconds` (one latency paid)."""
+        return (
+            max(0.0, seconds - self.collective_latency_s[kind]) * self.collective_bytes_per_s[kind]
+        )
 
     def to_json(self) -> dict[str, object]:
         return asdict(self)
@@ -118,10 +125,23 @@ def _memory_bytes_per_s() -> float:
 
 
 def _adam_bytes_per_s(fused: bool) -> float:
+    """AdamW over a 16 MB parameter (with its gradient and state 64 MB, past the last-level
+    cache of most CPUs: a model's state streams through memory), the median step of three.
+    Not larger: the Trainer probes under the budget it plans for (a cgroup's limit)."""
     param = torch.nn.Parameter(torch.zeros(4 << 20))
     param.grad = torch.full_like(param, 1e-3)
     opt = torch.optim.AdamW([param], lr=1e-3, fused=fused or None, foreach=False)
-    return param.nbytes / _best_s(opt.step)
+    return param.nbytes / _median_s(opt.step)
+
+
+def _median_s(run: Callable[[], object], rounds: int = 3) -> float:
+    run()  # warm-up: the state made, the pages touched
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return max(sorted(times)[len(times) // 2], 1e-9)
 
 
 def _collectives(group: dist.ProcessGroup | None) -> tuple[dict[str, float], dict[str, float]]:
@@ -181,18 +201,29 @@ def _disk(directory: str) -> tuple[float, float]:
 
 def measure_rates(group: dist.ProcessGroup | None, offload_dir: str | None) -> Rates:
     """Collective over `group` (every rank calls it): this machine's rates, the slowest
-    rank's figure of each, the largest libraries (see the module doc)."""
+    rank's figure of each, the largest libraries (see the module doc). Measured as a
+    planned run steps: returning freed memory to the kernel (auto.py), whose page faults
+    on every temporary made torch's per-tensor AdamW 2.5x slower than a probe without."""
+    return_freed_memory()
     _warm_up()
     libraries = resident_bytes()
     latency, rate = _collectives(group)
     if dist.is_initialized():
         dist.barrier(group=group)
     read, write = _disk(offload_dir) if offload_dir else (float("inf"), float("inf"))
+
+    def together(measure: Callable[[], float]) -> float:
+        """Every rank measures at once, as they train at once (they share the memory's
+        bandwidth): one rank alone measured AdamW 2.5x faster than a step ran it."""
+        if dist.is_initialized():
+            dist.barrier(group=group)
+        return measure()
+
     mine = {
-        "flops_per_s": _flops_per_s(),
-        "memory_bytes_per_s": _memory_bytes_per_s(),
-        "adam_fused_bytes_per_s": _adam_bytes_per_s(fused=True),
-        "adam_loop_bytes_per_s": _adam_bytes_per_s(fused=False),
+        "flops_per_s": together(_flops_per_s),
+        "memory_bytes_per_s": together(_memory_bytes_per_s),
+        "adam_fused_bytes_per_s": together(lambda: _adam_bytes_per_s(fused=True)),
+        "adam_loop_bytes_per_s": together(lambda: _adam_bytes_per_s(fused=False)),
         "disk_read_bytes_per_s": read,
         "disk_write_bytes_per_s": write,
         "libraries_bytes": libraries,
