@@ -268,9 +268,10 @@ class ZeroRedundancyOptimizer(Optimizer):
             device=device,
         )
 
-    def own_pieces(self) -> dict[str, torch.Tensor]:
-        """This rank's pieces of the parameters and of the state, copied (zero_state.py)."""
-        return zero_state.own_pieces(self.pieces(), self._params)
+    def own_pieces(self, copy: bool = True) -> dict[str, torch.Tensor]:
+        """This rank's pieces of the parameters and of the state, copied (`copy=False`: the
+        live ones; zero_state.py)."""
+        return zero_state.own_pieces(self.pieces(), self._params, copy)
 
     @torch.no_grad()
     def restore_whole(

@@ -162,18 +162,21 @@ def clip_pieces(
     return norm
 
 
-def own_pieces(view: PieceOptimizer, params: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """This rank's pieces, copied: of each parameter ("p<i>") and of each piece-wise state
-    value ("s<i>.<key>"), with the per-parameter scalars ("s<i>.step"). The state of the
-    run that only this rank holds, for a neighbour to keep (live recovery)."""
+def own_pieces(
+    view: PieceOptimizer, params: Sequence[torch.Tensor], copy: bool = True
+) -> dict[str, torch.Tensor]:
+    """This rank's pieces, copied (`copy=False`: views of the live ones, for a caller that
+    copies them itself): of each parameter ("p<i>") and of each piece-wise state value
+    ("s<i>.<key>"), with the per-parameter scalars ("s<i>.step"). The state of the run
+    that only this rank holds, for a neighbour to keep (live recovery)."""
     state = view.optim.state_dict()["state"]
     out: dict[str, torch.Tensor] = {}
     for i, (p, piece) in enumerate(zip(params, view.pieces, strict=True)):
-        out[f"p{i}"] = p.detach().reshape(-1)[piece.start : piece.stop].cpu().clone()
+        out[f"p{i}"] = p.detach().reshape(-1)[piece.start : piece.stop].cpu()
         for key, value in state.get(i, {}).items():
             if isinstance(value, torch.Tensor):
-                out[f"s{i}.{key}"] = value.detach().cpu().clone()
-    return out
+                out[f"s{i}.{key}"] = value.detach().cpu()
+    return {name: t.clone() for name, t in out.items()} if copy else out
 
 
 def whole_from_pieces(

@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 __all__ = ["LostShards", "ShardedLive"]
 
 Save = Callable[[], dict[str, Any]]
+PART_BYTES = 16 * 2**20
+"""Under disk offload, how much of the pieces one exchange of a snapshot passes at a time."""
 
 
 class LostShards(NoQuorum):
@@ -64,10 +66,13 @@ class ShardedLive:
         replicated = copy.deepcopy(save())
         runlog = trainer.runlog or trainer.open_runlog()
         replicated["window"] = copy.deepcopy(runlog.run)  # this member's own, never sent
-        pieces = trainer.strategy.live_pieces(trainer.optimizer)
+        files = self.snapshots.files
+        pieces = trainer.strategy.live_pieces(trainer.optimizer, copy=files is None)
+        if files is not None:  # from the live state straight into files, no copy in memory
+            pieces = files.keep(pieces)
         own = Snapshot(self.ring, step, pieces, replicated)
         if len(self.ring) > 1:
-            kept = pass_to_next(pieces, self.group)
+            kept = self._pass_around(pieces)
             before = self.ring[(self.ring.index(self.group.member) - 1) % len(self.ring)]
             self.snapshots.add(own, Snapshot(self.ring, step, kept), before)
             # Done here means every member contributed, so every member holds the new pair
@@ -76,6 +81,21 @@ class ShardedLive:
             self.snapshots.settle()
         else:
             self.snapshots.only(own)
+
+    def _pass_around(self, pieces: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The previous member's pieces for this one's: in one exchange, or under disk offload
+        in parts of about PART_BYTES, each filed as it arrives (the same number of parts on
+        every member: the most any needs), so the exchange holds one part in memory, not
+        every piece three times over (measured: +161 MB at the peak for 34 MB of pieces)."""
+        files = self.snapshots.files
+        if files is None:
+            return pass_to_next(pieces, self.group)
+        nbytes = sum(t.numel() * t.element_size() for t in pieces.values())
+        parts = max(all_gather_json(-(-nbytes // PART_BYTES), self.group))
+        kept: dict[str, torch.Tensor] = {}
+        for part in _split(pieces, max(1, parts)):
+            kept.update(files.keep(pass_to_next(part, self.group)))
+        return kept
 
     # ------------------------------------------------------------ the sync
     def sync(self, save: Save) -> tuple[int, str, bool]:
@@ -144,6 +164,18 @@ class ShardedLive:
         if choice.rolls_back:  # steps after the snapshot are trained again: their losses go
             runlog.run = window if window is not None else StepWindow(runlog.traffic().wait_s)
         self.ring = tuple(self.group.members)
+
+
+def _split(pieces: dict[str, torch.Tensor], parts: int) -> list[dict[str, torch.Tensor]]:
+    """`pieces` in `parts` groups of about equal bytes, in order (some may be empty)."""
+    total = sum(t.numel() * t.element_size() for t in pieces.values())
+    out: list[dict[str, torch.Tensor]] = [{} for _ in range(parts)]
+    done = 0
+    for name, piece in pieces.items():
+        index = min(parts - 1, done * parts // max(1, total))
+        out[index][name] = piece
+        done += piece.numel() * piece.element_size()
+    return out
 
 
 def _piece_files(trainer: TrainerSetup) -> PieceFiles | None:

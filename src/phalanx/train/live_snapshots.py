@@ -78,8 +78,12 @@ class PieceFiles:
         self.files = OffloadFiles(parent, rank, "zero_offload_dir")
 
     def keep(self, pieces: dict[str, Tensor]) -> dict[str, Tensor]:
-        kept = {name: self.files.copy(piece) for name, piece in pieces.items()}
-        self.files.forget(list(kept.values()))
+        """`pieces` in files of their own (those already in them as they are), one at a time:
+        a live tensor is copied straight from where it lies."""
+        kept = {}
+        for name, piece in pieces.items():
+            kept[name] = piece if self.files.holds(piece) else self.files.copy(piece)
+            self.files.forget([kept[name]])
         return kept
 
     def let_go(self, pieces: dict[str, Tensor]) -> None:

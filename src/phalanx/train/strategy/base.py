@@ -230,8 +230,9 @@ class Strategy:
         return scheduler
 
     # ------------------------------------------------------------------ live recovery
-    def live_pieces(self, optimizer: Optimizer) -> dict[str, Tensor]:
-        """The state only this rank holds, copied (none: every rank holds everything)."""
+    def live_pieces(self, optimizer: Optimizer, copy: bool = True) -> dict[str, Tensor]:
+        """The state only this rank holds, copied (`copy=False`: the live tensors, for a
+        caller that copies them itself); none here: every rank holds everything."""
         return {}
 
     def live_groups(self, optimizer: Optimizer) -> list[dict[str, object]]:

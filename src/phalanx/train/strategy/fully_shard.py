@@ -102,17 +102,18 @@ class FullyShard(Strategy):
         return optimizer
 
     # ------------------------------------------------------------------ live recovery
-    def live_pieces(self, optimizer: Optimizer) -> dict[str, Tensor]:
+    def live_pieces(self, optimizer: Optimizer, copy: bool = True) -> dict[str, Tensor]:
         """This rank's rows of every parameter ("p<i>", in `sharded_parameters` order) and of
-        its optimizer state ("s<i>.<key>"), copied to host memory."""
+        its optimizer state ("s<i>.<key>"), copied to host memory (`copy=False`: the live
+        host ones; a device's are copied anyway)."""
         assert self.wrapped is not None
         out: dict[str, Tensor] = {}
         for i, p in enumerate(zero3.sharded_parameters(self.wrapped)):
-            out[f"p{i}"] = _local(p).detach().cpu().clone()
+            out[f"p{i}"] = _local(p).detach().cpu()
             for key, value in optimizer.state.get(p, {}).items():
                 if isinstance(value, Tensor):
-                    out[f"s{i}.{key}"] = _local(value).detach().cpu().clone()
-        return out
+                    out[f"s{i}.{key}"] = _local(value).detach().cpu()
+        return {name: t.clone() for name, t in out.items()} if copy else out
 
     def live_groups(self, optimizer: Optimizer) -> list[dict[str, object]]:
         assert self.wrapped is not None

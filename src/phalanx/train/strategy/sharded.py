@@ -56,8 +56,8 @@ class ShardedOptimizer(Strategy):
             **settings,
         )
 
-    def live_pieces(self, optimizer: Optimizer) -> dict[str, Tensor]:
-        return _zero(optimizer).own_pieces()
+    def live_pieces(self, optimizer: Optimizer, copy: bool = True) -> dict[str, Tensor]:
+        return _zero(optimizer).own_pieces(copy)
 
     def live_groups(self, optimizer: Optimizer) -> list[dict[str, object]]:
         return _zero(optimizer).pieces().plain_groups()
