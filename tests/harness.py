@@ -141,44 +141,11 @@ def run_workers(
     failing raises `WorkersFailed` with every rank's traceback; otherwise the
     outcomes are returned for the test to inspect.
     """
-    ctx = _context()
-    results = ctx.Queue()
-    port = free_port()
     env = {"OMP_NUM_THREADS": "1", **(env or {})}
-    procs = [
-        ctx.Process(
-            target=_worker,
-            args=(fn, rank, world_size, port, args, env, init_pg, results),
-            daemon=True,
-        )
-        for rank in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    outcomes: dict[int, Outcome] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(outcomes) < world_size:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            try:
-                rank, status, a, b, c = results.get(timeout=min(left, 0.5))
-            except queue.Empty:
-                if all(not p.is_alive() for p in procs) and results.empty():
-                    break
-                continue
-            if status == "ok":
-                outcomes[rank] = Outcome(rank, None, value=a)
-            else:
-                outcomes[rank] = Outcome(rank, None, error_type=a, error=b, traceback=c)
-        for p in procs:
-            p.join(timeout=max(0.0, deadline - time.monotonic()) + 5)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
+    for attempt in range(_PORT_ATTEMPTS):
+        outcomes, procs, port_taken = _attempt(fn, world_size, args, timeout, env, init_pg)
+        if not port_taken or attempt == _PORT_ATTEMPTS - 1:
+            break
     for rank, p in enumerate(procs):
         outcomes.setdefault(rank, Outcome(rank, None, error_type="NoResult"))
         outcomes[rank].exitcode = p.exitcode
@@ -192,6 +159,67 @@ def run_workers(
         what = f"timed out after {timeout:.0f}s (deadlock?)" if timed_out else "failed"
         raise WorkersFailed(f"workers {what}:\n{report}")
     return ordered
+
+
+_PORT_ATTEMPTS = 3
+"""A free port is free only until someone binds it: another test's process, started at the
+same moment by another pytest worker, may take the store's port first (EADDRINUSE on rank
+0). Such a start is made again on a new port, not failed."""
+
+
+def _attempt(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple[Any, ...],
+    timeout: float,
+    env: dict[str, str],
+    init_pg: bool,
+) -> tuple[dict[int, Outcome], list[Any], bool]:
+    """One start of the ranks: their outcomes, their processes, and whether rank 0 found its
+    store's port taken (then the others are stopped at once)."""
+    ctx = _context()
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(fn, rank, world_size, port, args, env, init_pg, results),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    outcomes: dict[int, Outcome] = {}
+    deadline = time.monotonic() + timeout
+    port_taken = False
+    try:
+        while len(outcomes) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                rank, status, a, b, c = results.get(timeout=min(left, 0.5))
+            except queue.Empty:
+                if all(not p.is_alive() for p in procs) and results.empty():
+                    break
+                continue
+            if status == "ok":
+                outcomes[rank] = Outcome(rank, None, value=a)
+                continue
+            outcomes[rank] = Outcome(rank, None, error_type=a, error=b, traceback=c)
+            if init_pg and a == "DistNetworkError" and "EADDRINUSE" in str(b):
+                port_taken = True
+                break
+        if not port_taken:
+            for p in procs:
+                p.join(timeout=max(0.0, deadline - time.monotonic()) + 5)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return outcomes, procs, port_taken
 
 
 def run_scenarios(scenarios: Mapping[str, Callable[[], Any]], rank: int) -> dict[str, Any]:
