@@ -20,6 +20,15 @@ def _files(tmp_path: Path) -> OffloadFiles:
     return OffloadFiles(tmp_path, 0, "test")
 
 
+def _held_ones(tmp_path: Path) -> tuple[OffloadFiles, torch.Tensor, SaveHold]:
+    """Four ones in a file, held by a save."""
+    files = _files(tmp_path)
+    state = files.copy(torch.ones(4))
+    hold = SaveHold(files.holds)
+    hold.hold(state)
+    return files, state, hold
+
+
 def test_the_stager_holds_file_backed_tensors_and_copies_the_rest(tmp_path: Path) -> None:
     files = _files(tmp_path)
     in_file = files.copy(torch.arange(6.0))
@@ -75,10 +84,7 @@ def test_the_writer_holds_a_tensor_while_it_writes_it(tmp_path: Path) -> None:
 
 
 def test_a_change_behind_the_streamers_back_fails_the_save(tmp_path: Path) -> None:
-    files = _files(tmp_path)
-    state = files.copy(torch.ones(4))
-    hold = SaveHold(files.holds)
-    hold.hold(state)
+    files, state, hold = _held_ones(tmp_path)
     state.clamp_(max=0.5)  # a callback's in-place edit between steps
     hold.before_overwrite([state])  # the streamer does not copy what is already changed
     refused = pytest.raises(CheckpointError, match="changed in place while a background save")
@@ -88,10 +94,7 @@ def test_a_change_behind_the_streamers_back_fails_the_save(tmp_path: Path) -> No
 
 
 def test_a_closed_hold_keeps_nothing(tmp_path: Path) -> None:
-    files = _files(tmp_path)
-    state = files.copy(torch.ones(4))
-    hold = SaveHold(files.holds)
-    hold.hold(state)
+    files, state, hold = _held_ones(tmp_path)
     hold.close()
     hold.before_overwrite([state])
     assert hold.aside_bytes == 0
