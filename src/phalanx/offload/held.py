@@ -100,11 +100,11 @@ class SaveHold:
                 self.aside_bytes += held.aside.nbytes
 
     @contextmanager
-    def reading(self, tensor: torch.Tensor, consume: bool = True) -> Iterator[torch.Tensor]:
+    def reading(self, tensor: torch.Tensor) -> Iterator[torch.Tensor]:
         """The step's values of `tensor` (the live tensor, or its copy aside), still while the
-        block runs; `consume`: the writer has written this entry of it after (at its last
-        entry, its copy is let go and its pages dropped). A tensor this save does not hold,
-        or holds no more, is given as it is."""
+        block runs; the writer has written this entry of it after (at its last entry, its
+        copy is let go and its pages dropped). A tensor this save does not hold, or holds no
+        more, is given as it is."""
         with self._lock:
             held = self._held.get(_key(tensor))
             if held is None or held.written:
@@ -118,9 +118,8 @@ class SaveHold:
             else:
                 assert held.aside is not None
                 yield _view_in(held.aside, tensor)
-            if consume:
-                held.uses -= 1
-            if consume and held.uses <= 0:
+            held.uses -= 1
+            if held.uses <= 0:
                 held.written, held.aside = True, None
                 if live and self._drop_pages is not None:
                     self._drop_pages([held.tensor])

@@ -66,10 +66,8 @@ class ShardedLive:
         replicated = copy.deepcopy(save())
         runlog = trainer.runlog or trainer.open_runlog()
         replicated["window"] = copy.deepcopy(runlog.run)  # this member's own, never sent
-        files = self.snapshots.files
-        pieces = trainer.strategy.live_pieces(trainer.optimizer, copy=files is None)
-        if files is not None:  # from the live state straight into files, no copy in memory
-            pieces = files.keep(pieces)
+        # under disk offload the live pieces themselves: Snapshots files them, no copy between
+        pieces = trainer.strategy.live_pieces(trainer.optimizer, copy=self.snapshots.files is None)
         own = Snapshot(self.ring, step, pieces, replicated)
         if len(self.ring) > 1:
             kept = self._pass_around(pieces)

@@ -82,7 +82,10 @@ class PieceFiles:
         a live tensor is copied straight from where it lies."""
         kept = {}
         for name, piece in pieces.items():
-            kept[name] = piece if self.files.holds(piece) else self.files.copy(piece)
+            if self.files.holds(piece):
+                kept[name] = piece
+                continue
+            kept[name] = self.files.copy(piece)
             self.files.forget([kept[name]])
         return kept
 

@@ -158,8 +158,9 @@ def _nonfinite_model(
     values of the step) holds a NaN or an inf: checkpoint-<step> must not be written over
     good ones."""
     part = staged.replicated.get("model", staged.sharded.get("model"))
-    named = ((name, of_step(local_of(t))) for name, t in _named_tensors(part or {}))
-    name = None if part is None else first_nonfinite_in(named)
+    if part is None:
+        return None
+    name = first_nonfinite_in((n, of_step(local_of(t))) for n, t in _named_tensors(part))
     return None if name is None else nonfinite_error(name, step)
 
 

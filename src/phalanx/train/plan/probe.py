@@ -1,8 +1,8 @@
 """How fast this machine is, for the planner's step times: a short probe, every rank at once.
 
 Compute is a matrix product timed on this process's threads; the optimizer is
-torch's AdamW stepping a 16 MB tensor, every rank at once (fused, as the offloaded step runs it, and
-per tensor, torch's CPU default); the collectives are the ones ZeRO issues
+torch's AdamW stepping a 16 MB tensor, every rank at once (fused, as the offloaded
+step runs it, and per tensor, torch's CPU default); the collectives are the ones ZeRO issues
 (all-reduce, all-gather, reduce-scatter) timed on the run's group at two sizes,
 so each has a latency and a bandwidth; the disk is a file in the offload
 directory written and synced, then read with its pages dropped, by every rank
@@ -105,13 +105,19 @@ def _warm_up() -> None:
 
 
 def _best_s(run: Callable[[], object], rounds: int = 3) -> float:
-    run()  # warm-up: buffers, connections, the allocator
-    best = float("inf")
+    return max(min(_times_s(run, rounds)), 1e-9)
+
+
+def _times_s(run: Callable[[], object], rounds: int) -> list[float]:
+    """`rounds` timings of `run`, after one untimed (buffers, connections, the allocator, an
+    optimizer's state made, its pages touched)."""
+    run()
+    times = []
     for _ in range(rounds):
         start = time.perf_counter()
         run()
-        best = min(best, time.perf_counter() - start)
-    return max(best, 1e-9)
+        times.append(time.perf_counter() - start)
+    return times
 
 
 def _flops_per_s() -> float:
@@ -135,13 +141,8 @@ def _adam_bytes_per_s(fused: bool) -> float:
 
 
 def _median_s(run: Callable[[], object], rounds: int = 3) -> float:
-    run()  # warm-up: the state made, the pages touched
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return max(sorted(times)[len(times) // 2], 1e-9)
+    times = sorted(_times_s(run, rounds))
+    return max(times[len(times) // 2], 1e-9)
 
 
 def _collectives(group: dist.ProcessGroup | None) -> tuple[dict[str, float], dict[str, float]]:
@@ -214,7 +215,7 @@ def measure_rates(group: dist.ProcessGroup | None, offload_dir: str | None) -> R
 
     def together(measure: Callable[[], float]) -> float:
         """Every rank measures at once, as they train at once (they share the memory's
-        bandwidth): one rank alone measured AdamW 2.5x faster than a step ran it."""
+        bandwidth and the cores)."""
         if dist.is_initialized():
             dist.barrier(group=group)
         return measure()
