@@ -13,7 +13,8 @@ from phalanx.offload.files import OffloadFiles, sweep_dead_runs
 from phalanx.offload.fraction import largest_first
 from phalanx.offload.fused import local
 from phalanx.offload.policies import CPUOffloadPolicy, DiskOffloadPolicy, OffloadPolicy
-from phalanx.offload.stream import IOStats, Streamer, stream_optimizer, streamer_of
+from phalanx.offload.stream import IOStats, Streamer
+from phalanx.offload.streamed import stream_optimizer, streamer_of
 
 __all__ = [
     "CPUOffloadPolicy",

@@ -1,7 +1,7 @@
 """An optimizer step over state in files, one window at a time.
 
-`stream_optimizer(optimizer, files)` makes `optimizer.step()` walk its
-parameters in windows of about `window_bytes` of state: while the optimizer's
+`Streamer.step` (made an optimizer's own step by streamed.py's `stream_optimizer`)
+walks its parameters in windows of about `window_bytes` of state: while the optimizer's
 own step (torch's; hooks run once around the whole step; Adam fused where the
 user left the choice to torch) updates window i, a read thread has window
 i+1's pages read in and a write thread window i-1's written back and dropped.
@@ -33,14 +33,11 @@ from phalanx.offload.fused import fuse_where_default, local
 from phalanx.offload.held import SaveHold
 from phalanx.parallel.traffic import TimedWait
 from phalanx.runtime.agree import raise_on_every_rank
-from phalanx.runtime.hostmem import return_freed_memory
 
 if TYPE_CHECKING:
     from phalanx.diagnostics.timeline import Timeline
 
-__all__ = ["IOStats", "stream_optimizer", "streamer_of"]
-
-_STREAMER = "_phalanx_streamer"
+__all__ = ["IOStats", "Streamer"]
 
 
 @dataclass
@@ -296,9 +293,8 @@ class Streamer:
 
     def _keep_for_save(self, written: list[torch.Tensor]) -> None:
         """`written` is about to be stepped: the save in flight copies aside what it needs."""
-        hold = self.hold
-        if hold is not None and not hold.closed:
-            hold.before_overwrite(written)
+        if self.hold is not None:
+            self.hold.before_overwrite(written)
 
     def _write(self, tensors: list[torch.Tensor], grads: list[torch.Tensor] | None = None) -> None:
         """Write a window back and drop it, on the write thread. Its gradients are only
@@ -363,55 +359,3 @@ class Streamer:
         self.drain()
         self._reader.shutdown(wait=True)
         self._writer.shutdown(wait=True)
-
-
-def stream_optimizer(
-    optimizer: Optimizer,
-    files: OffloadFiles,
-    window_bytes: int,
-    group: dist.ProcessGroup | None = None,
-) -> Streamer:
-    """Make `optimizer.step()` stream its state through files (see the module doc); its
-    class becomes a subclass of its own, so isinstance checks, hooks and schedulers hold."""
-    existing = streamer_of(optimizer)
-    if existing is not None:
-        return existing
-    return_freed_memory()  # offload is for less host memory: what a step frees goes back
-    streamer = Streamer(optimizer, files, window_bytes, group)
-    cls = type(optimizer)
-    members = {"step": _streamed_step, "zero_grad": _zero_grad_of(cls)}
-    streamed = type(f"Offloaded{cls.__name__}", (cls,), {**members, "__module__": cls.__module__})
-    optimizer.__class__ = streamed
-    optimizer._patch_step_function()  # hooks run around the whole step
-    setattr(optimizer, _STREAMER, streamer)
-    optimizer.register_load_state_dict_post_hook(lambda opt: streamer.adopt_all(opt))
-    return streamer
-
-
-def streamer_of(optimizer: Optimizer) -> Streamer | None:
-    return getattr(optimizer, _STREAMER, None)
-
-
-@torch.no_grad()
-def _streamed_step(self: Optimizer, closure: Callable[[], Any] | None = None) -> Any:
-    loss = None
-    if closure is not None:
-        with torch.enable_grad():
-            loss = closure()
-    streamer = streamer_of(self)
-    assert streamer is not None
-    streamer.step(self)
-    return loss
-
-
-def _zero_grad_of(cls: type[Optimizer]) -> Callable[..., None]:
-    def zero_grad(self: Optimizer, set_to_none: bool = True) -> None:
-        """`cls`'s zero_grad, after dropping the file-backed gradients' pages: a gradient
-        cleared is never read again, so writing it back (and reading it in before the next
-        backward overwrites it) would be wasted I/O."""
-        streamer = streamer_of(self)
-        if streamer is not None:
-            streamer.discard_grads(self)
-        cls.zero_grad(self, set_to_none)
-
-    return zero_grad

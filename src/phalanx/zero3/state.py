@@ -23,7 +23,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from phalanx.errors import CheckpointError
-from phalanx.offload.stream import streamer_of
+from phalanx.offload.streamed import streamer_of
 
 # torch.distributed.checkpoint is imported where it is used: it costs seconds of CPU at
 # import, in every process, sharded or not.

@@ -39,8 +39,10 @@ from phalanx.train.checkpoint.stateful import (
     per_rank_file,
     placement_of,
     replicated_file,
+    sharded_of,
+    stateful_of,
 )
-from phalanx.train.checkpoint.writes import Saved, sharded_of, stateful_of
+from phalanx.train.checkpoint.writes import Saved
 
 __all__ = ["CheckpointFallbackWarning", "Checkpointer", "Saved"]
 

@@ -32,6 +32,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Final, Literal, Protocol, get_args, runtime_checkable
 
+from phalanx.errors import CheckpointError
+
 Placement = Literal["replicated", "per_rank", "sharded"]
 PLACEMENTS: Final[tuple[Placement, ...]] = get_args(Placement)
 
@@ -82,3 +84,30 @@ def replicated_file(name: str) -> str:
 
 def per_rank_file(name: str, rank: int) -> str:
     return f"{name}/rank-{rank:05d}.pt"
+
+
+def stateful_of(name: str, entry: object) -> Stateful:
+    if not isinstance(entry, Stateful):
+        raise CheckpointError(
+            f"checkpoint entry {name!r} has no state_dict/load_state_dict — give it those "
+            "methods, or declare it sharded (save_sharded/load_sharded)"
+        )
+    return entry
+
+
+def sharded_of(name: str, entry: object) -> ShardedStateful:
+    if not isinstance(entry, ShardedStateful):
+        raise CheckpointError(
+            f"checkpoint entry {name!r} is declared sharded but has no save_sharded/"
+            "load_sharded — give it those methods, or declare it replicated"
+        )
+    return entry
+
+
+def dcp_of(name: str, entry: object) -> DcpStateful:
+    if not isinstance(entry, DcpStateful):
+        raise CheckpointError(
+            f"checkpoint entry {name!r} has no sharded_state_dict, so it cannot be saved in "
+            "the background — this is a phalanx bug (can_stage decides)"
+        )
+    return entry

@@ -62,11 +62,12 @@ from phalanx.train.checkpoint.stateful import (
     DcpStateful,
     Entry,
     Placement,
-    ShardedStateful,
-    Stateful,
+    dcp_of,
     per_rank_file,
     placement_of,
     replicated_file,
+    sharded_of,
+    stateful_of,
 )
 
 Derived = Callable[[Path, Mapping[str, Placement]], None]
@@ -385,30 +386,3 @@ def _write_failure(
         else "keep every state to tensors and plain values"
     )
     return f"could not write {PREFIX}{step}: {why} — {fix}; {kept}"
-
-
-def stateful_of(name: str, entry: object) -> Stateful:
-    if not isinstance(entry, Stateful):
-        raise CheckpointError(
-            f"checkpoint entry {name!r} has no state_dict/load_state_dict — give it those "
-            "methods, or declare it sharded (save_sharded/load_sharded)"
-        )
-    return entry
-
-
-def sharded_of(name: str, entry: object) -> ShardedStateful:
-    if not isinstance(entry, ShardedStateful):
-        raise CheckpointError(
-            f"checkpoint entry {name!r} is declared sharded but has no save_sharded/"
-            "load_sharded — give it those methods, or declare it replicated"
-        )
-    return entry
-
-
-def dcp_of(name: str, entry: object) -> DcpStateful:
-    if not isinstance(entry, DcpStateful):
-        raise CheckpointError(
-            f"checkpoint entry {name!r} has no sharded_state_dict, so it cannot be saved in "
-            "the background — this is a phalanx bug (can_stage decides)"
-        )
-    return entry
