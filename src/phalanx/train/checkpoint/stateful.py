@@ -88,26 +88,24 @@ def per_rank_file(name: str, rank: int) -> str:
 
 def stateful_of(name: str, entry: object) -> Stateful:
     if not isinstance(entry, Stateful):
-        raise CheckpointError(
-            f"checkpoint entry {name!r} has no state_dict/load_state_dict — give it those "
-            "methods, or declare it sharded (save_sharded/load_sharded)"
-        )
+        why = "has no state_dict/load_state_dict — give it those methods, or declare it"
+        raise _not_usable(name, why + " sharded (save_sharded/load_sharded)")
     return entry
 
 
 def sharded_of(name: str, entry: object) -> ShardedStateful:
     if not isinstance(entry, ShardedStateful):
-        raise CheckpointError(
-            f"checkpoint entry {name!r} is declared sharded but has no save_sharded/"
-            "load_sharded — give it those methods, or declare it replicated"
-        )
+        why = "is declared sharded but has no save_sharded/load_sharded — give it those"
+        raise _not_usable(name, why + " methods, or declare it replicated")
     return entry
 
 
 def dcp_of(name: str, entry: object) -> DcpStateful:
     if not isinstance(entry, DcpStateful):
-        raise CheckpointError(
-            f"checkpoint entry {name!r} has no sharded_state_dict, so it cannot be saved in "
-            "the background — this is a phalanx bug (can_stage decides)"
-        )
+        why = "has no sharded_state_dict, so it cannot be saved in the background — this"
+        raise _not_usable(name, why + " is a phalanx bug (can_stage decides)")
     return entry
+
+
+def _not_usable(name: str, why: str) -> CheckpointError:
+    return CheckpointError(f"checkpoint entry {name!r} {why}")
