@@ -19,6 +19,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -37,19 +38,22 @@ def _digests(out: str) -> set[tuple[str, str]]:
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize(
-    "stage",
-    [pytest.param("1", marks=pytest.mark.slow), pytest.param("2", marks=pytest.mark.slow), "3",
-     pytest.param("3-disk", marks=pytest.mark.slow)],
+    ("stage", "k"),
+    [pytest.param("1", 1, marks=pytest.mark.slow), pytest.param("2", 2, marks=pytest.mark.slow),
+     ("3", 2), pytest.param("3", 1, marks=pytest.mark.slow),
+     pytest.param("3-disk", 2, marks=pytest.mark.slow)],
 )  # fmt: skip
-def test_a_loss_rolls_back_to_the_neighbours_copy_and_ends_as_its_replay(
-    tmp_path: Path, stage: str
+def test_a_loss_rolls_back_to_the_snapshot_and_ends_as_its_replay(
+    tmp_path: Path, stage: str, k: int
 ) -> None:
-    """3-disk: stage 3 with zero_offload="disk" (the shards and the state in files)."""
+    """3-disk: stage 3 with zero_offload="disk" (the shards and the state in files). k:
+    live_redundancy (1: a neighbour's whole copy; 2: half a copy on each of two). r1's
+    pieces are rebuilt from the survivors' parity and own snapshots."""
     offload = "disk" if stage.endswith("-disk") else ""
     stage = stage.removesuffix("-disk")
-    lost = _train(tmp_path / "lost", tmp_path / "ledger", STEPS, ZERO_STAGE=stage,
-                  ZERO_OFFLOAD=offload, KILL_MEMBER="r1", KILL_STEP="13", HOLD_STEP="25",
-                  HOLD_WORLD="3")  # fmt: skip
+    setting = {"ZERO_STAGE": stage, "ZERO_OFFLOAD": offload, "LIVE_REDUNDANCY": str(k)}
+    lost = _train(tmp_path / "lost", tmp_path / "ledger", STEPS, 3, KILL_MEMBER="r1",
+                  KILL_STEP="13", HOLD_STEP="25", HOLD_WORLD="3", **setting)  # fmt: skip
     worlds = _check_epochs(tmp_path / "ledger", STEPS, tmp_path / "lost")
     assert worlds[:10] == [3] * 10 and worlds[10] == 2 and worlds[-1] == 3, worlds
     log = (tmp_path / "lost" / "live_membership.jsonl").read_text().splitlines()
@@ -57,15 +61,25 @@ def test_a_loss_rolls_back_to_the_neighbours_copy_and_ends_as_its_replay(
     assert (first["members"], first["step"]) == (["r0", "r2"], 10), log  # rolled back
     assert "live recovery: 3 ranks (r0, r2, j1)" in lost, lost
     assert lost.count("done step=") == 3 and len(set(re.findall(r"eval=(\S+)", lost))) == 1, lost
-    entries = [e for es in _steps(tmp_path / "ledger").values() for e in es if e["copy_bytes"]]
-    in_memory = {e["copy_bytes_in_memory"] > 0 for e in entries}
-    assert entries and in_memory == {not offload}, in_memory  # offload: the copies in files
+    _check_held(_steps(tmp_path / "ledger"), k, offload)
     recorded = str(tmp_path / "lost" / "live_membership.jsonl")
-    replay = _train(tmp_path / "replay", tmp_path / "ledger_replay", STEPS, ZERO_STAGE=stage,
-                    ZERO_OFFLOAD=offload, KILL_MEMBER="r1", KILL_STEP="10",
-                    PHALANX_LIVE_REPLAY=recorded)  # fmt: skip
+    replay = _train(tmp_path / "replay", tmp_path / "ledger_replay", STEPS, 3, KILL_MEMBER="r1",
+                    KILL_STEP="10", PHALANX_LIVE_REPLAY=recorded, **setting)  # fmt: skip
     assert _digests(replay) == _digests(lost), (lost, replay)
     assert _fit(replay) == _fit(lost)
+
+
+def _check_held(steps: dict[int, list[dict[str, Any]]], k: int, offload: str) -> None:
+    """At rest on 3 ranks each member holds its own snapshot in a file and, in memory, a
+    parity of 1/k of the longest own snapshot (under disk offload that in a file too)."""
+    entries = [e for es in steps.values() for e in es if e["copy_bytes"] and e["world"] == 3]
+    assert entries
+    for e in entries:
+        parity = int(e["copy_bytes_in_memory"]) if not offload else 0
+        assert (parity > 0) == (not offload), e  # offload: nothing in memory
+        if parity:
+            own = int(e["copy_bytes"]) - parity
+            assert own <= parity * k <= own * 1.25 + k, e  # covers it, 1/k of it
 
 
 @pytest.mark.timeout(400)
@@ -141,7 +155,7 @@ def test_two_neighbours_lost_together_fall_back_to_the_checkpoint(
     out = _train(tmp_path / "out", tmp_path / "ledger", 30, nproc, "resume", SAVE_STEPS="5",
                  KILL_STEPS="13", DIE_IN_REBUILD=second, **setting)  # fmt: skip
     said = [line for line in out.splitlines() if "LostShards: " in line and "[rank 0]" in line]
-    assert len(said) == 1 and "exist nowhere (two neighbours lost together" in said[0], out
+    assert len(said) == 1 and "exist nowhere (two of 3 neighbouring ranks lost" in said[0], out
     assert "restarting the worker group" in out and "resumed from checkpoint-10" in out, out
     assert _fit(out) == _fit(quiet), out
 

@@ -24,11 +24,12 @@ __all__ = [
     "all_gather_bytes",
     "all_gather_json",
     "all_gather_state",
+    "as_bytes",
     "broadcast_json",
     "broadcast_tensors",
     "group_device",
+    "layout",
     "pack",
-    "pass_to_next",
     "unpack",
 ]
 
@@ -87,15 +88,25 @@ def all_gather_state(obj: Any, group: dist.ProcessGroup | None = None) -> list[A
     ]
 
 
+def layout(tensors: dict[str, torch.Tensor]) -> tuple[Any, int]:
+    """Where `pack` puts each named tensor: (the JSON header, the bytes in all)."""
+    header, offset = [], 0
+    for name, tensor in tensors.items():
+        header.append([name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset])
+        offset += tensor.numel() * tensor.element_size()
+    return header, offset
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`'s bytes, flat, on the CPU (a view where it already is one)."""
+    return tensor.detach().contiguous().reshape(-1).cpu().view(torch.uint8)
+
+
 def pack(tensors: dict[str, torch.Tensor]) -> tuple[Any, torch.Tensor]:
     """Named CPU tensors as (a JSON header, one flat byte tensor): what travels between
     members (no pickle), and comes back whole with `unpack`."""
-    header, parts, offset = [], [], 0
-    for name, tensor in tensors.items():
-        flat = tensor.detach().contiguous().reshape(-1).cpu().view(torch.uint8)
-        header.append([name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset])
-        parts.append(flat)
-        offset += flat.numel()
+    header, _ = layout(tensors)
+    parts = [as_bytes(tensor) for tensor in tensors.values()]
     blob = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)
     return header, blob
 
@@ -125,38 +136,3 @@ def broadcast_tensors(
     if data.numel():
         dist.broadcast(data, src=root, group=group)
     return unpack(header, data)
-
-
-def pass_to_next(
-    tensors: dict[str, torch.Tensor], group: dist.ProcessGroup | None = None
-) -> dict[str, torch.Tensor]:
-    """Around the ring: send `tensors` to the next rank, receive the previous rank's (for
-    keeping a neighbour's copy). Every rank's sizes first, then two all-to-alls in which
-    each rank sends only to the next: collectives, not sends and receives, since a timed
-    wait on gloo's send or receive closes its connection when the time runs out, and live
-    recovery waits in short slices (runtime/live.py)."""
-    world = dist.get_world_size(group)
-    me = dist.get_rank(group)
-    after, before = (me + 1) % world, (me - 1) % world
-    header, blob = pack(tensors)
-    data = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
-    sizes = all_gather_json([data.numel(), blob.numel()], group)
-    header_in = _to_next(data, int(sizes[before][0]), after, before, world, group)
-    blob_in = _to_next(blob, int(sizes[before][1]), after, before, world, group)
-    return unpack(json.loads(header_in.numpy().tobytes()), blob_in)
-
-
-def _to_next(
-    send: torch.Tensor,
-    size_in: int,
-    after: int,
-    before: int,
-    world: int,
-    group: dist.ProcessGroup | None,
-) -> torch.Tensor:
-    """`send` to group rank `after`, and `size_in` bytes from `before`, in one all-to-all."""
-    received = torch.empty(size_in, dtype=torch.uint8)
-    out_splits = [size_in if r == before else 0 for r in range(world)]
-    in_splits = [send.numel() if r == after else 0 for r in range(world)]
-    dist.all_to_all_single(received, send, out_splits, in_splits, group=group)
-    return received

@@ -1,10 +1,11 @@
-"""The Trainer's live recovery at ZeRO stages 1-3: snapshots kept by neighbours (or, under
-HSDP, a shard's replicas), the rollback and the re-deal (train/live_snapshots.py says the
-design; this runs it over the Trainer)."""
+"""The Trainer's live recovery at ZeRO stages 1-3: snapshots covered by parity over the
+next members (or, under HSDP, a shard's replicas), the rollback and the re-deal
+(train/live_snapshots.py says the design; this runs it over the Trainer)."""
 
 from __future__ import annotations
 
 import copy
+import tempfile
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -15,7 +16,8 @@ from phalanx.errors import NoQuorum
 from phalanx.offload import DiskOffloadPolicy
 from phalanx.runtime.live import LiveGroup
 from phalanx.runtime.recovery import LiveRecovery
-from phalanx.runtime.wire import all_gather_json, broadcast_tensors, pass_to_next
+from phalanx.runtime.wire import all_gather_json, broadcast_json, broadcast_tensors, unpack
+from phalanx.train.live_parity import contribution, exchange, redundancy_in, stripe_bytes
 from phalanx.train.live_snapshots import Choice, PieceFiles, Snapshot, Snapshots, choose
 from phalanx.train.logging.progress_bar import StepWindow
 
@@ -26,13 +28,13 @@ __all__ = ["LostShards", "ShardedLive"]
 
 Save = Callable[[], dict[str, Any]]
 PART_BYTES = 16 * 2**20
-"""Under disk offload, how much of the pieces one exchange of a snapshot passes at a time."""
+"""How much of each stripe one exchange of a snapshot passes at a time."""
 
 
 class LostShards(NoQuorum):
-    """Two neighbours lost together (or before the first snapshot): a lost rank's pieces exist
-    nowhere, so the survivors cannot go on from memory (not a PeerLost: forming the group
-    again would not bring them back)."""
+    """Two losses among live_redundancy + 1 neighbours (or one before the first snapshot): a
+    lost rank's pieces exist nowhere, so the survivors cannot go on from memory (not a
+    PeerLost: forming the group again would not bring them back)."""
 
 
 class ShardedLive:
@@ -42,7 +44,10 @@ class ShardedLive:
         self.trainer = trainer
         self.group = group
         self.recovery = recovery
-        self.snapshots = Snapshots(trainer.args.live_snapshot_steps, files=_piece_files(trainer))
+        files, parity_in_files = _piece_files(trainer)
+        self.snapshots = Snapshots(trainer.args.live_snapshot_steps, files, parity_in_files)
+        self.redundancy = trainer.args.live_redundancy
+        """k: each member's pieces covered by parity over its next k members (live_parity)."""
         self.ring: tuple[str, ...] = tuple(group.members)
         """The members the pieces are dealt over now (empty: a replacement not yet in)."""
         self.restored: tuple[Choice, dict[str, Any], list[dict[str, torch.Tensor]]] | None = None
@@ -56,44 +61,40 @@ class ShardedLive:
             self.snapshot(save)
 
     def snapshot(self, save: Save) -> None:
-        """This member's pieces and replicated state now; its pieces passed to the next
-        member around the ring, and the previous member's kept (collective). None while
-        every piece has a replica (HSDP): older copies are let go."""
-        trainer, step = self.trainer, self.trainer.state.global_step
+        """This member's pieces and replicated state now, its pieces' bytes in a file, and
+        their parity passed to the next `live_redundancy` members around the ring, the
+        parity of the previous members' kept (collective). None while every piece has a
+        replica (HSDP): older copies are let go."""
+        trainer, step, member = self.trainer, self.trainer.state.global_step, self.group.member
         if all(len(slot) > 1 for slot in trainer.strategy.live_slots()):
             self.snapshots.clear()
             return
         replicated = copy.deepcopy(save())
         runlog = trainer.runlog or trainer.open_runlog()
         replicated["window"] = copy.deepcopy(runlog.run)  # this member's own, never sent
-        # under disk offload the live pieces themselves: Snapshots files them, no copy between
-        pieces = trainer.strategy.live_pieces(trainer.optimizer, copy=self.snapshots.files is None)
-        own = Snapshot(self.ring, step, pieces, replicated)
-        if len(self.ring) > 1:
-            kept = self._pass_around(pieces)
-            before = self.ring[(self.ring.index(self.group.member) - 1) % len(self.ring)]
-            self.snapshots.add(own, Snapshot(self.ring, step, kept), before)
-            # Done here means every member contributed, so every member holds the new pair
-            # (each adds it before this): the previous one is needed by no one.
-            dist.all_reduce(torch.zeros(1), group=self.group)
-            self.snapshots.settle()
-        else:
-            self.snapshots.only(own)
-
-    def _pass_around(self, pieces: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The previous member's pieces for this one's: in one exchange, or under disk offload
-        in parts of about PART_BYTES, each filed as it arrives (the same number of parts on
-        every member: the most any needs), so the exchange holds one part in memory, not
-        every piece three times over (measured: +161 MB at the peak for 34 MB of pieces)."""
-        files = self.snapshots.files
-        if files is None:
-            return pass_to_next(pieces, self.group)
-        nbytes = sum(t.numel() * t.element_size() for t in pieces.values())
-        parts = max(all_gather_json(-(-nbytes // PART_BYTES), self.group))
-        kept: dict[str, torch.Tensor] = {}
-        for part in _split(pieces, max(1, parts)):
-            kept.update(files.keep(pass_to_next(part, self.group)))
-        return kept
+        # the live pieces themselves: their bytes go to the file with no copy between
+        pieces = trainer.strategy.live_pieces(trainer.optimizer, copy=False)
+        mine, flat = self.snapshots.files.pack(pieces)
+        n = len(self.ring)
+        if n == 1:
+            self.snapshots.only(Snapshot(self.ring, step, flat, {member: mine}, 0, replicated))
+            return
+        assert self.ring == tuple(self.group.members), "a snapshot over a ring not yet formed"
+        k = redundancy_in(n, self.redundancy)
+        every = all_gather_json(mine, self.group)
+        stripe = stripe_bytes(max(int(nbytes) for _, nbytes in every), k)
+        parity = self.snapshots.new_parity(stripe)
+        exchange(flat, stripe, k, parity, self.group, PART_BYTES)
+        me = self.ring.index(member)
+        sources = [(me - j) % n for j in range(1, k + 1)]
+        self.snapshots.add(
+            Snapshot(self.ring, step, flat, {member: mine}, stripe, replicated),
+            Snapshot(self.ring, step, parity, {self.ring[i]: every[i] for i in sources}, stripe),
+        )
+        # Done here means every member contributed, so every member holds the new pair
+        # (each adds it before this): the previous one is needed by no one.
+        dist.all_reduce(torch.zeros(1), group=self.group)
+        self.snapshots.settle()
 
     # ------------------------------------------------------------ the sync
     def sync(self, save: Save) -> tuple[int, str, bool]:
@@ -104,15 +105,16 @@ class ShardedLive:
         mine = None  # a replacement's: it holds nothing yet
         if self.ring:
             slots = [[self.ring[r] for r in slot] for slot in self.trainer.strategy.live_slots()]
-            now = {"ring": list(self.ring), "applied": step, "slots": slots}
+            now = {"ring": list(self.ring), "applied": step, "slots": slots,
+                   "redundancy": self.redundancy}  # fmt: skip
             mine = {**self.snapshots.held(), **now}
         held = dict(zip(group.members, all_gather_json(mine, group), strict=True))
         choice = choose(held)
         if choice is None:
             raise LostShards(
                 f"generation {group.generation}: the lost ranks' ZeRO pieces exist nowhere (two "
-                "neighbours lost together, every replica of an HSDP shard, or a loss before "
-                "the first snapshot)"
+                f"of {self.redundancy + 1} neighbouring ranks lost together, every replica of "
+                "an HSDP shard, or a loss before the first snapshot)"
             )
         key = (choice.ring, choice.step)
         rep: dict[str, Any] | None = None
@@ -122,10 +124,12 @@ class ShardedLive:
         source = group.members.index(choice.replicated_from)
         replicated = self.recovery.send_state(_shared(rep), source)
         bundles = [
-            broadcast_tensors(
-                self._pieces_of(old, provider, kept, choice), group.members.index(provider), group
+            self._rebuilt(old, provider, choice)
+            if rebuilt
+            else broadcast_tensors(
+                self._pieces_of(provider, choice), group.members.index(provider), group
             )
-            for old, (provider, kept) in zip(choice.owners, choice.providers, strict=True)
+            for old, (provider, rebuilt) in zip(choice.owners, choice.providers, strict=True)
         ]
         if choice.rolls_back and me in choice.ring:  # this member's own window, at that step
             own = self.snapshots.own_at(key)
@@ -133,17 +137,34 @@ class ShardedLive:
         self.restored = (choice, replicated, bundles)
         return choice.step, choice.replicated_from, True
 
-    def _pieces_of(
-        self, old: str, provider: str, kept: bool, choice: Choice
-    ) -> dict[str, torch.Tensor] | None:
+    def _pieces_of(self, provider: str, choice: Choice) -> dict[str, torch.Tensor] | None:
+        """`provider`'s own pieces at the chosen step, on `provider` (None elsewhere)."""
         if self.group.member != provider:
             return None
-        key = (choice.ring, choice.step)
         if not choice.rolls_back:
             return self.trainer.strategy.live_pieces(self.trainer.optimizer)
-        found = self.snapshots.kept_at(old, key) if kept else self.snapshots.own_at(key)
+        found = self.snapshots.own_at((choice.ring, choice.step))
         assert found is not None, "choose() picked a snapshot this member does not hold"
-        return found.pieces
+        return found.pieces(provider)
+
+    def _rebuilt(self, old: str, provider: str, choice: Choice) -> dict[str, torch.Tensor]:
+        """A lost member's pieces at the chosen step, from the parities of its stripes less
+        the other contributors' stripes, summed on every member at once (collective;
+        `provider`, the first holder of its parity, says how they lie)."""
+        key, me, group = (choice.ring, choice.step), self.group.member, self.group
+        kept, own = self.snapshots.kept_at(key), self.snapshots.own_at(key)
+        said = None
+        if me == provider:
+            assert kept is not None, "choose() picked a parity this member does not hold"
+            said = [*kept.layouts[old], kept.stripe]
+        header, nbytes, stripe = broadcast_json(said, group.members.index(provider), group)
+        index = choice.ring.index(me) if me in choice.ring else None
+        found = contribution(
+            choice.ring.index(old), index, len(choice.ring), choice.redundancy, int(stripe),
+            None if own is None else own.flat, None if kept is None else kept.flat,
+        )  # fmt: skip
+        dist.all_reduce(found, group=group)
+        return unpack(header, found[: int(nbytes)])
 
     # ------------------------------------------------------------ the restore
     def restore(self) -> None:
@@ -164,24 +185,13 @@ class ShardedLive:
         self.ring = tuple(self.group.members)
 
 
-def _split(pieces: dict[str, torch.Tensor], parts: int) -> list[dict[str, torch.Tensor]]:
-    """`pieces` in `parts` groups of about equal bytes, in order (some may be empty)."""
-    total = sum(t.numel() * t.element_size() for t in pieces.values())
-    out: list[dict[str, torch.Tensor]] = [{} for _ in range(parts)]
-    done = 0
-    for name, piece in pieces.items():
-        index = min(parts - 1, done * parts // max(1, total))
-        out[index][name] = piece
-        done += piece.numel() * piece.element_size()
-    return out
-
-
-def _piece_files(trainer: TrainerSetup) -> PieceFiles | None:
-    """Under disk offload, files for the snapshots' pieces beside the offloaded state."""
+def _piece_files(trainer: TrainerSetup) -> tuple[PieceFiles, bool]:
+    """Files for the snapshots' bytes: beside the offloaded state under disk offload (the
+    parities there too, True), else in the temporary directory (TMPDIR)."""
     policy = trainer.strategy.offload
-    if not isinstance(policy, DiskOffloadPolicy):
-        return None
-    return PieceFiles(policy.path, trainer.world.rank)
+    if isinstance(policy, DiskOffloadPolicy):
+        return PieceFiles(policy.path, trainer.world.rank, "zero_offload_dir"), True
+    return PieceFiles(tempfile.gettempdir(), trainer.world.rank, "TMPDIR"), False
 
 
 def _shared(state: dict[str, Any] | None) -> dict[str, Any] | None:

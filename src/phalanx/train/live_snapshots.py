@@ -1,30 +1,27 @@
-"""Live recovery for sharded state (ZeRO-1/2): each rank's pieces kept by its neighbour.
+"""Live recovery for sharded state (ZeRO-1/2/3): each rank's pieces covered by parity.
 
-At zero_stage 1 and 2 a rank's optimizer pieces exist nowhere else, so a lost
-rank would take them with it. Every `live_snapshot_steps` steps, at a step
-boundary, each member copies what only it holds (its pieces of the parameters
-and of the optimizer state) and the run's small replicated state (counters,
-scheduler, data position, loss tally, hyperparameters) into host memory, and
-passes its pieces to the next member around the ring, which keeps them. Once
-every member holds the new pair (one small all-reduce after the exchange), each
-lets the previous pair go: at rest a member holds one snapshot of its own and
-one of its predecessor's; while an exchange is under way, or after a loss cut
-one, also the previous pair.
+At zero_stage 1-3 a rank's pieces (of the optimizer state, and at stage 3 of the
+parameters) exist nowhere else, so a lost rank would take them with it. Every
+`live_snapshot_steps` steps, at a step boundary, each member writes what only it holds
+to a file of its own (one run of bytes: `runtime/wire.py`'s layout), keeps the run's
+small replicated state (counters, scheduler, data position, loss tally,
+hyperparameters), and sends its bytes in `live_redundancy` = k stripes to its k
+successors around the ring; each keeps the sum of the stripes it receives, 1/k of a
+piece (`train/live_parity.py`; k = 1: a neighbour's whole copy). Once every member holds
+the new snapshot (one small all-reduce after the exchange), each lets the previous one
+go: at rest a member holds one snapshot of its own (in its file: page cache, not the
+process's memory) and one parity (in memory; in a file too under disk offload); while
+an exchange is under way, or after a loss cut one, also the previous ones.
 
 After a change of members, every member says which snapshots it holds, and all
-choose the same one: the newest (ring, step) for which each member of that ring
-is covered, by itself or by the member that kept its pieces. When no member
-was lost (a replacement joins) the "snapshot" is the present, taken on the
-spot, and nothing rolls back. Otherwise everyone rolls back to it: at most
-`live_snapshot_steps` steps are trained again, on the new world, with the
-data re-dealt from where that snapshot stood. Two neighbours lost together
-take a ring's pieces with them: then nothing covers them, and the run falls
-back to a restart from its checkpoint, saying so.
-
-Under disk offload the snapshots' pieces go to files of their own beside the
-offloaded state (`PieceFiles`), unmapped once written: a run that offloads
-because its state does not fit in memory does not hold two more copies of its
-part there.
+choose the same one: the newest (ring, step) at which each member of that ring is
+covered, by its own snapshot or by the parities of its stripes and the others'
+snapshots in them. When no member was lost (a replacement joins) the "snapshot" is
+the present, taken on the spot, and nothing rolls back. Otherwise everyone rolls back
+to it: at most `live_snapshot_steps` steps are trained again, on the new world, with
+the data re-dealt from where that snapshot stood. Two losses among k+1 neighbours
+take a piece with them: then nothing covers it, and the run falls back to a restart
+from its checkpoint, saying so.
 
 Under HSDP (zero3_shard_size) each piece has a holder in every row: a lost rank's
 piece is taken from a replica, at the present step, and no snapshot is kept while
@@ -39,27 +36,40 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from phalanx.offload.files import OffloadFiles
+from phalanx.runtime.wire import as_bytes, layout, unpack
+from phalanx.train import live_parity
+from phalanx.train.live_parity import redundancy_in
 
 __all__ = ["Choice", "PieceFiles", "Snapshot", "Snapshots", "choose"]
 
 KEPT = 2
-"""Snapshots kept per owner until every member holds the newest (`settle`): a loss can cut
-its exchange, leaving it on some members only."""
+"""Snapshots kept of each kind until every member holds the newest (`settle`): a loss can
+cut its exchange, leaving it on some members only."""
 
 Ring = tuple[str, ...]
 
 
+Layout = list[Any]
+"""[header, bytes]: where each named piece lies in a member's run of bytes (wire.layout)."""
+
+
 @dataclass
 class Snapshot:
-    """One member's state at a step boundary, as the members of `ring` were dealt."""
+    """One member's state at a step boundary, as the members of `ring` were dealt: its own
+    pieces' bytes, or the parity it keeps of its predecessors' stripes."""
 
     ring: Ring
     step: int
-    pieces: dict[str, Tensor]
-    """What only its owner held (ZeRO's pieces): parameters and optimizer state."""
+    flat: Tensor
+    """uint8: its own pieces' bytes (own), or the sum of its predecessors' stripes (kept)."""
+    layouts: dict[str, Layout]
+    """Whose bytes these are, and how they lie: the owner's (own), each contributor's (kept)."""
+    stripe: int
+    """Bytes of one stripe in this ring's snapshot (live_parity.stripe_bytes)."""
     replicated: dict[str, Any] = field(default_factory=dict)
     """The state every member holds alike (only in the owner's own snapshots)."""
 
@@ -67,33 +77,42 @@ class Snapshot:
     def key(self) -> tuple[Ring, int]:
         return self.ring, self.step
 
+    def pieces(self, member: str) -> dict[str, Tensor]:
+        """The owner's named pieces, read back (an own snapshot's; copies)."""
+        header, nbytes = self.layouts[member]
+        return unpack(header, self.flat[:nbytes])
+
 
 class PieceFiles:
-    """Snapshot pieces kept in files (a scratch directory of this process's under
-    zero_offload_dir), not in host memory: written through the page cache and unmapped at
-    once, so they are the kernel's to write back and to drop, and read back from there
-    only by a rollback."""
+    """Snapshot bytes kept in files (a scratch directory of this process's under `parent`),
+    not in the process's memory: written through the page cache and unmapped at once, so
+    they are the kernel's to write back and to drop, and read back only by an exchange or
+    a rollback."""
 
-    def __init__(self, parent: str | Path, rank: int) -> None:
-        self.files = OffloadFiles(parent, rank, "zero_offload_dir")
+    def __init__(self, parent: str | Path, rank: int, what: str) -> None:
+        self.files = OffloadFiles(parent, rank, what)
 
-    def keep(self, pieces: dict[str, Tensor]) -> dict[str, Tensor]:
-        """`pieces` in files of their own (those already in them as they are), one at a time:
-        a live tensor is copied straight from where it lies."""
-        kept = {}
-        for name, piece in pieces.items():
-            if self.files.holds(piece):
-                kept[name] = piece
-                continue
-            kept[name] = self.files.copy(piece)
-            self.files.forget([kept[name]])
-        return kept
+    def pack(self, pieces: dict[str, Tensor]) -> tuple[Layout, Tensor]:
+        """`pieces` as one run of bytes in a new file, copied straight from where each lies."""
+        header, nbytes = layout(pieces)
+        flat = self.new(nbytes)
+        for (_, _, _, offset), piece in zip(header, pieces.values(), strict=True):
+            raw = as_bytes(piece)
+            flat[offset : offset + raw.numel()].copy_(raw)
+        return [header, nbytes], flat
 
-    def let_go(self, pieces: dict[str, Tensor]) -> None:
-        self.files.remove(list(pieces.values()))
+    def new(self, nbytes: int) -> Tensor:
+        return self.files.tensor((nbytes,), torch.uint8)
 
-    def holds(self, piece: Tensor) -> bool:
-        return self.files.holds(piece)
+    def written(self, flat: Tensor) -> None:
+        """Done writing `flat`: its pages leave this process (the kernel keeps them)."""
+        self.files.forget([flat])
+
+    def let_go(self, flat: Tensor) -> None:
+        self.files.remove([flat])
+
+    def holds(self, flat: Tensor) -> bool:
+        return self.files.holds(flat)
 
     def close(self) -> None:
         self.files.close()
@@ -101,27 +120,38 @@ class PieceFiles:
 
 @dataclass
 class Snapshots:
-    """This member's own snapshots and the ones it keeps for its predecessor, newest last."""
+    """This member's own snapshots and the parities it keeps for its predecessors, newest
+    last."""
 
     every: int
+    files: PieceFiles
+    """Where the own snapshots' bytes are kept (and the parities', under disk offload)."""
+    parity_in_files: bool = False
     own: list[Snapshot] = field(default_factory=list)
-    kept: list[tuple[str, Snapshot]] = field(default_factory=list)
-    """(whose, snapshot): the previous member's pieces around each snapshot's ring."""
-    files: PieceFiles | None = None
-    """Where the pieces are kept under disk offload (None: in host memory)."""
+    kept: list[Snapshot] = field(default_factory=list)
 
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
 
-    def add(self, own: Snapshot, kept: Snapshot, kept_from: str) -> None:
-        own, kept = self._stored(own), self._stored(kept)
+    def new_parity(self, nbytes: int) -> Tensor:
+        """Room for a parity of `nbytes`: in a file under disk offload, else in memory."""
+        if self.parity_in_files:
+            return self.files.new(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def add(self, own: Snapshot, kept: Snapshot) -> None:
+        """A new pair, written: the older ones stay until `settle`."""
+        for snapshot in (own, kept):
+            if self.files.holds(snapshot.flat):
+                self.files.written(snapshot.flat)
         mine = [*[s for s in self.own if s.key != own.key][-(KEPT - 1) :], own]
-        older = [(m, s) for m, s in self.kept if s.key != kept.key][-(KEPT - 1) :]
-        self._keep(mine, [*older, (kept_from, kept)])
+        older = [s for s in self.kept if s.key != kept.key][-(KEPT - 1) :]
+        self._keep(mine, [*older, kept])
 
     def only(self, own: Snapshot) -> None:
         """A ring of one: this member's own snapshot, nothing kept for anyone."""
-        self._keep([self._stored(own)], [])
+        self.files.written(own.flat)
+        self._keep([own], [])
 
     def settle(self) -> None:
         """Every member holds the newest pair (own and kept): the older ones go."""
@@ -133,43 +163,35 @@ class Snapshots:
     def close(self) -> None:
         """The run is over: every snapshot goes, and their files' directory."""
         self.clear()
-        if self.files is not None:
-            self.files.close()
+        self.files.close()
 
-    def _stored(self, snapshot: Snapshot) -> Snapshot:
-        if self.files is not None:
-            snapshot.pieces = self.files.keep(snapshot.pieces)
-        return snapshot
-
-    def _keep(self, own: list[Snapshot], kept: list[tuple[str, Snapshot]]) -> None:
+    def _keep(self, own: list[Snapshot], kept: list[Snapshot]) -> None:
         """These snapshots from now on; the files of any other go."""
-        if self.files is not None:
-            staying = {id(s) for s in own} | {id(s) for _, s in kept}
-            for snapshot in [*self.own, *(s for _, s in self.kept)]:
-                if id(snapshot) not in staying:
-                    self.files.let_go(snapshot.pieces)
+        staying = {id(s) for s in [*own, *kept]}
+        for snapshot in [*self.own, *self.kept]:
+            if id(snapshot) not in staying and self.files.holds(snapshot.flat):
+                self.files.let_go(snapshot.flat)
         self.own, self.kept = own, kept
 
     def nbytes(self, in_files: bool | None = None) -> int:
-        """Bytes of pieces held (`in_files`: only those in files, or only those not)."""
-        pieces = [t for s in [*self.own, *(k for _, k in self.kept)] for t in s.pieces.values()]
+        """Bytes of snapshots held (`in_files`: only those in files, or only those not)."""
+        flats = [s.flat for s in [*self.own, *self.kept]]
         if in_files is not None:
-            held = self.files.holds if self.files is not None else (lambda _: False)
-            pieces = [t for t in pieces if held(t) == in_files]
-        return sum(t.numel() * t.element_size() for t in pieces)
+            flats = [t for t in flats if self.files.holds(t) == in_files]
+        return sum(t.numel() for t in flats)
 
     def held(self) -> dict[str, Any]:
         """What this member can provide, for `choose` (JSON)."""
         return {
             "own": [[list(s.ring), s.step] for s in self.own],
-            "kept": [[m, list(s.ring), s.step] for m, s in self.kept],
+            "kept": [[list(s.ring), s.step] for s in self.kept],
         }
 
     def own_at(self, key: tuple[Ring, int]) -> Snapshot | None:
         return next((s for s in self.own if s.key == key), None)
 
-    def kept_at(self, whose: str, key: tuple[Ring, int]) -> Snapshot | None:
-        return next((s for m, s in self.kept if m == whose and s.key == key), None)
+    def kept_at(self, key: tuple[Ring, int]) -> Snapshot | None:
+        return next((s for s in self.kept if s.key == key), None)
 
 
 @dataclass(frozen=True)
@@ -179,13 +201,16 @@ class Choice:
     ring: Ring
     step: int
     providers: list[tuple[str, bool]]
-    """For each piece of the sharded state, in order: who provides it, and whether from
-    what it kept (True) or from its own snapshot or state (False)."""
+    """For each piece of the sharded state, in order: who provides it, and whether it is
+    rebuilt from parity (True: every member takes part; this one says its layout) or
+    sent from its own snapshot or state (False)."""
     owners: Ring
-    """For each piece, the member whose it was (its provider's ring neighbour, if kept)."""
+    """For each piece, the member whose it was."""
     replicated_from: str
     """A member holding the replicated state at `step` (its own snapshot)."""
     rolls_back: bool
+    redundancy: int = 0
+    """The k of the chosen ring's parity (live_parity.redundancy_in)."""
 
 
 def choose(held: Mapping[str, dict[str, Any] | None]) -> Choice | None:
@@ -193,10 +218,11 @@ def choose(held: Mapping[str, dict[str, Any] | None]) -> Choice | None:
 
     `held`: each new member's `Snapshots.held()` with the ring its pieces are dealt over now,
     who holds each piece ("slots": one list of members per piece; each member alone by
-    default, under HSDP a piece's replicas) and the step it applied ("ring", "applied"),
-    or None for a replacement, which holds nothing. When every piece has a holder here
-    and all applied the same step, the present is the snapshot: a holder of each piece
-    provides it on the spot, and nothing rolls back.
+    default, under HSDP a piece's replicas), the step it applied ("ring", "applied") and
+    the run's live_redundancy ("redundancy"), or None for a replacement, which holds
+    nothing. When every piece has a holder here and all applied the same step, the
+    present is the snapshot: a holder of each piece provides it on the spot, and nothing
+    rolls back.
     """
     nows = {_now(info) for info in held.values() if info is not None}
     if len(nows) == 1:
@@ -210,11 +236,13 @@ def choose(held: Mapping[str, dict[str, Any] | None]) -> Choice | None:
     candidates = {
         (tuple(r), s) for info in held.values() if info is not None for r, s in info["own"]
     }
+    asked = {int(info.get("redundancy", 1)) for info in held.values() if info is not None}
     for key in sorted(candidates, key=lambda key: -key[1]):
-        providers = _providers(held, *key)
+        k = redundancy_in(len(key[0]), max(asked, default=1))
+        providers = _providers(held, *key, k)
         if providers is not None:
-            source = next(m for m, from_kept in providers if not from_kept)
-            return Choice(key[0], key[1], providers, key[0], source, rolls_back=True)
+            source = next(m for m, rebuilt in providers if not rebuilt)
+            return Choice(key[0], key[1], providers, key[0], source, True, k)
     return None
 
 
@@ -225,16 +253,27 @@ def _now(info: dict[str, Any]) -> tuple[Ring, int, tuple[Ring, ...]]:
 
 
 def _providers(
-    held: Mapping[str, dict[str, Any] | None], ring: Ring, step: int
+    held: Mapping[str, dict[str, Any] | None], ring: Ring, step: int, k: int
 ) -> list[tuple[str, bool]] | None:
+    """Each member of `ring` covered at `step`: by its own snapshot, or rebuilt from the
+    parities of its stripes (every holder here with it, and every other contributor with
+    its own snapshot)."""
+
+    def has(member: str, what: str) -> bool:
+        info = held.get(member)
+        return info is not None and [list(ring), step] in info[what]
+
     out = []
+    n = len(ring)
     for i, member in enumerate(ring):
-        mine, keeper = held.get(member), ring[(i + 1) % len(ring)]
-        theirs = held.get(keeper)
-        if mine is not None and [list(ring), step] in mine["own"]:
+        if has(member, "own"):
             out.append((member, False))
-        elif theirs is not None and [member, list(ring), step] in theirs["kept"]:
-            out.append((keeper, True))
-        else:
+            continue
+        keepers = [ring[h] for h in live_parity.holders(i, n, k)]
+        others = [ring[c] for c in live_parity.needed(i, n, k)]
+        if k < 1 or not all(has(m, "kept") for m in keepers):
             return None
+        if not all(has(m, "own") for m in others):
+            return None
+        out.append((keepers[0], True))
     return out

@@ -104,8 +104,8 @@ class Ledger(TrainerCallback):
 
 
 def copy_bytes(trainer: Trainer, in_files: bool | None = None) -> int:
-    """The bytes of ZeRO pieces this member holds in snapshots (its own and its neighbour's;
-    `in_files`: only those in files, or only those in memory)."""
+    """The bytes of ZeRO pieces this member holds in snapshots (its own and the parity it
+    keeps for its neighbours; `in_files`: only those in files, or only those in memory)."""
     live = trainer.setup.live
     sharded = None if live is None else live.sharded
     return 0 if sharded is None else sharded.snapshots.nbytes(in_files)
@@ -183,6 +183,7 @@ def main() -> None:
         zero_offload="disk" if os.environ.get("ZERO_OFFLOAD") == "disk" else None,
         zero3_shard_size=int(os.environ.get("ZERO3_SHARD_SIZE") or 0) or None,
         replica_check_steps=int(os.environ.get("REPLICA_CHECK_STEPS", "0")),
+        live_redundancy=int(os.environ.get("LIVE_REDUNDANCY", "2")),
     )  # fmt: skip
     die_in_rebuild(member)
     slow_writes()

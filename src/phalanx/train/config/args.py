@@ -297,11 +297,18 @@ class TrainingArguments(Config):
     and go on from their memory, the rest of the epoch dealt over them, and a replacement
     joins with a live peer's state; the per-rank batch stays, so each step then averages
     fewer samples. Every stage: 0 (sync_method ddp, local_sgd or diloco), and 1-3, where each
-    rank's pieces are kept by its neighbour (`live_snapshot_steps`). docs/reliability.md."""
+    rank's pieces are covered by parity on its neighbours (`live_snapshot_steps`,
+    `live_redundancy`). docs/reliability.md."""
     live_snapshot_steps: int = 10
-    """fault_tolerance="live" at zero_stage 1-3: every this many steps each rank copies the
-    pieces only it holds to its neighbour, in host memory; a loss rolls every rank back to
-    the last copy (at most this many steps trained again), a replacement joining does not."""
+    """fault_tolerance="live" at zero_stage 1-3: every this many steps each rank writes the
+    pieces only it holds to a local file and their parity to its neighbours' memory; a loss
+    rolls every rank back to that step (at most this many steps trained again), a
+    replacement joining does not."""
+    live_redundancy: int = 2
+    """fault_tolerance="live" at zero_stage 1-3: each rank's pieces are cut into this many
+    chunks, each added into the parity one of its next this-many neighbours keeps: 1/k of
+    the pieces in each rank's memory, and any one loss among k+1 neighbouring ranks
+    survived (1: a neighbour keeps a whole copy, and two losses apart are survived too)."""
 
     def __post_init__(self) -> None:
         check_fields(self)  # types from the annotations, before any value check reads them

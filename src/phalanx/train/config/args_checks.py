@@ -283,7 +283,13 @@ def check_combinations(args: TrainingArguments) -> None:
     require(
         args.live_snapshot_steps >= 1,
         f"live_snapshot_steps={args.live_snapshot_steps} must be >= 1 — it is how many steps "
-        "apart live recovery copies each rank's pieces to its neighbour (e.g. 10)",
+        "apart live recovery snapshots each rank's pieces (e.g. 10)",
+    )
+    require(
+        args.live_redundancy >= 1,
+        f"live_redundancy={args.live_redundancy} must be >= 1 — it is how many neighbours "
+        "share the parity of each rank's pieces (1: a whole copy on one; 2, the default, "
+        "half a copy on each of two)",
     )
     require(
         args.fault_tolerance != "live" or args.even_batches,

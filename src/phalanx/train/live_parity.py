@@ -1,0 +1,101 @@
+"""Parity over the next k members: what keeps a lost rank's ZeRO pieces in 1/k of a piece.
+
+Each member's snapshot of its pieces is one run of bytes (`runtime/wire.py`'s packed
+layout), padded to the ring's longest and cut into k stripes of `stripe` bytes. Stripe t of
+member i is added into the parity that member i+t+1 holds (around the ring), so member h
+holds the sum of stripe j-1 of member h-j for j = 1..k: `stripe` bytes, 1/k of a piece.
+The sum is bytewise modulo 256 (uint8, whose wrap-around C++ and both backends define):
+exact, whatever the bytes mean, and gloo and NCCL both sum uint8 where neither has XOR.
+
+When member i is lost, its stripe t is the parity at h = i+t+1 less the other
+contributors' stripe of it, read from their own snapshots: every surviving member adds
+what it holds into one buffer (`contribution`) and an all-reduce of that buffer is
+member i's bytes, on every member at once. Any one loss among k+1 neighbours is covered;
+k = 1 is a neighbour's whole copy. Design and costs: docs/reliability.md, "Sharded live
+recovery".
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["contribution", "exchange", "holders", "needed", "redundancy_in", "stripe_bytes"]
+
+
+def redundancy_in(ring_size: int, redundancy: int) -> int:
+    """The k a ring of this many members uses: at most the others (0: a ring of one)."""
+    return max(0, min(redundancy, ring_size - 1))
+
+
+def stripe_bytes(longest: int, k: int) -> int:
+    """Bytes of one stripe when the ring's longest snapshot is `longest` bytes."""
+    return -(-longest // max(1, k))
+
+
+def holders(lost: int, n: int, k: int) -> list[int]:
+    """Ring indices of the members holding parity of member `lost`'s stripes, stripe order."""
+    return [(lost + t + 1) % n for t in range(k)]
+
+
+def needed(lost: int, n: int, k: int) -> set[int]:
+    """Ring indices whose own snapshots rebuild member `lost`: every other contributor to
+    the parities of its stripes."""
+    return {(h - j) % n for h in holders(lost, n, k) for j in range(1, k + 1)} - {lost}
+
+
+def read(flat: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Bytes [start, stop) of `flat` (a uint8 tensor), zeros past its end: a copy."""
+    out = torch.zeros(max(0, stop - start), dtype=torch.uint8)
+    have = max(0, min(stop, flat.numel()) - start)
+    if have:
+        out[:have].copy_(flat[start : start + have])
+    return out
+
+
+def exchange(
+    flat: torch.Tensor, stripe: int, k: int, out: torch.Tensor, group: dist.ProcessGroup,
+    part_bytes: int,
+) -> None:  # fmt: skip
+    """Fill `out` (`stripe` bytes) with the parity this member holds: the sum of its k
+    predecessors' stripes for it, received while it sends its own k stripes to its k
+    successors (collective; group rank = ring index). In parts of at most `part_bytes`
+    per stripe, so the exchange holds about (2k+1) parts in memory, never whole pieces."""
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    targets = {(me + t + 1) % n: t for t in range(k)}
+    sources = {(me - j) % n for j in range(1, k + 1)}
+    step = max(1, part_bytes)
+    for start in range(0, stripe, step):
+        size = min(stripe, start + step) - start
+        send = torch.cat(
+            [read(flat, targets[r] * stripe + start, targets[r] * stripe + start + size)
+             for r in sorted(targets)]
+        )  # fmt: skip
+        received = torch.empty(size * len(sources), dtype=torch.uint8)
+        dist.all_to_all_single(
+            received, send, [size if r in sources else 0 for r in range(n)],
+            [size if r in targets else 0 for r in range(n)], group=group,
+        )  # fmt: skip
+        out[start : start + size].copy_(received.view(len(sources), size).sum(0, dtype=torch.uint8))
+
+
+def contribution(
+    lost: int, me: int | None, n: int, k: int, stripe: int,
+    own: torch.Tensor | None, parity: torch.Tensor | None,
+) -> torch.Tensor:  # fmt: skip
+    """What member `me` (a ring index; None: not in that ring) adds toward member `lost`'s
+    bytes: the parity it holds of `lost`'s stripe, less its own stripe in that parity. The
+    sum over every member (an all-reduce) is `lost`'s k * stripe bytes."""
+    out = torch.zeros(k * stripe, dtype=torch.uint8)
+    if me is None:
+        return out
+    for t, h in enumerate(holders(lost, n, k)):
+        block = out[t * stripe : (t + 1) * stripe]
+        if me == h:
+            assert parity is not None, "a holder without the parity choose() counted on"
+            block.add_(parity)
+        for j in range(1, k + 1):
+            if j != t + 1 and (h - j) % n == me:
+                assert own is not None, "a contributor without the snapshot choose() counted on"
+                block.sub_(read(own, (j - 1) * stripe, j * stripe))
+    return out
