@@ -24,6 +24,14 @@ same three steps. Reported: each run's wall time, the lost time (variant minus
     python benchmarks/live_goodput.py --zero-stage 3 --nproc 4 --shard-size 2 ...  # HSDP 2x2:
         # a lost shard from its replica, no snapshot while the mesh is whole
     python benchmarks/live_goodput.py --zero-stage 3 --offload disk ...  # snapshots in files
+    python benchmarks/live_goodput.py --zero-stage 3 --redundancy 1,2 --no-failures ...
+        # what live_redundancy k costs: quiet-live-k1 and quiet-live-k2 against none
+
+`--baseline-tree DIR` adds `quiet-live-base`: quiet-live with DIR's src/ and DIR's
+test script (an older checkout: before/after, interleaved in one run).
+
+Each live run's ledger also gives the bytes of snapshots a member holds in memory
+(its parity) and in files (its own snapshot), the largest over members and steps.
 """
 
 from __future__ import annotations
@@ -44,9 +52,10 @@ import interleave
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "faults" / "scripts" / "live_trainer.py"
-VARIANTS = ("none", "quiet-live", "live", "restart")
 PEAK_RSS_MB: dict[str, list[float]] = {}
 """The largest rank's peak resident set of each run, by variant (what snapshots cost)."""
+HELD_BYTES: dict[str, list[dict[str, int]]] = {}
+"""Per run, by variant: the most snapshot bytes any member held in memory and in files."""
 
 
 def run_once(
@@ -57,6 +66,7 @@ def run_once(
     pause_s: float,
     extra: dict[str, str],
     nproc: int = 3,
+    baseline: Path | None = None,
 ) -> float:
     """Wall seconds of one launch to its exit (it must succeed)."""
     work = Path(tempfile.mkdtemp(prefix=f"goodput-{variant}-"))
@@ -65,24 +75,40 @@ def run_once(
     env = {**os.environ, "LEDGER_DIR": str(ledger), "OMP_NUM_THREADS": "1",
            "PAUSE_S": str(pause_s), "SAVE_STEPS": str(save_every), **extra}  # fmt: skip
     flags = ["--nproc-per-node", str(nproc), "--max-restarts", "3"]
+    name, script = variant, SCRIPT
+    if variant.endswith("-base") and baseline is not None:
+        variant, script = variant.removesuffix("-base"), baseline / SCRIPT.relative_to(ROOT)
+        env["PYTHONPATH"] = str(baseline / "src")
+    variant, _, k = variant.partition("-k")
+    if k:
+        env["LIVE_REDUNDANCY"] = k
     if variant in ("live", "quiet-live"):
         flags += ["--live-recovery", "--live-stall-timeout", "2"]
     else:
         env["FAULT_TOLERANCE"] = "restart"
     if variant in ("live", "restart"):
         env["KILL_STEPS"] = kills
-    argv = [sys.executable, "-m", "phalanx", "launch", *flags, str(SCRIPT), str(work / "out")]
+    argv = [sys.executable, "-m", "phalanx", "launch", *flags, str(script), str(work / "out")]
     argv += [str(steps), "resume"]
     start = time.perf_counter()
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900)
     wall = time.perf_counter() - start
+    HELD_BYTES.setdefault(name, []).append(_held(ledger))
     shutil.rmtree(work, ignore_errors=True)
     if done.returncode != 0:
         raise SystemExit(f"{variant} failed ({done.returncode}):\n{done.stdout[-3000:]}\n"
                          f"{done.stderr[-3000:]}")  # fmt: skip
     peaks = [float(mb) for mb in re.findall(r"peak_rss_mb=(\S+)", done.stdout + done.stderr)]
-    PEAK_RSS_MB.setdefault(variant, []).append(max(peaks, default=0.0))
+    PEAK_RSS_MB.setdefault(name, []).append(max(peaks, default=0.0))
     return wall
+
+
+def _held(ledger: Path) -> dict[str, int]:
+    """The most snapshot bytes a member held, in memory and in files, over the run."""
+    entries = [json.loads(line) for f in ledger.glob("*.jsonl") for line in f.open()]
+    memory = max((e["copy_bytes_in_memory"] for e in entries), default=0)
+    files = max((e["copy_bytes"] - e["copy_bytes_in_memory"] for e in entries), default=0)
+    return {"memory": memory, "files": files}
 
 
 def main() -> None:
@@ -99,31 +125,51 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=3, help="ranks")
     parser.add_argument("--shard-size", default="", help="stage 3: HSDP's zero3_shard_size")
     parser.add_argument("--offload", default="", choices=("", "disk"), help="zero_offload")
+    parser.add_argument("--redundancy", default="", help="live_redundancy k, or a list: 1,2")
+    parser.add_argument("--no-failures", action="store_true", help="only none and quiet-live")
+    parser.add_argument("--baseline-tree", type=Path, default=None, help="an older checkout")
     ns = parser.parse_args()
+    ks = [f"-k{k}" for k in ns.redundancy.split(",") if k] or [""]
+    lives = [] if ns.no_failures else [f"live{k}" for k in ks]
+    variants = ("none", *[f"quiet-live{k}" for k in ks], *lives)
+    variants += () if ns.no_failures else ("restart",)
+    variants += ("quiet-live-base",) if ns.baseline_tree else ()
     extra = {"ZERO_STAGE": ns.zero_stage, "WIDTH": ns.width, "DEPTH": ns.depth,
              "ZERO3_SHARD_SIZE": ns.shard_size, "ZERO_OFFLOAD": ns.offload}  # fmt: skip
-    walls: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    walls: dict[str, list[float]] = {v: [] for v in variants}
     for round_index in range(ns.rounds):
-        for variant in interleave.balanced_order(round_index, VARIANTS):
-            wall = run_once(variant, ns.steps, ns.kills, ns.save_every, ns.pause, extra, ns.nproc)
+        for variant in interleave.balanced_order(round_index, variants):
+            wall = run_once(variant, ns.steps, ns.kills, ns.save_every, ns.pause, extra,
+                            ns.nproc, ns.baseline_tree)  # fmt: skip
             walls[variant].append(wall)
             print(f"round {round_index} {variant:8s} {wall:7.2f} s", flush=True)
     median = {v: statistics.median(w) for v, w in walls.items()}
-    lost = {v: median[v] - median["none"] for v in ("live", "restart")}
-    cost = median["quiet-live"] / median["none"]  # live recovery's own price, no failure
-    ratio = lost["live"] / lost["restart"] if lost["restart"] > 0 else float("nan")
-    print(f"median wall: none {median['none']:.2f} s, live {median['live']:.2f} s, "
-          f"restart {median['restart']:.2f} s")  # fmt: skip
-    failures = len(ns.kills.split(","))
-    print(f"lost to {failures} failures: live {lost['live']:.2f} s, restart "
-          f"{lost['restart']:.2f} s; live / restart = {ratio:.3f} (target <= 0.1)")  # fmt: skip
-    print(f"no failure: live recovery's wall / a run without it = {cost:.3f}")
     rss = {v: statistics.median(m) for v, m in PEAK_RSS_MB.items()}
+    figures: dict[str, object] = {"settings": vars(ns) | {"out": str(ns.out)},
+                                  "walls_s": walls, "median_s": median,
+                                  "peak_rss_mb": PEAK_RSS_MB, "held_bytes": HELD_BYTES}  # fmt: skip
+    for k in ks:
+        cost = median[f"quiet-live{k}"] / median["none"]  # live recovery's own price
+        held = HELD_BYTES[f"quiet-live{k}"][-1]
+        print(f"no failure{k}: live recovery's wall / a run without it = {cost:.3f}; "
+              f"held at most {held['memory'] / 2**20:.1f} MB in memory, "
+              f"{held['files'] / 2**20:.1f} MB in files")  # fmt: skip
+        figures[f"quiet_live{k.replace('-', '_')}_over_none"] = cost
+    if not ns.no_failures:
+        lost = {v: median[v] - median["none"] for v in (*lives, "restart")}
+        figures["lost_s"] = lost
+        failures = len(ns.kills.split(","))
+        for live in lives:
+            ratio = lost[live] / lost["restart"] if lost["restart"] > 0 else float("nan")
+            print(f"lost to {failures} failures: {live} {lost[live]:.2f} s, restart "
+                  f"{lost['restart']:.2f} s; {live} / restart = {ratio:.3f} "
+                  "(target <= 0.1)")  # fmt: skip
+            figures[f"{live.replace('-', '_')}_over_restart"] = ratio
+    if ns.baseline_tree:
+        figures["quiet_live_base_over_none"] = median["quiet-live-base"] / median["none"]
+        print(f"baseline: quiet-live / none = {figures['quiet_live_base_over_none']:.3f}")
     print(f"peak RSS of the largest rank, medians: {rss}")
     if ns.out is not None:
-        figures = {"settings": vars(ns) | {"out": str(ns.out)}, "walls_s": walls,
-                   "median_s": median, "lost_s": lost, "live_over_restart": ratio,
-                   "quiet_live_over_none": cost, "peak_rss_mb": PEAK_RSS_MB}  # fmt: skip
         ns.out.write_text(json.dumps(figures, indent=1) + "\n")
 
 
