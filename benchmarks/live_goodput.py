@@ -106,6 +106,8 @@ def run_once(
 def _held(ledger: Path) -> dict[str, int]:
     """The most snapshot bytes a member held, in memory and in files, over the run."""
     entries = [json.loads(line) for f in ledger.glob("*.jsonl") for line in f.open()]
+    for e in entries:  # an older tree's ledger (--baseline-tree) may hold copies in memory only
+        e.setdefault("copy_bytes_in_memory", e["copy_bytes"])
     memory = max((e["copy_bytes_in_memory"] for e in entries), default=0)
     files = max((e["copy_bytes"] - e["copy_bytes_in_memory"] for e in entries), default=0)
     return {"memory": memory, "files": files}
@@ -145,7 +147,8 @@ def main() -> None:
             print(f"round {round_index} {variant:8s} {wall:7.2f} s", flush=True)
     median = {v: statistics.median(w) for v, w in walls.items()}
     rss = {v: statistics.median(m) for v, m in PEAK_RSS_MB.items()}
-    figures: dict[str, object] = {"settings": vars(ns) | {"out": str(ns.out)},
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(ns).items()}
+    figures: dict[str, object] = {"settings": settings,
                                   "walls_s": walls, "median_s": median,
                                   "peak_rss_mb": PEAK_RSS_MB, "held_bytes": HELD_BYTES}  # fmt: skip
     for k in ks:

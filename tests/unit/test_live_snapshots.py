@@ -138,11 +138,32 @@ def test_own_snapshots_are_in_files_and_the_parity_in_memory_unless_offloaded(
     assert snapshots.nbytes(in_files=False) == (not parity_in_files) * 2 * 1048
     directory = files.files.directory
     assert len(list(directory.iterdir())) == 2 + 2 * parity_in_files
+    fill = files.reader(snapshots.own[-1].flat)
+    head = torch.empty(8, dtype=torch.uint8)
+    fill(0, head)
+    assert head.view(torch.float32).tolist() == [20.0, 20.0]
+    fill(256 * 4 + 3 * 8 - 4, head)  # past the end: zeros
+    assert head.tolist() == [0] * 8 and _mapped_kb(snapshots.own[-1].flat) == 0
     snapshots.settle()  # every member holds step 20's pair: step 10's files go
     assert len(list(directory.iterdir())) == 1 + parity_in_files
     own = snapshots.own_at((ring, 20))
     assert own is not None
-    pieces = own.pieces("r0")  # read back from the file
+    pieces = snapshots.pieces(own, "r0")  # read back through the file
+    assert _mapped_kb(own.flat) == 0  # written and read without mapping a page
     assert pieces["p0"].tolist() == [20.0] * 256 and pieces["p1"].tolist() == [0, 1, 2]
     snapshots.close()
     assert not directory.exists()
+
+
+def _mapped_kb(tensor: torch.Tensor) -> int:
+    """Resident kB of the mapping `tensor` lies in (/proc/self/smaps' Rss): this process's
+    memory, not the kernel's cache."""
+    address, inside = tensor.untyped_storage().data_ptr(), False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            low, high = (int(x, 16) for x in head.split("-"))
+            inside = low <= address < high
+        elif inside and head == "Rss:":
+            return int(line.split()[1])
+    raise AssertionError("no mapping holds the tensor")

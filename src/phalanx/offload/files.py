@@ -35,6 +35,7 @@ import os
 import shutil
 import socket
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,7 +43,7 @@ import torch
 
 from phalanx.errors import OffloadError
 
-__all__ = ["OffloadFiles", "Region", "owner_key", "sweep_dead_runs"]
+__all__ = ["OffloadFiles", "Region", "owner_key", "read_at", "sweep_dead_runs", "write_at"]
 
 PAGE = mmap.PAGESIZE
 _MADV_WILLNEED = 3
@@ -162,6 +163,19 @@ class OffloadFiles:
 
     def holds(self, tensor: torch.Tensor) -> bool:
         return self.region(tensor) is not None
+
+    @contextlib.contextmanager
+    def through_file(self, tensor: torch.Tensor) -> Iterator[int]:
+        """A descriptor on `tensor`'s file, for `write_at`/`read_at`: bytes that go through
+        it reach the kernel's cache without entering this process's resident set, as the
+        mapping's pages would (coherent with the mapping: one page cache)."""
+        region = self.region(tensor)
+        assert region is not None, "not a tensor of these files"
+        fd = self._open(region.path, os.O_RDWR)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
 
     # ------------------------------------------------------------------ advice
     def populate(self, tensors: list[torch.Tensor], writable: bool = False) -> None:
@@ -301,6 +315,26 @@ def _resident(region: Region) -> int:
     if _libc.mincore(start, length, vec) != 0:
         return 0
     return sum(b & 1 for b in vec.raw) * PAGE
+
+
+def write_at(fd: int, data: torch.Tensor, offset: int) -> None:
+    """`data`'s bytes (a contiguous CPU tensor) into file `fd` from byte `offset` on."""
+    view = data.detach().reshape(-1).view(torch.uint8).numpy().data
+    while view.nbytes:
+        done = os.pwrite(fd, view, offset)
+        view, offset = view[done:], offset + done
+
+
+def read_at(fd: int, out: torch.Tensor, offset: int) -> int:
+    """Bytes of file `fd` from `offset` on into `out` (a contiguous uint8 CPU tensor): how
+    many there were (fewer than `out` holds at the file's end)."""
+    view, total = out.numpy().data, 0
+    while view.nbytes:
+        done = os.preadv(fd, [view], offset)
+        if done == 0:
+            break
+        view, offset, total = view[done:], offset + done, total + done
+    return total
 
 
 def owner_key() -> str:

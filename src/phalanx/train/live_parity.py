@@ -17,10 +17,25 @@ recovery".
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
-__all__ = ["contribution", "exchange", "holders", "needed", "redundancy_in", "stripe_bytes"]
+__all__ = [
+    "Fill",
+    "contribution",
+    "exchange",
+    "from_tensor",
+    "holders",
+    "needed",
+    "redundancy_in",
+    "stripe_bytes",
+]
+
+Fill = Callable[[int, torch.Tensor], None]
+"""Fills a uint8 buffer with a member's snapshot bytes from an offset on, zeros past their
+end (from memory, or through a file without mapping it: `PieceFiles.reader`)."""
 
 
 def redundancy_in(ring_size: int, redundancy: int) -> int:
@@ -44,51 +59,55 @@ def needed(lost: int, n: int, k: int) -> set[int]:
     return {(h - j) % n for h in holders(lost, n, k) for j in range(1, k + 1)} - {lost}
 
 
-def read(flat: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-    """Bytes [start, stop) of `flat` (a uint8 tensor), zeros past its end: a copy."""
-    out = torch.zeros(max(0, stop - start), dtype=torch.uint8)
-    have = max(0, min(stop, flat.numel()) - start)
-    if have:
-        out[:have].copy_(flat[start : start + have])
-    return out
+def from_tensor(flat: torch.Tensor) -> Fill:
+    """A `Fill` over bytes in memory (a uint8 tensor)."""
+
+    def fill(offset: int, out: torch.Tensor) -> None:
+        have = max(0, min(out.numel(), flat.numel() - offset))
+        if have:
+            out[:have].copy_(flat[offset : offset + have])
+        out[have:].zero_()
+
+    return fill
 
 
 def exchange(
-    flat: torch.Tensor, stripe: int, k: int, out: torch.Tensor, group: dist.ProcessGroup,
+    fill: Fill, stripe: int, k: int, out: torch.Tensor, group: dist.ProcessGroup,
     part_bytes: int,
 ) -> None:  # fmt: skip
     """Fill `out` (`stripe` bytes) with the parity this member holds: the sum of its k
-    predecessors' stripes for it, received while it sends its own k stripes to its k
-    successors (collective; group rank = ring index). In parts of at most `part_bytes`
-    per stripe, so the exchange holds about (2k+1) parts in memory, never whole pieces."""
+    predecessors' stripes for it, received while it sends its own k stripes (read with
+    `fill`) to its k successors (collective; group rank = ring index). In parts of about
+    `part_bytes` sent and as many received, never whole pieces in memory."""
     n, me = dist.get_world_size(group), dist.get_rank(group)
-    targets = {(me + t + 1) % n: t for t in range(k)}
+    targets = sorted((me + t + 1) % n for t in range(k))
     sources = {(me - j) % n for j in range(1, k + 1)}
-    step = max(1, part_bytes)
+    step = max(1, part_bytes // k)
     for start in range(0, stripe, step):
         size = min(stripe, start + step) - start
-        send = torch.cat(
-            [read(flat, targets[r] * stripe + start, targets[r] * stripe + start + size)
-             for r in sorted(targets)]
-        )  # fmt: skip
-        received = torch.empty(size * len(sources), dtype=torch.uint8)
+        send = torch.empty(size * k, dtype=torch.uint8)
+        for slot, rank in enumerate(targets):  # in rank order, as the splits are
+            fill(((rank - me - 1) % n) * stripe + start, send[slot * size : (slot + 1) * size])
+        received = torch.empty(size * k, dtype=torch.uint8)
         dist.all_to_all_single(
             received, send, [size if r in sources else 0 for r in range(n)],
             [size if r in targets else 0 for r in range(n)], group=group,
         )  # fmt: skip
-        out[start : start + size].copy_(received.view(len(sources), size).sum(0, dtype=torch.uint8))
+        out[start : start + size] = received.view(k, size).sum(0, dtype=torch.uint8)
 
 
 def contribution(
     lost: int, me: int | None, n: int, k: int, stripe: int,
-    own: torch.Tensor | None, parity: torch.Tensor | None,
+    own: Fill | None, parity: torch.Tensor | None,
 ) -> torch.Tensor:  # fmt: skip
     """What member `me` (a ring index; None: not in that ring) adds toward member `lost`'s
-    bytes: the parity it holds of `lost`'s stripe, less its own stripe in that parity. The
-    sum over every member (an all-reduce) is `lost`'s k * stripe bytes."""
+    bytes: the parity it holds of `lost`'s stripe, less its own stripe in that parity
+    (read with `own`). The sum over every member (an all-reduce) is `lost`'s k * stripe
+    bytes."""
     out = torch.zeros(k * stripe, dtype=torch.uint8)
     if me is None:
         return out
+    mine = torch.empty(stripe, dtype=torch.uint8)
     for t, h in enumerate(holders(lost, n, k)):
         block = out[t * stripe : (t + 1) * stripe]
         if me == h:
@@ -97,5 +116,6 @@ def contribution(
         for j in range(1, k + 1):
             if j != t + 1 and (h - j) % n == me:
                 assert own is not None, "a contributor without the snapshot choose() counted on"
-                block.sub_(read(own, (j - 1) * stripe, j * stripe))
+                own((j - 1) * stripe, mine)
+                block.sub_(mine)
     return out

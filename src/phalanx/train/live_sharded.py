@@ -28,7 +28,7 @@ __all__ = ["LostShards", "ShardedLive"]
 
 Save = Callable[[], dict[str, Any]]
 PART_BYTES = 16 * 2**20
-"""How much of each stripe one exchange of a snapshot passes at a time."""
+"""How many bytes one member sends (and receives) at a time in a snapshot's exchange."""
 
 
 class LostShards(NoQuorum):
@@ -84,7 +84,7 @@ class ShardedLive:
         every = all_gather_json(mine, self.group)
         stripe = stripe_bytes(max(int(nbytes) for _, nbytes in every), k)
         parity = self.snapshots.new_parity(stripe)
-        exchange(flat, stripe, k, parity, self.group, PART_BYTES)
+        exchange(self.snapshots.files.reader(flat), stripe, k, parity, self.group, PART_BYTES)
         me = self.ring.index(member)
         sources = [(me - j) % n for j in range(1, k + 1)]
         self.snapshots.add(
@@ -145,7 +145,7 @@ class ShardedLive:
             return self.trainer.strategy.live_pieces(self.trainer.optimizer)
         found = self.snapshots.own_at((choice.ring, choice.step))
         assert found is not None, "choose() picked a snapshot this member does not hold"
-        return found.pieces(provider)
+        return self.snapshots.pieces(found, provider)
 
     def _rebuilt(self, old: str, provider: str, choice: Choice) -> dict[str, torch.Tensor]:
         """A lost member's pieces at the chosen step, from the parities of its stripes less
@@ -161,7 +161,8 @@ class ShardedLive:
         index = choice.ring.index(me) if me in choice.ring else None
         found = contribution(
             choice.ring.index(old), index, len(choice.ring), choice.redundancy, int(stripe),
-            None if own is None else own.flat, None if kept is None else kept.flat,
+            None if own is None else self.snapshots.files.reader(own.flat),
+            None if kept is None else kept.flat,
         )  # fmt: skip
         dist.all_reduce(found, group=group)
         return unpack(header, found[: int(nbytes)])

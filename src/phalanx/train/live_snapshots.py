@@ -39,10 +39,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from phalanx.offload.files import OffloadFiles
+from phalanx.offload.files import OffloadFiles, read_at, write_at
 from phalanx.runtime.wire import as_bytes, layout, unpack
 from phalanx.train import live_parity
-from phalanx.train.live_parity import redundancy_in
+from phalanx.train.live_parity import Fill, from_tensor, redundancy_in
 
 __all__ = ["Choice", "PieceFiles", "Snapshot", "Snapshots", "choose"]
 
@@ -77,11 +77,6 @@ class Snapshot:
     def key(self) -> tuple[Ring, int]:
         return self.ring, self.step
 
-    def pieces(self, member: str) -> dict[str, Tensor]:
-        """The owner's named pieces, read back (an own snapshot's; copies)."""
-        header, nbytes = self.layouts[member]
-        return unpack(header, self.flat[:nbytes])
-
 
 class PieceFiles:
     """Snapshot bytes kept in files (a scratch directory of this process's under `parent`),
@@ -93,13 +88,28 @@ class PieceFiles:
         self.files = OffloadFiles(parent, rank, what)
 
     def pack(self, pieces: dict[str, Tensor]) -> tuple[Layout, Tensor]:
-        """`pieces` as one run of bytes in a new file, copied straight from where each lies."""
+        """`pieces` as one run of bytes in a new file, written through the file from where
+        each lies: the bytes go to the kernel's cache, never into this process's memory."""
         header, nbytes = layout(pieces)
         flat = self.new(nbytes)
-        for (_, _, _, offset), piece in zip(header, pieces.values(), strict=True):
-            raw = as_bytes(piece)
-            flat[offset : offset + raw.numel()].copy_(raw)
+        if nbytes:
+            with self.files.through_file(flat) as fd:
+                for (_, _, _, offset), piece in zip(header, pieces.values(), strict=True):
+                    write_at(fd, as_bytes(piece), offset)
         return [header, nbytes], flat
+
+    def reader(self, flat: Tensor) -> Fill:
+        """A `Fill` over `flat`: through its file where it is in one (its pages stay out of
+        this process's memory), else from memory."""
+        if not self.files.holds(flat):
+            return from_tensor(flat)
+
+        def fill(offset: int, out: Tensor) -> None:
+            with self.files.through_file(flat) as fd:
+                got = read_at(fd, out, offset) if offset < flat.numel() else 0
+            out[got:].zero_()
+
+        return fill
 
     def new(self, nbytes: int) -> Tensor:
         return self.files.tensor((nbytes,), torch.uint8)
@@ -186,6 +196,13 @@ class Snapshots:
             "own": [[list(s.ring), s.step] for s in self.own],
             "kept": [[list(s.ring), s.step] for s in self.kept],
         }
+
+    def pieces(self, own: Snapshot, member: str) -> dict[str, Tensor]:
+        """The named pieces of `member`'s own snapshot, read back (copies)."""
+        header, nbytes = own.layouts[member]
+        flat = torch.empty(int(nbytes), dtype=torch.uint8)
+        self.files.reader(own.flat)(0, flat)
+        return unpack(header, flat)
 
     def own_at(self, key: tuple[Ring, int]) -> Snapshot | None:
         return next((s for s in self.own if s.key == key), None)
