@@ -51,10 +51,12 @@ from pathlib import Path
 import interleave
 
 ROOT = Path(__file__).resolve().parents[1]
+SNAPSHOT_STEPS = 10
+"""The script's live_snapshot_steps (TrainingArguments' default)."""
 SCRIPT = ROOT / "tests" / "faults" / "scripts" / "live_trainer.py"
 PEAK_RSS_MB: dict[str, list[float]] = {}
 """The largest rank's peak resident set of each run, by variant (what snapshots cost)."""
-HELD_BYTES: dict[str, list[dict[str, int]]] = {}
+HELD_BYTES: dict[str, list[dict[str, float]]] = {}
 """Per run, by variant: the most snapshot bytes any member held in memory and in files."""
 
 
@@ -103,14 +105,22 @@ def run_once(
     return wall
 
 
-def _held(ledger: Path) -> dict[str, int]:
-    """The most snapshot bytes a member held, in memory and in files, over the run."""
+def _held(ledger: Path) -> dict[str, float]:
+    """The most snapshot bytes a member held, in memory and in files, over the run; and
+    what a snapshot costs the step after it (rank 0's steps after a snapshot step, median,
+    less its other steps' median: a figure within one run, free of the machine's drift)."""
     entries = [json.loads(line) for f in ledger.glob("*.jsonl") for line in f.open()]
     for e in entries:  # an older tree's ledger (--baseline-tree) may hold copies in memory only
         e.setdefault("copy_bytes_in_memory", e["copy_bytes"])
     memory = max((e["copy_bytes_in_memory"] for e in entries), default=0)
     files = max((e["copy_bytes"] - e["copy_bytes_in_memory"] for e in entries), default=0)
-    return {"memory": memory, "files": files}
+    first = ledger / "r0.jsonl"
+    times = {e["step"]: e["t"] for e in map(json.loads, first.open())} if first.exists() else {}
+    gaps = {s: times[s] - times[s - 1] for s in times if s - 1 in times and s > 2}
+    after = [g for s, g in gaps.items() if (s - 1) % SNAPSHOT_STEPS == 0]
+    other = [g for s, g in gaps.items() if (s - 1) % SNAPSHOT_STEPS != 0]
+    extra = statistics.median(after) - statistics.median(other) if after and other else 0.0
+    return {"memory": memory, "files": files, "snapshot_s": extra}
 
 
 def main() -> None:
@@ -154,9 +164,11 @@ def main() -> None:
     for k in ks:
         cost = median[f"quiet-live{k}"] / median["none"]  # live recovery's own price
         held = HELD_BYTES[f"quiet-live{k}"][-1]
+        snap = statistics.median(h["snapshot_s"] for h in HELD_BYTES[f"quiet-live{k}"])
         print(f"no failure{k}: live recovery's wall / a run without it = {cost:.3f}; "
               f"held at most {held['memory'] / 2**20:.1f} MB in memory, "
-              f"{held['files'] / 2**20:.1f} MB in files")  # fmt: skip
+              f"{held['files'] / 2**20:.1f} MB in files; a snapshot adds {snap:.3f} s "
+              "to its step")  # fmt: skip
         figures[f"quiet_live{k.replace('-', '_')}_over_none"] = cost
     if not ns.no_failures:
         lost = {v: median[v] - median["none"] for v in (*lives, "restart")}
@@ -170,7 +182,9 @@ def main() -> None:
             figures[f"{live.replace('-', '_')}_over_restart"] = ratio
     if ns.baseline_tree:
         figures["quiet_live_base_over_none"] = median["quiet-live-base"] / median["none"]
-        print(f"baseline: quiet-live / none = {figures['quiet_live_base_over_none']:.3f}")
+        snap = statistics.median(h["snapshot_s"] for h in HELD_BYTES["quiet-live-base"])
+        print(f"baseline: quiet-live / none = {figures['quiet_live_base_over_none']:.3f}; "
+              f"a snapshot adds {snap:.3f} s to its step")  # fmt: skip
     print(f"peak RSS of the largest rank, medians: {rss}")
     if ns.out is not None:
         ns.out.write_text(json.dumps(figures, indent=1) + "\n")

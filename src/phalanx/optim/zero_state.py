@@ -182,20 +182,22 @@ def own_pieces(
 def whole_from_pieces(
     shapes: Sequence[torch.Size], bundles: Sequence[dict[str, torch.Tensor]]
 ) -> tuple[list[torch.Tensor], dict[int, dict[str, torch.Tensor]]]:
-    """Every rank's `own_pieces`, in rank order, back into whole tensors: the parameters, and
-    the optimizer state in the plain format (pieces are contiguous and in rank order)."""
-    params = [
-        torch.cat([b[f"p{i}"] for b in bundles]).reshape(shape) for i, shape in enumerate(shapes)
-    ]
+    """Every rank's pieces (`own_pieces`, or stage 3's rows), in rank order, back into whole
+    tensors: the parameters, and the optimizer state in the plain format (pieces are
+    contiguous and in rank order). Takes the pieces out of `bundles` as it goes, so the
+    whole state and its pieces are never both held (live recovery's peak)."""
+    params: list[torch.Tensor] = []
     state: dict[int, dict[str, torch.Tensor]] = {}
     for i, shape in enumerate(shapes):
+        params.append(torch.cat([b.pop(f"p{i}") for b in bundles]).reshape(shape))
         keys = sorted({name.split(".", 1)[1] for b in bundles for name in b if _of(name, i)})
         for key in keys:
-            values = [b[f"s{i}.{key}"] for b in bundles if f"s{i}.{key}" in b]
+            values = [b.pop(f"s{i}.{key}") for b in bundles if f"s{i}.{key}" in b]
             if key in SCALAR_KEYS or values[0].dim() == 0:
                 whole = values[0]  # the same on every rank
             else:
                 whole = torch.cat(values).reshape(shape)
+            del values
             state.setdefault(i, {})[key] = whole
     return params, state
 

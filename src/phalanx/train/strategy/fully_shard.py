@@ -5,7 +5,6 @@ from __future__ import annotations
 import inspect
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -13,6 +12,7 @@ from phalanx import zero3
 from phalanx.errors import ConfigurationError
 from phalanx.offload import streamer_of
 from phalanx.optim.local_sgd import PeriodicSync
+from phalanx.optim.zero_state import whole_from_pieces
 from phalanx.parallel.sharding import piece_of, row_numel
 from phalanx.parallel.traffic import Traffic
 from phalanx.runtime.hostmem import return_freed_memory
@@ -138,7 +138,7 @@ class FullyShard(Strategy):
         rows of the whole state. The old one's offload streamer is closed."""
         old_params = zero3.sharded_parameters(model)
         shapes = [p.shape for p in old_params]
-        wholes, state = whole_from_rows(shapes, bundles)
+        wholes, state = whole_from_pieces(shapes, bundles)
         zero3.redeal(model, wholes, self._mesh())
         new_params = zero3.sharded_parameters(model)
         streamer = streamer_of(optimizer)
@@ -164,22 +164,6 @@ class FullyShard(Strategy):
 
 def _local(tensor: Tensor) -> Tensor:
     return getattr(tensor, "_local_tensor", tensor)
-
-
-def whole_from_rows(
-    shapes: list[torch.Size], bundles: list[dict[str, Tensor]]
-) -> tuple[list[Tensor], dict[int, dict[str, Tensor]]]:
-    """Every old rank's rows (`live_pieces`, in rank order) back into whole tensors: the
-    parameters, and the optimizer state per parameter index (rows are dealt in rank order)."""
-    wholes = [torch.cat([b[f"p{i}"] for b in bundles]).reshape(s) for i, s in enumerate(shapes)]
-    state: dict[int, dict[str, Tensor]] = {}
-    for i, shape in enumerate(shapes):
-        keys = sorted({n.split(".", 1)[1] for b in bundles for n in b if n.startswith(f"s{i}.")})
-        for key in keys:
-            values = [b[f"s{i}.{key}"] for b in bundles if f"s{i}.{key}" in b]
-            whole = values[0] if values[0].dim() == 0 else torch.cat(values).reshape(shape)
-            state.setdefault(i, {})[key] = whole
-    return wholes, state
 
 
 def _my_rows(state: dict[int, dict[str, Tensor]], params: list[nn.Parameter]) -> dict[int, Any]:
