@@ -7,8 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from phalanx.runtime.wire import pack
 from phalanx.train.live_parity import (
+    Fill,
     contribution,
+    from_pieces,
     from_tensor,
     holders,
     needed,
@@ -18,8 +21,12 @@ from phalanx.train.live_parity import (
 
 
 def read(flat: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    return read_with(from_tensor(flat), start, stop)
+
+
+def read_with(fill: Fill, start: int, stop: int) -> torch.Tensor:
     out = torch.full((stop - start,), 7, dtype=torch.uint8)  # filled whole, never left as is
-    from_tensor(flat)(start, out)
+    fill(start, out)
     return out
 
 
@@ -62,3 +69,11 @@ def test_who_holds_and_who_is_needed() -> None:
 def test_read_pads_past_the_end() -> None:
     flat = torch.arange(5, dtype=torch.uint8)
     assert read(flat, 3, 8).tolist() == [3, 4, 0, 0, 0] and read(flat, 6, 8).tolist() == [0, 0]
+
+
+def test_the_pieces_read_where_they_lie_as_their_run_of_bytes() -> None:
+    pieces = {"a": torch.arange(5, dtype=torch.float32), "b": torch.arange(3), "c": torch.ones(0)}
+    header, blob = pack(pieces)
+    fill = from_pieces(header, pieces)
+    for start in range(0, blob.numel() + 4, 3):
+        assert torch.equal(read_with(fill, start, start + 7), read(blob, start, start + 7))

@@ -78,7 +78,8 @@ def test_a_member_keeps_two_of_its_own_and_two_parities_until_every_member_holds
 ) -> None:
     snaps = Snapshots(5, PieceFiles(tmp_path, 0, "TMPDIR"))
     for step in (0, 5, 10):
-        _, flat = snaps.files.pack({"p": torch.full((4,), float(step))})
+        _, flat, writing = snaps.files.pack({"p": torch.full((4,), float(step))})
+        writing.result()
         snaps.add(_own(step, flat), Snapshot(RING, step, snaps.new_parity(8), {}, 8))
     assert snaps.held()["own"] == [[list(RING), 5], [list(RING), 10]]
     assert snaps.kept_at((RING, 10)) is not None and snaps.kept_at((RING, 0)) is None
@@ -125,7 +126,8 @@ def test_own_snapshots_are_in_files_and_the_parity_in_memory_unless_offloaded(
 
     def pair(step: int) -> tuple[Snapshot, Snapshot]:
         pieces = {"p0": torch.full((256,), float(step)), "p1": torch.arange(3)}
-        mine, flat = files.pack(pieces)
+        mine, flat, writing = files.pack(pieces)
+        writing.result()
         parity = snapshots.new_parity(1048)
         parity.fill_(step)
         own = Snapshot(ring, step, flat, {"r0": mine}, 1048)
@@ -144,13 +146,17 @@ def test_own_snapshots_are_in_files_and_the_parity_in_memory_unless_offloaded(
     assert head.view(torch.float32).tolist() == [20.0, 20.0]
     fill(256 * 4 + 3 * 8 - 4, head)  # past the end: zeros
     assert head.tolist() == [0] * 8 and _mapped_kb(snapshots.own[-1].flat) == 0
-    snapshots.settle()  # every member holds step 20's pair: step 10's files go
-    assert len(list(directory.iterdir())) == 1 + parity_in_files
-    own = snapshots.own_at((ring, 20))
+    snapshots.settle()  # every member holds step 20's pair: step 10's files are spare
+    assert len(files.spare) == 1 + parity_in_files
+    assert len(list(directory.iterdir())) == 2 + 2 * parity_in_files
+    snapshots.add(*pair(30))  # made in the spare files: no new file
+    assert len(list(directory.iterdir())) == 2 + 2 * parity_in_files and not files.spare
+    snapshots.settle()
+    own = snapshots.own_at((ring, 30))
     assert own is not None
     pieces = snapshots.pieces(own, "r0")  # read back through the file
     assert _mapped_kb(own.flat) == 0  # written and read without mapping a page
-    assert pieces["p0"].tolist() == [20.0] * 256 and pieces["p1"].tolist() == [0, 1, 2]
+    assert pieces["p0"].tolist() == [30.0] * 256 and pieces["p1"].tolist() == [0, 1, 2]
     snapshots.close()
     assert not directory.exists()
 

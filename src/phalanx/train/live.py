@@ -152,8 +152,8 @@ class LiveTraining:
         fall_back_to_restart()  # the launcher restarts every rank from the checkpoint
         return LostShards(
             f"{gone} — the run restarts from its last checkpoint (--max-restarts); a smaller "
-            "live_snapshot_steps narrows the window, and a ring of more ranks makes losing two "
-            "neighbours at once rarer"
+            "live_snapshot_steps narrows the window, and live_redundancy=1 survives two "
+            "losses that are not neighbours (in a ring of 4 or more)"
         )
 
     # ------------------------------------------------------------ the state

@@ -18,14 +18,18 @@ recovery".
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from phalanx.runtime.wire import as_bytes
 
 __all__ = [
     "Fill",
     "contribution",
     "exchange",
+    "from_pieces",
     "from_tensor",
     "holders",
     "needed",
@@ -67,6 +71,22 @@ def from_tensor(flat: torch.Tensor) -> Fill:
         if have:
             out[:have].copy_(flat[offset : offset + have])
         out[have:].zero_()
+
+    return fill
+
+
+def from_pieces(header: list[Any], pieces: dict[str, torch.Tensor]) -> Fill:
+    """A `Fill` over named tensors as `runtime/wire.py`'s layout `header` lays them out,
+    read from where they lie (no run of bytes made first)."""
+    spans = [(int(offset), as_bytes(t)) for (_, _, _, offset), t in zip(header, pieces.values())]
+
+    def fill(offset: int, out: torch.Tensor) -> None:
+        out.zero_()
+        stop = offset + out.numel()
+        for start, raw in spans:
+            low, high = max(offset, start), min(stop, start + raw.numel())
+            if low < high:
+                out[low - offset : high - offset].copy_(raw[low - start : high - start])
 
     return fill
 

@@ -17,7 +17,13 @@ from phalanx.offload import DiskOffloadPolicy
 from phalanx.runtime.live import LiveGroup
 from phalanx.runtime.recovery import LiveRecovery
 from phalanx.runtime.wire import all_gather_json, broadcast_json, broadcast_tensors, unpack
-from phalanx.train.live_parity import contribution, exchange, redundancy_in, stripe_bytes
+from phalanx.train.live_parity import (
+    contribution,
+    exchange,
+    from_pieces,
+    redundancy_in,
+    stripe_bytes,
+)
 from phalanx.train.live_snapshots import Choice, PieceFiles, Snapshot, Snapshots, choose
 from phalanx.train.logging.progress_bar import StepWindow
 
@@ -72,25 +78,35 @@ class ShardedLive:
         replicated = copy.deepcopy(save())
         runlog = trainer.runlog or trainer.open_runlog()
         replicated["window"] = copy.deepcopy(runlog.run)  # this member's own, never sent
-        # the live pieces themselves: their bytes go to the file with no copy between
+        # the live pieces themselves: their bytes go to the file with no copy between,
+        # written by a thread while the exchange reads them
         pieces = trainer.strategy.live_pieces(trainer.optimizer, copy=False)
-        mine, flat = self.snapshots.files.pack(pieces)
+        mine, flat, writing = self.snapshots.files.pack(pieces)
         n = len(self.ring)
-        if n == 1:
-            self.snapshots.only(Snapshot(self.ring, step, flat, {member: mine}, 0, replicated))
-            return
-        assert self.ring == tuple(self.group.members), "a snapshot over a ring not yet formed"
-        k = redundancy_in(n, self.redundancy)
-        every = all_gather_json(mine, self.group)
-        stripe = stripe_bytes(max(int(nbytes) for _, nbytes in every), k)
-        parity = self.snapshots.new_parity(stripe)
-        exchange(self.snapshots.files.reader(flat), stripe, k, parity, self.group, PART_BYTES)
+        own = Snapshot(self.ring, step, flat, {member: mine}, 0, replicated)
+        parity = None
+        try:
+            if n == 1:
+                writing.result()
+                self.snapshots.only(own)
+                return
+            assert self.ring == tuple(self.group.members), "a snapshot over a ring not formed"
+            k = redundancy_in(n, self.redundancy)
+            every = all_gather_json(mine, self.group)
+            own.stripe = stripe_bytes(max(int(nbytes) for _, nbytes in every), k)
+            parity = self.snapshots.new_parity(own.stripe)
+            exchange(from_pieces(mine[0], pieces), own.stripe, k, parity, self.group, PART_BYTES)
+            writing.result()
+        except BaseException:
+            writing.exception()  # the pieces stay as they are until the file is written
+            for made in (flat, parity):
+                if made is not None and self.snapshots.files.holds(made):
+                    self.snapshots.files.let_go(made)
+            raise
         me = self.ring.index(member)
         sources = [(me - j) % n for j in range(1, k + 1)]
-        self.snapshots.add(
-            Snapshot(self.ring, step, flat, {member: mine}, stripe, replicated),
-            Snapshot(self.ring, step, parity, {self.ring[i]: every[i] for i in sources}, stripe),
-        )
+        layouts = {self.ring[i]: every[i] for i in sources}
+        self.snapshots.add(own, Snapshot(self.ring, step, parity, layouts, own.stripe))
         # Done here means every member contributed, so every member holds the new pair
         # (each adds it before this): the previous one is needed by no one.
         dist.all_reduce(torch.zeros(1), group=self.group)

@@ -32,6 +32,7 @@ recovery".
 from __future__ import annotations
 
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,8 @@ from phalanx.train.live_parity import Fill, from_tensor, redundancy_in
 __all__ = ["Choice", "PieceFiles", "Snapshot", "Snapshots", "choose"]
 
 KEPT = 2
+SPARE = 2
+"""Files of let-go snapshots kept for the next ones (one pair: own and parity)."""
 """Snapshots kept of each kind until every member holds the newest (`settle`): a loss can
 cut its exchange, leaving it on some members only."""
 
@@ -80,23 +83,32 @@ class Snapshot:
 
 class PieceFiles:
     """Snapshot bytes kept in files (a scratch directory of this process's under `parent`),
-    not in the process's memory: written through the page cache and unmapped at once, so
-    they are the kernel's to write back and to drop, and read back only by an exchange or
-    a rollback."""
+    not in the process's memory: written and read through the file, never mapped, so they
+    are the kernel's to cache, write back and drop. A file let go is kept for the next
+    snapshot of its size (at most SPARE of them): no new file, no new allocation, each
+    time."""
 
     def __init__(self, parent: str | Path, rank: int, what: str) -> None:
         self.files = OffloadFiles(parent, rank, what)
+        self.spare: list[Tensor] = []
+        self._writer: ThreadPoolExecutor | None = None
 
-    def pack(self, pieces: dict[str, Tensor]) -> tuple[Layout, Tensor]:
-        """`pieces` as one run of bytes in a new file, written through the file from where
-        each lies: the bytes go to the kernel's cache, never into this process's memory."""
+    def pack(self, pieces: dict[str, Tensor]) -> tuple[Layout, Tensor, Future[None]]:
+        """`pieces` as one run of bytes in a file, written by a thread of this object's from
+        where each lies while the caller goes on (the exchange reads the pieces meanwhile):
+        wait for the future before they change."""
         header, nbytes = layout(pieces)
         flat = self.new(nbytes)
-        if nbytes:
-            with self.files.through_file(flat) as fd:
-                for (_, _, _, offset), piece in zip(header, pieces.values(), strict=True):
-                    write_at(fd, as_bytes(piece), offset)
-        return [header, nbytes], flat
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="phalanx-snapshot")
+        return [header, nbytes], flat, self._writer.submit(self._write, flat, header, pieces)
+
+    def _write(self, flat: Tensor, header: list[Any], pieces: dict[str, Tensor]) -> None:
+        if not flat.numel():
+            return
+        with self.files.through_file(flat) as fd:
+            for (_, _, _, offset), piece in zip(header, pieces.values(), strict=True):
+                write_at(fd, as_bytes(piece), offset)
 
     def reader(self, flat: Tensor) -> Fill:
         """A `Fill` over `flat`: through its file where it is in one (its pages stay out of
@@ -112,19 +124,30 @@ class PieceFiles:
         return fill
 
     def new(self, nbytes: int) -> Tensor:
+        """A file of `nbytes`: a spare one of that size if there is one."""
+        same = next((i for i, t in enumerate(self.spare) if t.numel() == nbytes), None)
+        if same is not None:
+            return self.spare.pop(same)
         return self.files.tensor((nbytes,), torch.uint8)
 
     def written(self, flat: Tensor) -> None:
-        """Done writing `flat`: its pages leave this process (the kernel keeps them)."""
+        """Done writing `flat` through its mapping (a parity): its pages leave this process."""
         self.files.forget([flat])
 
     def let_go(self, flat: Tensor) -> None:
-        self.files.remove([flat])
+        """`flat`'s snapshot is gone: its file is kept spare, or removed."""
+        if len(self.spare) < SPARE:
+            self.spare.append(flat)
+        else:
+            self.files.remove([flat])
 
     def holds(self, flat: Tensor) -> bool:
         return self.files.holds(flat)
 
     def close(self) -> None:
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+        self.spare = []
         self.files.close()
 
 
@@ -151,16 +174,14 @@ class Snapshots:
 
     def add(self, own: Snapshot, kept: Snapshot) -> None:
         """A new pair, written: the older ones stay until `settle`."""
-        for snapshot in (own, kept):
-            if self.files.holds(snapshot.flat):
-                self.files.written(snapshot.flat)
+        if self.files.holds(kept.flat):  # filled through its mapping by the exchange
+            self.files.written(kept.flat)
         mine = [*[s for s in self.own if s.key != own.key][-(KEPT - 1) :], own]
         older = [s for s in self.kept if s.key != kept.key][-(KEPT - 1) :]
         self._keep(mine, [*older, kept])
 
     def only(self, own: Snapshot) -> None:
         """A ring of one: this member's own snapshot, nothing kept for anyone."""
-        self.files.written(own.flat)
         self._keep([own], [])
 
     def settle(self) -> None:
