@@ -135,11 +135,10 @@ class PieceFiles:
         self.files.forget([flat])
 
     def let_go(self, flat: Tensor) -> None:
-        """`flat`'s snapshot is gone: its file is kept spare, or removed."""
-        if len(self.spare) < SPARE:
-            self.spare.append(flat)
-        else:
-            self.files.remove([flat])
+        """`flat`'s snapshot is gone: its file is kept spare (the oldest spare removed)."""
+        self.spare.append(flat)
+        if len(self.spare) > SPARE:
+            self.files.remove([self.spare.pop(0)])
 
     def holds(self, flat: Tensor) -> bool:
         return self.files.holds(flat)
