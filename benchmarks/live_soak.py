@@ -40,6 +40,8 @@ from typing import Any
 
 import torch
 
+from phalanx.train.checkpoint.directory import MANIFEST
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "faults" / "scripts" / "live_trainer.py"
 SETTINGS = ("1", "2", "3", "3-disk")
@@ -101,9 +103,15 @@ def exact_data(steps: dict[int, list[dict[str, Any]]]) -> tuple[bool, list[int]]
 
 
 def read_after(out: Path, killed_at: float) -> list[str]:
-    """Files of the checkpoints saved before the loss whose access time is after it."""
+    """Files of the checkpoints saved before the loss whose access time is after it. A
+    checkpoint sealed after the loss (its manifest written then) was still being saved
+    when the loss came: its files were read by that save, which hashes what DCP wrote
+    before it seals, not by a recovery."""
     read = []
     for path in out.glob("checkpoint-*/**/*"):
+        manifest = out / path.relative_to(out).parts[0] / MANIFEST
+        if manifest.exists() and manifest.stat().st_mtime >= killed_at:
+            continue
         if path.is_file():
             stat = path.stat()
             if stat.st_mtime < killed_at and stat.st_atime > killed_at:
