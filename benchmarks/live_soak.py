@@ -10,7 +10,9 @@ replacement let in at the same step). Per trial, the figures and the checks:
 - seconds from the loss to the survivors' first step (must be < 10);
 - no checkpoint read after the loss: the access time of every file of the checkpoints
   saved before it is older than the loss (the mount's relatime updates it at the first
-  read of a file written since; the script first shows a read is seen);
+  read of a file written since; the script first shows a read is seen), but for the
+  manifests every save reads to know the run's checkpoints, and a save still in flight
+  at the loss, which reads its own files to hash them;
 - the replacement joined: the last step ran on 3 ranks;
 - check_replicas every 5 steps at stages 1-2 (the parameters are replicated there; at
   stage 3 nothing is, and the eval loss of each member's whole model must agree);
@@ -103,14 +105,15 @@ def exact_data(steps: dict[int, list[dict[str, Any]]]) -> tuple[bool, list[int]]
 
 
 def read_after(out: Path, killed_at: float) -> list[str]:
-    """Files of the checkpoints saved before the loss whose access time is after it. A
-    checkpoint sealed after the loss (its manifest written then) was still being saved
-    when the loss came: its files were read by that save, which hashes what DCP wrote
-    before it seals, not by a recovery."""
+    """Files of the checkpoints saved before the loss whose access time is after it. Not
+    counted, since no state is loaded by them: a manifest (every later save reads the
+    run's manifests to know its checkpoints, train/checkpoint/lineage.py), and the files of
+    a checkpoint sealed after the loss (its manifest written then: it was still being
+    saved when the loss came, and that save hashes what DCP wrote before it seals)."""
     read = []
     for path in out.glob("checkpoint-*/**/*"):
         manifest = out / path.relative_to(out).parts[0] / MANIFEST
-        if manifest.exists() and manifest.stat().st_mtime >= killed_at:
+        if path.name == MANIFEST or (manifest.exists() and manifest.stat().st_mtime >= killed_at):
             continue
         if path.is_file():
             stat = path.stat()

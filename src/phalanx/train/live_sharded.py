@@ -82,35 +82,41 @@ class ShardedLive:
         # written by a thread while the exchange reads them
         pieces = trainer.strategy.live_pieces(trainer.optimizer, copy=False)
         mine, flat, writing = self.snapshots.files.pack(pieces)
-        n = len(self.ring)
         own = Snapshot(self.ring, step, flat, {member: mine}, 0, replicated)
-        parity = None
         try:
-            if n == 1:
-                writing.result()
-                self.snapshots.only(own)
-                return
-            assert self.ring == tuple(self.group.members), "a snapshot over a ring not formed"
-            k = redundancy_in(n, self.redundancy)
-            every = all_gather_json(mine, self.group)
-            own.stripe = stripe_bytes(max(int(nbytes) for _, nbytes in every), k)
-            parity = self.snapshots.new_parity(own.stripe)
-            exchange(from_pieces(mine[0], pieces), own.stripe, k, parity, self.group, PART_BYTES)
+            kept = self._parity(own, pieces) if len(self.ring) > 1 else None
             writing.result()
         except BaseException:
             writing.exception()  # the pieces stay as they are until the file is written
-            for made in (flat, parity):
-                if made is not None and self.snapshots.files.holds(made):
-                    self.snapshots.files.let_go(made)
+            self.snapshots.files.let_go(flat)
             raise
-        me = self.ring.index(member)
-        sources = [(me - j) % n for j in range(1, k + 1)]
-        layouts = {self.ring[i]: every[i] for i in sources}
-        self.snapshots.add(own, Snapshot(self.ring, step, parity, layouts, own.stripe))
+        if kept is None:
+            self.snapshots.only(own)
+            return
+        self.snapshots.add(own, kept)
         # Done here means every member contributed, so every member holds the new pair
         # (each adds it before this): the previous one is needed by no one.
         dist.all_reduce(torch.zeros(1), group=self.group)
         self.snapshots.settle()
+
+    def _parity(self, own: Snapshot, pieces: dict[str, torch.Tensor]) -> Snapshot:
+        """The parity this member keeps of its predecessors' stripes, while it sends its own
+        (collective: every member's layout, then the exchange); `own.stripe` set."""
+        assert self.ring == tuple(self.group.members), "a snapshot over a ring not formed"
+        n, k = len(self.ring), redundancy_in(len(self.ring), self.redundancy)
+        mine = own.layouts[self.group.member]
+        every = all_gather_json(mine, self.group)
+        own.stripe = stripe_bytes(max(int(nbytes) for _, nbytes in every), k)
+        parity = self.snapshots.new_parity(own.stripe)
+        try:
+            exchange(from_pieces(mine[0], pieces), own.stripe, k, parity, self.group, PART_BYTES)
+        except BaseException:
+            if self.snapshots.files.holds(parity):
+                self.snapshots.files.let_go(parity)
+            raise
+        me = self.ring.index(self.group.member)
+        layouts = {self.ring[(me - j) % n]: every[(me - j) % n] for j in range(1, k + 1)}
+        return Snapshot(self.ring, own.step, parity, layouts, own.stripe)
 
     # ------------------------------------------------------------ the sync
     def sync(self, save: Save) -> tuple[int, str, bool]:
