@@ -48,10 +48,10 @@ from phalanx.train.live_parity import Fill, from_tensor, redundancy_in
 __all__ = ["Choice", "PieceFiles", "Snapshot", "Snapshots", "choose"]
 
 KEPT = 2
-SPARE = 2
-"""Files of let-go snapshots kept for the next ones (one pair: own and parity)."""
 """Snapshots kept of each kind until every member holds the newest (`settle`): a loss can
 cut its exchange, leaving it on some members only."""
+SPARE = 2
+"""Files of let-go snapshots kept for the next ones (one pair: own and parity)."""
 
 Ring = tuple[str, ...]
 
