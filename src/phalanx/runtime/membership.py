@@ -22,6 +22,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +46,18 @@ from phalanx.runtime.live import LiveGroup
 __all__ = ["Membership", "Settings", "settings_from_env"]
 
 _POLL_S = 0.05
+"""The longest pause between two looks at the store while agreeing or waiting to join."""
+_FIRST_POLL_S = 0.002
+"""The first pause: an agreement is usually complete within milliseconds of the last
+check-in, so the pauses start short and double up to _POLL_S (a fixed 0.05 s made every
+change of members wait 0.05-0.1 s for nothing: docs/reliability.md)."""
+
+
+def _pauses() -> Iterator[float]:
+    pause = _FIRST_POLL_S
+    while True:
+        yield pause
+        pause = min(_POLL_S, 2 * pause)
 
 
 @dataclass(frozen=True)
@@ -85,6 +98,7 @@ class Membership:
         start = time.monotonic()
         key = members_key(gen)
         members = _member_list(self.store.read_json(key))
+        pauses = _pauses()
         while members is None:
             waited = time.monotonic() - start
             arrived = [m for m in old if self._checked_in(gen, m)]
@@ -97,7 +111,7 @@ class Membership:
                     break
                 if waited > self.settings.quorum_timeout_s:
                     raise NoQuorum(self._short(gen, proposal, lost, missing))
-            time.sleep(_POLL_S)
+            time.sleep(next(pauses))
             members = _member_list(self.store.read_json(key))
         if members is None:  # signed by a member, yet not a list of names: never expected
             raise NoQuorum(f"generation {gen}'s members could not be read — restart the run")
@@ -148,7 +162,7 @@ class Membership:
         exits 0 (SystemExit), so that the rest of the script (a save, an upload) does not
         run on a replica that never trained."""
         self.store.put(join_key(member), "waiting")
-        start = time.monotonic()
+        start, pauses = time.monotonic(), _pauses()
         while True:
             current = self._generation()
             for gen in (current, current + 1):  # the members may have moved on already
@@ -173,7 +187,7 @@ class Membership:
                     f"{self.settings.quorum_timeout_s:.0f} s (generation {current} goes on "
                     "without it) — check that the run is still training"
                 )
-            time.sleep(_POLL_S)
+            time.sleep(next(pauses))
 
     def _generation(self) -> int:
         """The members' generation, never going back (a stranger may replay an older value)."""
