@@ -78,23 +78,38 @@ class LiveRecovery:
     def boundary(self, step: int, before_grow: Callable[[], None] = lambda: None) -> None:
         """Between steps (`step` applied): PeerLost if the generation ended, or (on rank 0)
         to let a waiting replacement in, so every member leaves at this boundary or in the
-        next step's first collective. `before_grow`: what rank 0 finishes first (the
-        generation's end would cut it: its part of a background save)."""
+        next step's first collective (the others notice within the store watcher's look,
+        0.1 s: a loop with a collective at its boundaries does better with `wants_grow`,
+        as the Trainer does). `before_grow`: what rank 0 finishes first (the generation's
+        end would cut it: its part of a background save)."""
+        if self.wants_grow(step):
+            self.grow(before_grow)
+
+    def wants_grow(self, step: int) -> bool:
+        """Between steps (`step` applied): PeerLost if the generation ended; whether this
+        member (rank 0) lets a waiting replacement in here. The members then agree on it
+        at this boundary (the Trainer's boundary vote) and `grow` together, so none is
+        left waiting in the next step's first collective for the others to notice."""
         group = self.group
         group.raise_if_aborted()
         if group.rank() != 0:
-            return
+            return False
         if self.admit_at is None:
-            if group.grow_requested():
-                before_grow()
-                self.membership.ask_to_grow()
-        elif step in self.admit_at:
-            self.admit_at.discard(step)
-            deadline = time.monotonic() + self.settings.quorum_timeout_s
-            while not group.grow_requested() and time.monotonic() < deadline:
-                time.sleep(0.05)  # the replay's replacement is still starting
-            before_grow()
-            self.membership.ask_to_grow()
+            return group.grow_requested()
+        if step not in self.admit_at:
+            return False
+        self.admit_at.discard(step)
+        deadline = time.monotonic() + self.settings.quorum_timeout_s
+        while not group.grow_requested() and time.monotonic() < deadline:
+            time.sleep(0.05)  # the replay's replacement is still starting
+        return True
+
+    def grow(self, before_grow: Callable[[], None] = lambda: None) -> None:
+        """On every member, once they agreed to let a replacement in: end this generation
+        (PeerLost). `before_grow`: what each finishes first (the generation's end would cut
+        it: its part of a background save)."""
+        before_grow()
+        self.membership.ask_to_grow()
 
     def recover(
         self, applied_step: int, reason: str, save: SaveFn, load: LoadFn, sync: Sync | None = None

@@ -96,11 +96,19 @@ class LiveTraining:
         """A replacement not yet in the run (its Trainer was built as a world of one)."""
         return self.group.generation < 0
 
-    def boundary(self) -> None:
-        writer = self.trainer.checkpointer.background
-        self.recovery.boundary(self.trainer.state.global_step, writer.wait_written)
+    def boundary(self) -> bool:
+        """Between steps: PeerLost if the generation ended; a snapshot when one is due;
+        whether this member (rank 0) lets a waiting replacement in (the boundary vote
+        carries it to every member, which then `grow`s)."""
+        wants = self.recovery.wants_grow(self.trainer.state.global_step)
         if self.sharded is not None:
             self.sharded.maybe_snapshot(self._save)
+        return wants
+
+    def grow(self) -> None:
+        """Every member, at the boundary they agreed on: let the replacement in (PeerLost);
+        each member's part of a save in flight is written first."""
+        self.recovery.grow(self.trainer.checkpointer.background.wait_written)
 
     def finish(self) -> None:
         """Training ended: a replacement still starting need not join (it exits 0); the

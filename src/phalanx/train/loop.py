@@ -73,11 +73,12 @@ class TrainingLoop:
             steps = self._epoch_steps()
             while True:
                 try:
-                    if setup.live is not None:  # a peer lost or waiting is seen here first
-                        setup.live.boundary()
+                    # A peer lost is seen here first; a replacement waiting is agreed on in
+                    # the boundary vote, so every member leaves for it here together.
+                    grow = None if setup.live is None else setup.live.boundary()
                     # Agreed before the step's data is loaded: a dataset that draws random
                     # numbers would otherwise draw them for a step never trained.
-                    if self._stop_agreed() or self.state.global_step >= setup.max_steps:
+                    if self._stop_agreed(grow) or self.state.global_step >= setup.max_steps:
                         return True
                     if control.should_training_stop:
                         return True
@@ -96,13 +97,17 @@ class TrainingLoop:
                     setup.live.recover(lost)  # the step in flight is dropped on every member
                     steps = self._epoch_steps()
 
-    def _stop_agreed(self) -> bool:
+    def _stop_agreed(self, grow: bool | None = None) -> bool:
         """The boundary vote (stopping.py): a stop, and whether the save in flight is
-        written on every rank, which is then collected here, at the same step everywhere."""
-        self.stopped_by, written = self.setup.stop_requests.agree(self.saves.vote())
+        written on every rank, which is then collected here, at the same step everywhere;
+        under live recovery, whether a replacement is let in here (PeerLost, on every
+        member). A stop wins: a run that ends lets nobody in."""
+        self.stopped_by, written, grown = self.setup.stop_requests.agree(self.saves.vote(), grow)
         if written:
             self.saves.collect()
             self._callbacks.agree()  # what on_save asked for
+        if grown and self.stopped_by is None and self.setup.live is not None:
+            self.setup.live.grow()
         return self.stopped_by is not None
 
     def _epoch_steps(self) -> Iterator[tuple[list[Any], int]]:

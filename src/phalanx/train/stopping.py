@@ -99,30 +99,37 @@ class StopRequests:
             raise KeyboardInterrupt  # the second Ctrl-C: stop at once
         self.received.append(signum)
 
-    def agree(self, writing: bool | None = None) -> tuple[Stop | None, bool]:
+    def agree(
+        self, writing: bool | None = None, grow: bool | None = None
+    ) -> tuple[Stop | None, bool, bool]:
         """Collective at a step boundary: the signal every rank stops for, and the ranks that
         received it (None to go on; SIGTERM wins over SIGINT when ranks received different
-        ones); and whether every rank's background save has ended.
+        ones); whether every rank's background save has ended; and whether any rank lets a
+        waiting replacement in here.
 
         `writing`: None when no save is in flight (the same on every rank), else whether
         this rank's part of it has ended. It rides on the same all-reduce, so every rank
         collects the save at the same step, and costs a collective of its own only when
-        stops are not agreed (save_on_signal=False) and a save is in flight.
+        stops are not agreed (save_on_signal=False) and a save is in flight. `grow`: None
+        without live recovery, else whether this rank (rank 0) saw a replacement waiting:
+        on the same all-reduce, so every member leaves at this boundary together.
         """
-        if not self.enabled and writing is None:
-            return None, False
+        if not self.enabled and writing is None and grow is None:
+            return None, False, False
         world, rank = self.world.world_size, self.world.rank
         signals = STOP_SIGNALS if self.enabled else ()
         mine = [0.0] * (world * len(signals)) + ([float(writing)] if writing is not None else [])
+        mine += [float(grow)] if grow is not None else []
         for k, signum in enumerate(signals):
             mine[k * world + rank] = float(signum in self.received)
         votes = self.world.all_reduce_sum(mine) if self.world.is_distributed else mine
+        grown = grow is not None and votes.pop() > 0
         written = writing is not None and votes[-1] == world
         for k, signum in enumerate(signals):
             ranks = [r for r in range(world) if votes[k * world + r]]
             if ranks:
-                return Stop(signum, ranks), written
-        return None, written
+                return Stop(signum, ranks), written, grown
+        return None, written, grown
 
 
 class Stop(NamedTuple):
