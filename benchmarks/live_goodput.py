@@ -27,8 +27,8 @@ same three steps. Reported: each run's wall time, the lost time (variant minus
     python benchmarks/live_goodput.py --zero-stage 3 --redundancy 1,2 --no-failures ...
         # what live_redundancy k costs: quiet-live-k1 and quiet-live-k2 against none
 
-`--baseline-tree DIR` adds `quiet-live-base`: quiet-live with DIR's src/ and DIR's
-test script (an older checkout: before/after, interleaved in one run).
+`--baseline-tree DIR` adds `quiet-live-base` and `live-base`: those variants with DIR's
+src/ and DIR's test script (an older checkout: before/after, interleaved in one run).
 
 Each live run's ledger also gives the bytes of snapshots a member holds in memory
 (its parity) and in files (its own snapshot), the largest over members and steps.
@@ -145,7 +145,8 @@ def main() -> None:
     lives = [] if ns.no_failures else [f"live{k}" for k in ks]
     variants = ("none", *[f"quiet-live{k}" for k in ks], *lives)
     variants += () if ns.no_failures else ("restart",)
-    variants += ("quiet-live-base",) if ns.baseline_tree else ()
+    if ns.baseline_tree:
+        variants += ("quiet-live-base",) + (() if ns.no_failures else ("live-base",))
     extra = {"ZERO_STAGE": ns.zero_stage, "WIDTH": ns.width, "DEPTH": ns.depth,
              "ZERO3_SHARD_SIZE": ns.shard_size, "ZERO_OFFLOAD": ns.offload}  # fmt: skip
     walls: dict[str, list[float]] = {v: [] for v in variants}
@@ -180,6 +181,11 @@ def main() -> None:
                   f"{lost['restart']:.2f} s; {live} / restart = {ratio:.3f} "
                   "(target <= 0.1)")  # fmt: skip
             figures[f"{live.replace('-', '_')}_over_restart"] = ratio
+    if ns.baseline_tree and not ns.no_failures:
+        base_lost = median["live-base"] - median["none"]
+        figures["live_base_over_restart"] = base_lost / (median["restart"] - median["none"])
+        print(f"baseline: lost to failures {base_lost:.2f} s, live-base / restart = "
+              f"{figures['live_base_over_restart']:.3f}")  # fmt: skip
     if ns.baseline_tree:
         figures["quiet_live_base_over_none"] = median["quiet-live-base"] / median["none"]
         snap = statistics.median(h["snapshot_s"] for h in HELD_BYTES["quiet-live-base"])
