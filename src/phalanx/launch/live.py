@@ -20,6 +20,7 @@ from pathlib import Path
 
 from phalanx.errors import StoreLost
 from phalanx.ground.live_store import LiveStore, StoreConn
+from phalanx.ground.progress_record import read_record, record_path
 from phalanx.ground.runauth import RunKey
 from phalanx.ground.store_keys import (
     GENERATION_KEY,
@@ -151,6 +152,14 @@ class LiveSupervisor:
                     self._ask_every_node(f"{lost} before the run's group formed")
                     self.fell_back = Failure(slot.worker, code)
                     return code
+                if code != 0 and self._nothing_trained(slot):
+                    self.say(
+                        f"{lost} before the first step: nothing has trained yet, so the worker "
+                        "group restarts (--max-restarts)"
+                    )
+                    self._ask_every_node(f"{lost} before the first step")
+                    self.fell_back = Failure(slot.worker, code)
+                    return code
                 status = code if code == 0 else self._lost(slot, code)
             if all(slot.done for slot in self._slots):
                 return self._final_status(status)
@@ -208,6 +217,16 @@ class LiveSupervisor:
             return False
         beats = (self.progress_dir / heartbeat_name(s.member) for s in self._slots)
         return not any(beat.exists() for beat in beats)
+
+    def _nothing_trained(self, slot: _Slot) -> bool:
+        """A first worker lost before any worker here began a step or entered a collective
+        of the model (their progress records): nothing has trained, so the group restarts,
+        as its survivors ask (train/live.py: restart_if_lost). Decided here, not left to
+        their mark: under load they said so after this launcher had started a replacement."""
+        if not slot.member.startswith("r") or self.members:
+            return False
+        records = [read_record(record_path(self.progress_dir, s.worker.rank)) for s in self._slots]
+        return all(r is not None and r.step == 0 and r.collectives == 0 for r in records)
 
     def _final_status(self, last: int) -> int:
         """0 when any worker finished the run; else the last failure's exit code."""
