@@ -37,7 +37,7 @@ def _records(directory: Path, what: list[str]) -> None:
 
 
 def _supervisor(directory: Path, members: list[str] | None = None) -> Any:
-    supervisor = LiveSupervisor.__new__(LiveSupervisor)
+    supervisor: Any = LiveSupervisor.__new__(LiveSupervisor)
     supervisor.progress_dir, supervisor.members = directory, members or []
     supervisor._slots = [
         SimpleNamespace(worker=SimpleNamespace(rank=r), member=f"r{r}") for r in range(3)
