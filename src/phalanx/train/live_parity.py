@@ -92,9 +92,13 @@ def from_pieces(header: list[Any], pieces: dict[str, torch.Tensor]) -> Fill:
 
 
 def exchange(
-    fill: Fill, stripe: int, k: int, out: torch.Tensor, group: dist.ProcessGroup,
+    fill: Fill,
+    stripe: int,
+    k: int,
+    out: torch.Tensor,
+    group: dist.ProcessGroup,
     part_bytes: int,
-) -> None:  # fmt: skip
+) -> None:
     """Fill `out` (`stripe` bytes) with the parity this member holds: the sum of its k
     predecessors' stripes for it, received while it sends its own k stripes (read with
     `fill`) to its k successors (collective; group rank = ring index). In parts of about
@@ -110,16 +114,24 @@ def exchange(
             fill(((rank - me - 1) % n) * stripe + start, send[slot * size : (slot + 1) * size])
         received = torch.empty(size * k, dtype=torch.uint8)
         dist.all_to_all_single(
-            received, send, [size if r in sources else 0 for r in range(n)],
-            [size if r in targets else 0 for r in range(n)], group=group,
-        )  # fmt: skip
+            received,
+            send,
+            [size if r in sources else 0 for r in range(n)],
+            [size if r in targets else 0 for r in range(n)],
+            group=group,
+        )
         out[start : start + size] = received.view(k, size).sum(0, dtype=torch.uint8)
 
 
 def contribution(
-    lost: int, me: int | None, n: int, k: int, stripe: int,
-    own: Fill | None, parity: torch.Tensor | None,
-) -> torch.Tensor:  # fmt: skip
+    lost: int,
+    me: int | None,
+    n: int,
+    k: int,
+    stripe: int,
+    own: Fill | None,
+    parity: torch.Tensor | None,
+) -> torch.Tensor:
     """What member `me` (a ring index; None: not in that ring) adds toward member `lost`'s
     bytes: the parity it holds of `lost`'s stripe, less its own stripe in that parity
     (read with `own`). The sum over every member (an all-reduce) is `lost`'s k * stripe

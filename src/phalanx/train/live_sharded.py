@@ -127,8 +127,12 @@ class ShardedLive:
         mine = None  # a replacement's: it holds nothing yet
         if self.ring:
             slots = [[self.ring[r] for r in slot] for slot in self.trainer.strategy.live_slots()]
-            now = {"ring": list(self.ring), "applied": step, "slots": slots,
-                   "redundancy": self.redundancy}  # fmt: skip
+            now = {
+                "ring": list(self.ring),
+                "applied": step,
+                "slots": slots,
+                "redundancy": self.redundancy,
+            }
             mine = {**self.snapshots.held(), **now}
         held = dict(zip(group.members, all_gather_json(mine, group), strict=True))
         choice = choose(held)
@@ -182,10 +186,14 @@ class ShardedLive:
         header, nbytes, stripe = broadcast_json(said, group.members.index(provider), group)
         index = choice.ring.index(me) if me in choice.ring else None
         found = contribution(
-            choice.ring.index(old), index, len(choice.ring), choice.redundancy, int(stripe),
+            choice.ring.index(old),
+            index,
+            len(choice.ring),
+            choice.redundancy,
+            int(stripe),
             None if own is None else self.snapshots.files.reader(own.flat),
             None if kept is None else kept.flat,
-        )  # fmt: skip
+        )
         dist.all_reduce(found, group=group)
         return unpack(header, found[: int(nbytes)])
 
