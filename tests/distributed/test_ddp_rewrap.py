@@ -42,3 +42,35 @@ def test_second_wrap_detaches_the_first() -> None:
     assert r0["first_rounds"] == r1["first_rounds"] == 1
     assert r0["second_rounds"] == r1["second_rounds"] == 3
     assert r0["params"] == r1["params"]
+
+
+def _who_hooks(rank: int, world_size: int) -> dict[str, bool]:
+    import copy
+
+    import phalanx
+    from phalanx.ddp.registry import reducer_of, views_of
+
+    net = nn.Linear(4, 2)
+    ddp = phalanx.DistributedDataParallel(net)
+    found = {
+        "wrapped": all(reducer_of(p) is ddp.reducer for p in net.parameters()),
+        "one_view": len(views_of(ddp.parameters())) == 1,
+        "copy": all(reducer_of(p) is None for p in copy.deepcopy(net).parameters()),
+    }
+    saved = io.BytesIO()
+    torch.save(list(net.parameters()), saved)
+    saved.seek(0)
+    loaded = torch.load(saved, weights_only=True)
+    found["loaded"] = all(reducer_of(p) is None for p in loaded)
+    ddp._remove_autograd_hooks()
+    found["unhooked"] = all(reducer_of(p) is None for p in net.parameters())
+    return found
+
+
+@pytest.mark.timeout(60)
+def test_the_reducer_is_found_from_its_hooks_only() -> None:
+    """A parameter names its reducer while hooked; a copy, a pickle and an unhooked one don't."""
+    for outcome in run_workers(_who_hooks, 2):
+        assert outcome.value == dict.fromkeys(
+            ["wrapped", "one_view", "copy", "loaded", "unhooked"], True
+        )

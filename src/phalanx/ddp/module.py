@@ -207,7 +207,6 @@ class DistributedDataParallel(TorchSurface, nn.Module, JoinableDDP):
         )
         # A reducer made again (unpickling) records where the wrapper's timeline does.
         self.reducer.timeline = getattr(self, "_timeline", None)
-        registry.register((p for _, p in trainable), self.reducer)
         self.timeline = timelines.from_env(dist.get_rank(), dist.get_world_size())
 
     @staticmethod
@@ -390,7 +389,6 @@ class DistributedDataParallel(TorchSurface, nn.Module, JoinableDDP):
     def _remove_autograd_hooks(self) -> None:
         """Unhook the reducer: the module's gradients stay local from now on."""
         self.reducer.remove_hooks()
-        registry.forget((p for _, p in self._managed_parameters()), self.reducer)
 
     def _check_reducer_finalized(self) -> None:
         """Raise if the last synced backward did not finish reducing (torch's check)."""

@@ -107,7 +107,11 @@ class Reducer:
         self._handles = self._hook_parameters()
 
     def _hook_parameters(self) -> list[RemovableHandle]:
-        """Call `_on_grad_ready` when each parameter's gradient is accumulated."""
+        """Call `_on_grad_ready` when each parameter's gradient is accumulated.
+
+        A partial of the bound method: C-level on the hot path, and the hook is
+        how ddp/registry.py finds this reducer from a parameter.
+        """
         return [
             p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, i))
             for i, p in enumerate(self.params)

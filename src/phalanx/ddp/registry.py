@@ -1,15 +1,15 @@
-"""Which reducer's hooks sit on a parameter: the side table DDP, ZeRO and PowerSGD read.
+"""Which reducer's hooks sit on a parameter, read from the hooks themselves.
 
-Hooks are process-wide state attached to the tensor itself, so this table is
-too; weak both ways, it keeps nothing alive and, unlike an attribute on the
-parameter, never travels with a pickled model. Keyed by id(): tensors compare
-elementwise, so they cannot be dictionary keys.
+DDP, ZeRO and PowerSGD ask it of a parameter alone: torch's
+`ZeroRedundancyOptimizer(ddp.parameters())` and a comm hook's bucket name no
+wrapper. The answer is the reducer's post-accumulate-grad hook on the tensor,
+so nothing else is kept: a removed hook answers None at once, and a copied or
+pickled parameter carries no hooks, so it answers None too.
 """
 
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Iterable
 
 import torch
@@ -19,28 +19,15 @@ from phalanx.ddp.reducer_view import ReducerView
 
 logger = logging.getLogger("phalanx")
 
-_REDUCER_OF: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[Reducer]]] = {}
-
 
 def reducer_of(param: torch.Tensor) -> Reducer | None:
-    """The live reducer whose hooks sit on `param`, if a phalanx DDP wraps it."""
-    entry = _REDUCER_OF.get(id(param))
-    if entry is None or entry[0]() is not param:
-        return None
-    return entry[1]()
-
-
-def register(params: Iterable[torch.Tensor], reducer: Reducer) -> None:
-    """`reducer` now hooks these parameters."""
-    for p in params:
-        _REDUCER_OF[id(p)] = (weakref.ref(p), weakref.ref(reducer))
-
-
-def forget(params: Iterable[torch.Tensor], reducer: Reducer) -> None:
-    """`reducer` was unhooked from these parameters."""
-    for p in params:
-        if reducer_of(p) is reducer:
-            del _REDUCER_OF[id(p)]
+    """The reducer whose hooks sit on `param`, if a phalanx DDP wraps it."""
+    hooks = getattr(param, "_post_accumulate_grad_hooks", None) or {}
+    for hook in hooks.values():
+        owner = getattr(getattr(hook, "func", None), "__self__", None)
+        if isinstance(owner, Reducer):
+            return owner
+    return None
 
 
 def detach_earlier_reducers(params: Iterable[torch.Tensor]) -> None:
@@ -50,15 +37,7 @@ def detach_earlier_reducers(params: Iterable[torch.Tensor]) -> None:
     plan) must not leave two reducers hooked on one parameter: both would
     all-reduce every gradient, and the stale one would wait for buckets forever.
     """
-    for key, (param_ref, reducer_ref) in list(_REDUCER_OF.items()):
-        if param_ref() is None or reducer_ref() is None:
-            del _REDUCER_OF[key]  # prune: that parameter or reducer is gone
-    earlier: dict[int, Reducer] = {}
-    for p in params:
-        reducer = reducer_of(p)
-        if reducer is not None:
-            earlier[id(reducer)] = reducer
-    for reducer in earlier.values():
+    for reducer in _distinct(reducer_of(p) for p in params):
         logger.info("re-wrapping: detaching the earlier DistributedDataParallel from the model")
         reducer.remove_hooks()
 
@@ -70,9 +49,12 @@ def views_of(params: Iterable[torch.Tensor]) -> list[ReducerView]:
     ddp_model.parameters(), ...)`, which names no wrapper: the parameters are all
     it has. Given `ddp_model=`, ZeRO asks nothing here.
     """
-    views: dict[int, ReducerView] = {}
-    for p in params:
-        reducer = reducer_of(p)
+    return [ReducerView(r) for r in _distinct(reducer_of(p) for p in params)]
+
+
+def _distinct(reducers: Iterable[Reducer | None]) -> list[Reducer]:
+    found: dict[int, Reducer] = {}
+    for reducer in reducers:
         if reducer is not None:
-            views.setdefault(id(reducer), ReducerView(reducer))
-    return list(views.values())
+            found.setdefault(id(reducer), reducer)
+    return list(found.values())

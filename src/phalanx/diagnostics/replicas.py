@@ -55,7 +55,7 @@ def _by_group(
         dims = [i for i, p in enumerate(t.placements) if p.is_replicate()]
         unreplicated += not dims
         for dim in dims:
-            key = (id(t.device_mesh), dim)
+            key = (t.device_mesh, dim)  # meshes compare by value
             if key not in groups:
                 groups[key] = (t.device_mesh.get_group(dim), [])
             groups[key][1].append((name, t.to_local()))

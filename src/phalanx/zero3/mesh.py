@@ -10,7 +10,6 @@ rows, in one all-reduce per unit.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -23,15 +22,6 @@ from phalanx.runtime.live import current_live_group
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Placement
-
-# torch's `fully_shard(mesh=None)` names no run object to hold the default mesh, so it is
-# kept per default group here: weakly (it goes with its group) and by the group's size and
-# this rank (live recovery forms the group again on the same object: another size, or this
-# process at another rank; a mesh of the old ones is stale).
-_DEFAULT_MESHES: weakref.WeakKeyDictionary[
-    dist.ProcessGroup, dict[tuple[str, int, int], DeviceMesh]
-]
-_DEFAULT_MESHES = weakref.WeakKeyDictionary()
 
 _POST_FORWARD_GROUPS = "_phalanx_post_forward_groups"
 """The attribute of a DeviceMesh that holds the groups its units reshard to after forward:
@@ -68,21 +58,17 @@ def unit_group(info: MeshInfo) -> dist.ProcessGroup:
 
 
 def default_mesh() -> DeviceMesh:
-    """Every rank of the default group, on this rank's device (cuda under NCCL, else cpu)."""
+    """Every rank of the default group, on this rank's device (cuda under NCCL, else cpu).
+
+    Made on each call, as torch's `fully_shard(mesh=None)` does: over the whole world it
+    wraps the default group itself, so it costs no collective, and it always reads the
+    group as it is now (after a live re-form: another size, or this process at another
+    rank). Meshes compare by value, so units given one each still agree.
+    """
     from torch.distributed.device_mesh import init_device_mesh
 
     device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
-    world = dist.group.WORLD
-    assert world is not None
-    meshes = _DEFAULT_MESHES.setdefault(world, {})
-    # A mesh holds this rank's coordinate: after a re-form the same size can come with
-    # another rank for this process, and the old mesh would place its shards wrong.
-    key = (device_type, dist.get_world_size(), dist.get_rank())
-    if key not in meshes:
-        meshes[key] = init_device_mesh(
-            device_type, (dist.get_world_size(),), mesh_dim_names=_names()
-        )
-    return meshes[key]
+    return init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=_names())
 
 
 def _names() -> tuple[str, ...] | None:

@@ -24,9 +24,9 @@ from phalanx.zero3.root import unit_of
 from phalanx.zero3.unit import Unit
 
 # One FSDP<Class> per user class, as torch's fully_shard keeps: every unit of a class is
-# then of one type (isinstance, pickling by name, torch.compile's guards). It holds
-# classes, not run state: nothing in it belongs to a run or outlives a group.
-_SWAPPED: dict[type, type] = {}
+# then of one type (isinstance, pickling by name, torch.compile's guards). It is kept in
+# the user class's own __dict__, so a subclass does not inherit its parent's.
+_SHARDED_CLASS = "_phalanx_fsdp_class"
 _DTENSOR_MIX = "mixed torch.Tensor and DTensor"
 
 
@@ -290,10 +290,10 @@ def _misuse(unit: Unit) -> ShardUseError:
 def swap_class(module: nn.Module) -> None:
     """Make `module` an `FSDP<Class>`: FSDPModule first in the MRO, its own class next."""
     cls = type(module)
-    swapped = _SWAPPED.get(cls)
+    swapped = cls.__dict__.get(_SHARDED_CLASS)
     if swapped is None:
         swapped = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
-        _SWAPPED[cls] = swapped
+        setattr(cls, _SHARDED_CLASS, swapped)
     module.__class__ = swapped
 
 
