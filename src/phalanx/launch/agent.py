@@ -16,7 +16,6 @@ import shutil
 import signal
 import sys
 import tempfile
-import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import FrameType
@@ -302,7 +301,7 @@ class Agent:
                 return failure
             if group.all_succeeded():
                 return 0
-            time.sleep(self.config.monitor_interval_s)
+            group.wait(self.config.monitor_interval_s)
 
     def _spawn(
         self,

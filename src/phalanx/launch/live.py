@@ -35,7 +35,7 @@ from phalanx.ground.store_keys import (
 from phalanx.ground.storeclient import StoreClient
 from phalanx.launch.procgroup import describe_returncode, signal_group
 from phalanx.launch.summary import failure_summary
-from phalanx.launch.workers import Failure, StopRequest, Worker, WorkerGroup
+from phalanx.launch.workers import Failure, StopRequest, Worker, WorkerGroup, wait_for_an_exit
 
 __all__ = ["Connect", "LiveSupervisor", "Respawn", "report_lost", "take_members", "tcp_store"]
 
@@ -168,7 +168,8 @@ class LiveSupervisor:
                 self.say(f"{asked}: this node's worker group restarts with it")
                 self.restart_asked = asked
                 return 1
-            time.sleep(self.interval_s)
+            running = [slot.worker for slot in self._slots if not slot.done]
+            wait_for_an_exit(running, self.interval_s)
 
     def _ask_every_node(self, reason: str) -> None:
         """In a run over several nodes, restart every node's worker group with this one's:

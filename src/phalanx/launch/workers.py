@@ -3,10 +3,13 @@ and how the group is stopped so that nothing it forked is left running."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import select
 import signal
 import subprocess
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -54,6 +57,28 @@ class Worker:
 
     def stderr_tail(self) -> list[str]:
         return self.output.stderr_tail()
+
+
+def wait_for_an_exit(workers: Iterable[Worker], timeout_s: float) -> None:
+    """Return when one of `workers` (running when last polled) exits, or after `timeout_s`.
+
+    The supervise loops wait here instead of sleeping, so a lost worker is seen when it
+    exits, not up to a poll later: live recovery's survivors wait on that report. Each
+    worker is watched through a pidfd; where there is none (Linux < 5.3, or the worker
+    already reaped) this is a plain sleep.
+    """
+    fds: list[int] = []
+    try:
+        for worker in workers:
+            with contextlib.suppress(OSError, AttributeError):
+                fds.append(os.pidfd_open(worker.pid))
+        if not fds:
+            time.sleep(timeout_s)
+            return
+        select.select(fds, [], [], timeout_s)
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 @dataclass(frozen=True)
@@ -169,6 +194,10 @@ class WorkerGroup:
 
     def all_succeeded(self) -> bool:
         return all(w.process.poll() == 0 for w in self.workers)
+
+    def wait(self, timeout_s: float) -> None:
+        """Until a running worker exits, or `timeout_s` (wait_for_an_exit)."""
+        wait_for_an_exit([w for w in self.workers if w.process.returncode is None], timeout_s)
 
     def stop(self, first_signal: int, grace_s: float, stop: StopRequest) -> None:
         """Signal every group, wait up to `grace_s` for them to go, then SIGKILL what is left.

@@ -275,12 +275,14 @@ class ZeroRedundancyOptimizer(Optimizer):
 
     @torch.no_grad()
     def restore_whole(
-        self, bundles: list[dict[str, torch.Tensor]], groups: list[dict[str, Any]]
+        self, assembly: zero_state.Assembly, groups: list[dict[str, Any]]
     ) -> dict[str, Any]:
-        """Every rank's `own_pieces` (in rank order, from a world of any size): the
-        parameters are written whole, and the state comes back in the plain format, for a
-        ZeroRedundancyOptimizer of the new world to `load_state_dict` (live recovery)."""
-        whole, state = zero_state.whole_from_pieces([p.shape for p in self._params], bundles)
+        """Every rank's `own_pieces` (in rank order, from a world of any size), assembled
+        whole: the parameters are written, and the state comes back in the plain format,
+        for a ZeroRedundancyOptimizer of the new world to `load_state_dict` (live
+        recovery)."""
+        assert assembly.shapes == [p.shape for p in self._params], "another model's pieces"
+        whole, state = assembly.finish()
         for p, value in zip(self._params, whole, strict=True):
             p.copy_(value.to(p.device))
         return {"state": state, "param_groups": groups}

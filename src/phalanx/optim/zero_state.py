@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -179,28 +179,92 @@ def own_pieces(
     return {name: t.clone() for name, t in out.items()} if copy else out
 
 
+Wanted = Callable[[torch.Size], tuple[int, int]]
+"""The element range of a tensor of this shape that a rank keeps (its new rows)."""
+
+
+def whole(shape: torch.Size) -> tuple[int, int]:
+    """Keep all of it."""
+    return 0, math.prod(shape)
+
+
+class Assembly:
+    """Tensors put together from every old rank's pieces, fed in rank order one rank's
+    bundle at a time (`add`), keeping of each only the range `wanted` asks for: a rank that
+    needs its new rows never holds the whole state, nor more than one bundle besides them
+    (live recovery's peak). Pieces are contiguous and in rank order (`own_pieces`, or stage
+    3's rows); the per-parameter scalars ("step") are the same on every rank."""
+
+    def __init__(self, shapes: Sequence[torch.Size], wanted: Wanted = whole) -> None:
+        self.shapes = list(shapes)
+        self.wanted = wanted
+        self._seen: dict[str, int] = {}
+        """Elements of each tensor fed so far: where the next rank's piece starts."""
+        self._kept: dict[str, list[torch.Tensor]] = {}
+        self._dtypes: dict[str, torch.dtype] = {}
+        self._scalars: dict[str, torch.Tensor] = {}
+
+    def add(self, bundle: dict[str, torch.Tensor]) -> None:
+        """The next old rank's pieces, taken out of `bundle` as they are kept."""
+        for name in list(bundle):
+            value = bundle.pop(name)
+            key = name.split(".", 1)[1] if "." in name else None
+            if key in SCALAR_KEYS or value.dim() == 0:
+                self._scalars.setdefault(name, value)
+                continue
+            shape = self.shapes[_index_of(name)]
+            self._dtypes.setdefault(name, value.dtype)
+            start = self._seen.get(name, 0)
+            stop = start + value.numel()
+            self._seen[name] = stop
+            lo, hi = self.wanted(shape)
+            lo, hi = max(lo, start), min(hi, stop)
+            if lo >= hi:
+                continue
+            flat = value.reshape(-1)
+            whole_piece = lo == start and hi == stop
+            self._kept.setdefault(name, []).append(
+                flat if whole_piece else flat[lo - start : hi - start].clone()
+            )
+
+    def finish(self) -> tuple[list[torch.Tensor], dict[int, dict[str, torch.Tensor]]]:
+        """The parameters' wanted ranges, and the optimizer state's in the plain format,
+        each shaped as rows of its tensor (the whole tensor when wanted whole)."""
+        params = [self._rows(f"p{i}", shape) for i, shape in enumerate(self.shapes)]
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        names = {*self._dtypes, *self._scalars} - {f"p{i}" for i in range(len(params))}
+        for name in sorted(names, key=lambda n: (_index_of(n), n)):
+            i, key = _index_of(name), name.split(".", 1)[1]
+            scalar = self._scalars.get(name)
+            value = scalar if scalar is not None else self._rows(name, self.shapes[i])
+            state.setdefault(i, {})[key] = value
+        return params, state
+
+    def _rows(self, name: str, shape: torch.Size) -> torch.Tensor:
+        lo, hi = self.wanted(shape)
+        parts = self._kept.pop(name, [])
+        if not parts:  # no rows here (more ranks than rows), or a tensor never sent
+            flat = torch.empty(0, dtype=self._dtypes.get(name, torch.float32))
+        else:
+            flat = torch.cat(parts) if len(parts) > 1 else parts[0]
+        assert flat.numel() == hi - lo, f"{name}: pieces cover {flat.numel()} of {hi - lo}"
+        if (lo, hi) == whole(shape):
+            return flat.reshape(shape)
+        row = math.prod(shape[1:]) or 1
+        return flat.reshape((hi - lo) // row, *shape[1:])
+
+
 def whole_from_pieces(
     shapes: Sequence[torch.Size], bundles: Sequence[dict[str, torch.Tensor]]
 ) -> tuple[list[torch.Tensor], dict[int, dict[str, torch.Tensor]]]:
-    """Every rank's pieces (`own_pieces`, or stage 3's rows), in rank order, back into whole
-    tensors: the parameters, and the optimizer state in the plain format (pieces are
-    contiguous and in rank order). Takes the pieces out of `bundles` as it goes, so the
-    whole state and its pieces are never both held (live recovery's peak)."""
-    params: list[torch.Tensor] = []
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    for i, shape in enumerate(shapes):
-        params.append(torch.cat([b.pop(f"p{i}") for b in bundles]).reshape(shape))
-        keys = sorted({name.split(".", 1)[1] for b in bundles for name in b if _of(name, i)})
-        for key in keys:
-            values = [b.pop(f"s{i}.{key}") for b in bundles if f"s{i}.{key}" in b]
-            if key in SCALAR_KEYS or values[0].dim() == 0:
-                whole = values[0]  # the same on every rank
-            else:
-                whole = torch.cat(values).reshape(shape)
-            del values
-            state.setdefault(i, {})[key] = whole
-    return params, state
+    """Every rank's pieces, in rank order, back into whole tensors: the parameters, and the
+    optimizer state in the plain format (an `Assembly` that wants everything)."""
+    assembly = Assembly(shapes)
+    for bundle in bundles:
+        assembly.add(bundle)
+    return assembly.finish()
 
 
-def _of(name: str, index: int) -> bool:
-    return name.startswith(f"s{index}.")
+def _index_of(name: str) -> int:
+    """3 for "p3" and "s3.exp_avg"."""
+    return int(name.split(".", 1)[0][1:])

@@ -23,7 +23,7 @@ import hmac
 import io
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -59,6 +59,9 @@ class Recovered:
     """Whether this member loaded the donor's state."""
     seconds: float
     reason: str
+    phases: dict[str, float] = field(default_factory=dict)
+    """Where `seconds` went: "agree" (the members, through the store), "connect" (the new
+    gloo group and its proof), "state" (the donor's state, or the sharded sync)."""
 
 
 class LiveRecovery:
@@ -121,20 +124,24 @@ class LiveRecovery:
         first_reason = reason
         while True:
             try:
+                clock = _Phases()
                 members = self.membership.next_generation(applied_step, reason)
+                clock.mark("agree")
                 self.group.reform(
                     self.group.generation + 1, members, self.group.member, self._connect
                 )
+                clock.mark("connect")
                 if sync is not None:
-                    return self._recovered(*sync(), start, first_reason)
-                return self._sync(applied_step, save, load, start, first_reason)
+                    return self._recovered(*sync(), start, first_reason, clock)
+                return self._sync(applied_step, save, load, start, first_reason, clock)
             except PeerLost as exc:  # lost another member while forming: once more
                 reason = str(exc)
 
     def _recovered(
-        self, step: int, donor: str, received: bool, start: float, reason: str
+        self, step: int, donor: str, received: bool, start: float, reason: str, clock: _Phases
     ) -> Recovered:
         group = self.group
+        clock.mark("state")
         return Recovered(
             generation=group.generation,
             members=list(group.members),
@@ -145,6 +152,7 @@ class LiveRecovery:
             received=received,
             seconds=time.monotonic() - start,
             reason=reason,
+            phases=clock.spent,
         )
 
     def finish(self, step: int) -> None:
@@ -157,17 +165,25 @@ class LiveRecovery:
         if the run finishes first)."""
         start = time.monotonic()
         generation, members = self.membership.join(member)
+        clock = _Phases()  # from the moment it was let in (before: waiting to be)
         reason = "joined as a replacement"
         try:
             self.group.reform(generation, members, member, self._connect)
+            clock.mark("connect")
             if sync is not None:
-                return self._recovered(*sync(), start, reason)
-            return self._sync(-1, save, load, start, reason)
+                return self._recovered(*sync(), start, reason, clock)
+            return self._sync(-1, save, load, start, reason, clock)
         except PeerLost as exc:  # lost a member while joining: now one of the members
             return self.recover(-1, f"{reason}; then {exc}", save, load, sync)
 
     def _sync(
-        self, applied_step: int, save: SaveFn, load: LoadFn, start: float, reason: str
+        self,
+        applied_step: int,
+        save: SaveFn,
+        load: LoadFn,
+        start: float,
+        reason: str,
+        clock: _Phases,
     ) -> Recovered:
         group = self.group
         steps = _all_gather_ints(group, applied_step)
@@ -186,6 +202,7 @@ class LiveRecovery:
                     )
                 load(_load(blob))
                 received = True
+        clock.mark("state")
         return Recovered(
             generation=group.generation,
             members=list(group.members),
@@ -196,6 +213,7 @@ class LiveRecovery:
             received=received,
             seconds=time.monotonic() - start,
             reason=reason,
+            phases=clock.spent,
         )
 
     def send_state(self, state: dict[str, Any] | None, donor: int) -> dict[str, Any]:
@@ -217,6 +235,19 @@ class LiveRecovery:
         tag = self.group.key.tag(b"donor", gen, hashlib.sha256(blob).digest())
         assert len(tag) == TAG_BYTES
         return tag
+
+
+class _Phases:
+    """Seconds between marks, by the name of the phase each mark ends."""
+
+    def __init__(self) -> None:
+        self.spent: dict[str, float] = {}
+        self._last = time.monotonic()
+
+    def mark(self, phase: str) -> None:
+        now = time.monotonic()
+        self.spent[phase] = round(now - self._last, 4)
+        self._last = now
 
 
 def _all_gather_ints(group: LiveGroup, value: int) -> list[int]:

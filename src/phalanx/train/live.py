@@ -229,7 +229,8 @@ class LiveTraining:
         rebuilt_s = time.monotonic() - started  # the wrapper, ZeRO's re-deal, the first copies
         trainer.report.say(
             f"live recovery: {done.world_size} ranks ({who}) at step {done.step}, "
-            f"state from {done.donor}, {done.seconds:.2f} s, rebuilt in {rebuilt_s:.2f} s — "
+            f"state from {done.donor}, {done.seconds:.2f} s ({_phases(done.phases)}), "
+            f"rebuilt in {rebuilt_s:.2f} s — "
             f"{done.reason}"
         )
 
@@ -276,6 +277,11 @@ def fall_back_to_restart() -> None:
     directory = os.environ.get(PROGRESS_DIR_VAR)
     if directory:
         (Path(directory) / RESTART_MARK).touch()
+
+
+def _phases(phases: dict[str, float]) -> str:
+    """`agree 0.05, connect 0.03, state 0.04`: where a recovery's seconds went."""
+    return ", ".join(f"{name} {seconds:.2f}" for name, seconds in phases.items())
 
 
 def _reseed(seed: int, generation: int, rank: int) -> None:

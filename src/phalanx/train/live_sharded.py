@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from phalanx.errors import NoQuorum
 from phalanx.offload import DiskOffloadPolicy
+from phalanx.optim.zero_state import Assembly
 from phalanx.runtime.live import LiveGroup
 from phalanx.runtime.recovery import LiveRecovery
 from phalanx.runtime.wire import all_gather_json, broadcast_json, broadcast_tensors, unpack
@@ -56,8 +57,9 @@ class ShardedLive:
         """k: each member's pieces covered by parity over its next k members (live_parity)."""
         self.ring: tuple[str, ...] = tuple(group.members)
         """The members the pieces are dealt over now (empty: a replacement not yet in)."""
-        self.restored: tuple[Choice, dict[str, Any], list[dict[str, torch.Tensor]]] | None = None
-        """What the last sync chose, the replicated state and every old rank's pieces."""
+        self.restored: tuple[Choice, dict[str, Any], Assembly] | None = None
+        """What the last sync chose, the replicated state, and what this member kept of every
+        old rank's pieces."""
 
     # ------------------------------------------------------------ snapshots
     def maybe_snapshot(self, save: Save) -> None:
@@ -149,18 +151,22 @@ class ShardedLive:
             rep = own.replicated if choice.rolls_back and own is not None else save()
         source = group.members.index(choice.replicated_from)
         replicated = self.recovery.send_state(_shared(rep), source)
-        bundles = [
-            self._rebuilt(old, provider, choice)
-            if rebuilt
-            else broadcast_tensors(
-                self._pieces_of(provider, choice), group.members.index(provider), group
+        # Every old rank's pieces pass by in rank order; each member keeps only what the
+        # new world deals it (stage 3: its new rows), so none holds the whole state.
+        trainer = self.trainer
+        assembly = trainer.strategy.live_assembly(trainer.optimizer, group.rank(), group.size())
+        for old, (provider, rebuilt) in zip(choice.owners, choice.providers, strict=True):
+            assembly.add(
+                self._rebuilt(old, provider, choice)
+                if rebuilt
+                else broadcast_tensors(
+                    self._pieces_of(provider, choice), group.members.index(provider), group
+                )
             )
-            for old, (provider, rebuilt) in zip(choice.owners, choice.providers, strict=True)
-        ]
         if choice.rolls_back and me in choice.ring:  # this member's own window, at that step
             own = self.snapshots.own_at(key)
             replicated["window"] = None if own is None else own.replicated.get("window")
-        self.restored = (choice, replicated, bundles)
+        self.restored = (choice, replicated, assembly)
         return choice.step, choice.replicated_from, True
 
     def _pieces_of(self, provider: str, choice: Choice) -> dict[str, torch.Tensor] | None:
@@ -202,11 +208,11 @@ class ShardedLive:
         """After the rewrap: the optimizer of the new world from every old rank's pieces, the
         run window rolled back with the rest; then a first snapshot of the new ring."""
         assert self.restored is not None
-        choice, replicated, bundles = self.restored
+        choice, replicated, assembly = self.restored
         self.restored = None
         trainer = self.trainer
         fresh = trainer.strategy.live_restore(
-            trainer.model, trainer.optimizer, bundles, replicated["groups"]
+            trainer.model, trainer.optimizer, assembly, replicated["groups"]
         )
         trainer.replace_optimizer(fresh)
         runlog = trainer.runlog or trainer.open_runlog()

@@ -24,6 +24,7 @@ with several owners.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -87,22 +88,25 @@ class ShardedParam:
         if home.in_files and param.requires_grad:  # its file now, not at the first backward
             self.grad_home = home.tensor(self.local_shape, param.dtype)
 
-    def redeal(self, info: MeshInfo, whole: torch.Tensor) -> None:
-        """Deal the parameter again over `info`'s mesh from its `whole` value (live recovery:
-        another world size). The sharded parameter is a new object: an optimizer over the
-        old one must be built again."""
+    def redeal(self, info: MeshInfo, value: torch.Tensor, rows: bool = False) -> None:
+        """Deal the parameter again over `info`'s mesh from its whole `value`, or (`rows`)
+        from this rank's rows of it alone (live recovery: another world size). The sharded
+        parameter is a new object: an optimizer over the old one must be built again."""
         requires_grad = self.sharded.requires_grad
         self.info = info
         self.piece = piece_of(
-            whole.numel(), info.shard_size, info.shard_rank, row_numel(self.shape)
+            math.prod(self.shape), info.shard_size, info.shard_rank, row_numel(self.shape)
         )
         start, stop = self.rows
-        local = whole.detach()[start:stop].to(info.device if not self.home.away else "cpu")
+        if rows:
+            assert value.shape[0] == stop - start, f"{self.fqn}: rows for another layout"
+        mine = value.detach() if rows else value.detach()[start:stop]
+        local = mine.to(info.device if not self.home.away else "cpu")
         local = self.home.keep(local.contiguous().clone())
-        self.spec = _spec(info, self.shape, whole.dtype)
+        self.spec = _spec(info, self.shape, value.dtype)
         self.sharded = nn.Parameter(_dtensor(local, self.spec), requires_grad=requires_grad)
         self.unsharded, self.accumulated_grad = None, None
-        self.grad_home = self.home.tensor(self.local_shape, whole.dtype) if requires_grad else None
+        self.grad_home = self.home.tensor(self.local_shape, value.dtype) if requires_grad else None
         self.register(self.sharded)
 
     @property

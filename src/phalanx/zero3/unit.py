@@ -100,15 +100,15 @@ class Unit:
         self.refresh()
 
     # ------------------------------------------------------------------ groups
-    def redeal(self, info: MeshInfo, wholes: list[torch.Tensor]) -> None:
-        """Deal every parameter again over `info`'s mesh from its whole value (`wholes`, in
-        `params` order): live recovery's new world. Its groups are built again before the
-        next gather."""
+    def redeal(self, info: MeshInfo, values: list[torch.Tensor], rows: bool = False) -> None:
+        """Deal every parameter again over `info`'s mesh from its whole value (`values`, in
+        `params` order; `rows`: this rank's rows alone): live recovery's new world. Its
+        groups are built again before the next gather."""
         self.reshard()
         self.info = info
         self.divisor = info.data_parallel_size
-        for p, whole in zip(self.params, wholes, strict=True):
-            p.redeal(info, whole)
+        for p, value in zip(self.params, values, strict=True):
+            p.redeal(info, value, rows)
         setting = self.reshard_after_forward
         if isinstance(setting, int) and not isinstance(setting, bool) and setting > 1:
             self.post_forward_group = post_forward_group(info, setting)

@@ -256,17 +256,23 @@ def sharded_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [sp.sharded for unit in units(model) for sp in unit.params]
 
 
-def redeal(model: nn.Module, wholes: list[torch.Tensor], mesh: DeviceMesh | None = None) -> None:
+def redeal(
+    model: nn.Module,
+    values: list[torch.Tensor],
+    mesh: DeviceMesh | None = None,
+    rows: bool = False,
+) -> None:
     """Deal every unit of `model` again over `mesh` (default: every rank now) from the whole
-    values of its parameters, in `sharded_parameters` order (live recovery: another world
-    size). The sharded parameters are new objects: build the optimizer again."""
+    values of its parameters, in `sharded_parameters` order, or (`rows`) from this rank's
+    rows of each alone (live recovery: another world size). The sharded parameters are new
+    objects: build the optimizer again."""
     info = mesh_info(mesh)
     roots = list({id(u.root): u.root for u in units(model) if u.root is not None}.values())
     for root in roots:
         root.abandon()  # the iteration the loss cut short, wherever each rank was in it
-    values = iter(wholes)
+    each = iter(values)
     for unit in units(model):
-        unit.redeal(info, [next(values) for _ in unit.params])
+        unit.redeal(info, [next(each) for _ in unit.params], rows)
     for root in roots:
         root.record_again()  # every rank gathers in the same order from the next iteration
 

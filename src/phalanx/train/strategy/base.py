@@ -37,6 +37,7 @@ from phalanx.offload import (
 )
 from phalanx.optim.local_sgd import PeriodicSync
 from phalanx.optim.zero import ZeroRedundancyOptimizer
+from phalanx.optim.zero_state import Assembly
 from phalanx.parallel.traffic import NO_TRAFFIC, Traffic
 from phalanx.runtime import World
 from phalanx.runtime.hostmem import return_freed_memory
@@ -245,15 +246,21 @@ class Strategy:
         a lost rank's piece from one, and keeps no snapshot while each piece has two)."""
         return [[rank] for rank in range(self.world.world_size)]
 
+    def live_assembly(self, optimizer: Optimizer, rank: int, world_size: int) -> Assembly:
+        """Where this process keeps, as rank `rank` of `world_size`, what it needs of every
+        old rank's pieces while they stream past it (live recovery): nothing sharded here."""
+        return Assembly([])
+
     def live_restore(
         self,
         model: nn.Module,
         optimizer: Optimizer,
-        bundles: list[dict[str, Tensor]],
+        assembly: Assembly,
         groups: list[dict[str, object]],
     ) -> Optimizer:
-        """After a change of members, from every old rank's pieces: the optimizer of the new
-        world (here the same one: nothing was sharded)."""
+        """After a change of members, from what this process kept of every old rank's
+        pieces (`live_wanted`): the optimizer of the new world (here the same one: nothing
+        was sharded)."""
         return optimizer
 
     # ------------------------------------------------------------------ the rest

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import inspect
+import math
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -12,7 +14,7 @@ from phalanx import zero3
 from phalanx.errors import ConfigurationError
 from phalanx.offload import streamer_of
 from phalanx.optim.local_sgd import PeriodicSync
-from phalanx.optim.zero_state import whole_from_pieces
+from phalanx.optim.zero_state import Assembly, whole
 from phalanx.parallel.sharding import piece_of, row_numel
 from phalanx.parallel.traffic import Traffic
 from phalanx.runtime.hostmem import return_freed_memory
@@ -130,23 +132,42 @@ class FullyShard(Strategy):
         self,
         model: nn.Module,
         optimizer: Optimizer,
-        bundles: list[dict[str, Tensor]],
+        assembly: Assembly,
         groups: list[dict[str, object]],
     ) -> Optimizer:
-        """Every unit dealt again over the new world from the old world's rows (zero3.redeal),
-        and the same optimizer class built again over the new shards, loaded with this rank's
-        rows of the whole state. The old one's offload streamer is closed."""
+        """Every unit dealt again over the new world from what this rank kept of the old
+        world's rows (zero3.redeal: its new rows alone, or the wholes under HSDP), and the
+        same optimizer class built again over the new shards, loaded with this rank's rows of
+        the state. The old one's offload streamer is closed."""
         old_params = zero3.sharded_parameters(model)
-        shapes = [p.shape for p in old_params]
-        wholes, state = whole_from_pieces(shapes, bundles)
-        zero3.redeal(model, wholes, self._mesh())
+        assert assembly.shapes == [p.shape for p in old_params], "another model's rows"
+        rows = assembly.wanted is not whole
+        values, state = assembly.finish()
+        zero3.redeal(model, values, self._mesh(), rows)
+        del values
         new_params = zero3.sharded_parameters(model)
         streamer = streamer_of(optimizer)
         if streamer is not None:
             streamer.close()
         fresh = self._offloaded(_rebuilt(optimizer, old_params, new_params))
-        fresh.load_state_dict({"state": _my_rows(state, new_params), "param_groups": groups})
+        mine = _my_rows(state, new_params, rows)
+        fresh.load_state_dict({"state": mine, "param_groups": groups})
         return fresh
+
+    def live_assembly(self, optimizer: Optimizer, rank: int, world_size: int) -> Assembly:
+        """This rank's new rows of each tensor on a 1-D mesh over the new world (what
+        zero3.redeal deals it); under HSDP, whose mesh after a loss is built from the hosts,
+        the wholes."""
+        assert self.wrapped is not None
+        shapes = [p.shape for p in zero3.sharded_parameters(self.wrapped)]
+        if self.args.zero3_shard_size is not None:
+            return Assembly(shapes)
+
+        def rows(shape: torch.Size) -> tuple[int, int]:
+            piece = piece_of(math.prod(shape), world_size, rank, row_numel(shape))
+            return piece.start, piece.stop
+
+        return Assembly(shapes, rows)
 
     def clip(self, model: nn.Module, optimizer: Optimizer, max_norm: float) -> Tensor:
         """torch's clip over the DTensor gradients (one all-reduce of the squares)."""
@@ -166,8 +187,11 @@ def _local(tensor: Tensor) -> Tensor:
     return getattr(tensor, "_local_tensor", tensor)
 
 
-def _my_rows(state: dict[int, dict[str, Tensor]], params: list[nn.Parameter]) -> dict[int, Any]:
-    """The whole optimizer state as this rank's DTensor rows of the new shards."""
+def _my_rows(
+    state: dict[int, dict[str, Tensor]], params: list[nn.Parameter], rows: bool
+) -> dict[int, Any]:
+    """The optimizer state, whole or (`rows`) this rank's rows already, as this rank's
+    DTensor rows of the new shards."""
     from torch.distributed.tensor import DTensor
 
     out: dict[int, Any] = {}
@@ -178,7 +202,11 @@ def _my_rows(state: dict[int, dict[str, Tensor]], params: list[nn.Parameter]) ->
             key: value
             if value.dim() == 0
             else DTensor.from_local(
-                _rows_of(value, p), p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+                value if rows else _rows_of(value, p),
+                p.device_mesh,
+                p.placements,
+                shape=p.shape,
+                stride=p.stride(),
             )
             for key, value in entry.items()
         }

@@ -13,6 +13,7 @@ from phalanx.errors import ConfigurationError
 from phalanx.offload import DiskOffloadPolicy, streamer_of
 from phalanx.optim.local_sgd import PeriodicSync
 from phalanx.optim.zero import ZeroRedundancyOptimizer
+from phalanx.optim.zero_state import Assembly
 from phalanx.parallel.traffic import Traffic
 from phalanx.train.strategy.base import Strategy
 
@@ -62,18 +63,23 @@ class ShardedOptimizer(Strategy):
     def live_groups(self, optimizer: Optimizer) -> list[dict[str, object]]:
         return _zero(optimizer).pieces().plain_groups()
 
+    def live_assembly(self, optimizer: Optimizer, rank: int, world_size: int) -> Assembly:
+        """The whole of every tensor: the parameters are replicated, and the new world's
+        ZeroRedundancyOptimizer takes its pieces from the whole state."""
+        return Assembly(_zero(optimizer).pieces().shapes)
+
     def live_restore(
         self,
         model: nn.Module,
         optimizer: Optimizer,
-        bundles: list[dict[str, Tensor]],
+        assembly: Assembly,
         groups: list[dict[str, object]],
     ) -> Optimizer:
         """The parameters whole again from the old world's pieces, and a ZeroRedundancyOptimizer
         of the new world (over the rewrapped model) loaded with the whole state: each rank
         keeps its new pieces. The old one's offload streamer is closed (its files stay)."""
         old = _zero(optimizer)
-        whole = old.restore_whole(bundles, [dict(g) for g in groups])
+        whole = old.restore_whole(assembly, [dict(g) for g in groups])
         streamer = streamer_of(old.optim)
         if streamer is not None:
             streamer.close()
