@@ -121,6 +121,8 @@ def test_the_run_goes_on_and_grows_back(tmp_path: Path, sync: str, how: str) -> 
     assert worlds[:10] == [3] * 10 and worlds[10] == 2 and worlds[-1] == 3, worlds
     assert "live recovery: 2 ranks (r0, r2) at step 10" in out
     assert "live recovery: 3 ranks (r0, r2, j1)" in out
+    # where each recovery's seconds went, in its line
+    assert re.search(r"\(agree \d+\.\d\d, connect \d+\.\d\d, state \d+\.\d\d\)", out), out
     digests = _digests(out)
     assert len(digests) == 3 and len(set(digests)) == 1, out  # identical replicas, j1's too
     losses = set(re.findall(r"done step=\d+ loss=(\S+)", out))

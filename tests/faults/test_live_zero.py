@@ -59,6 +59,7 @@ def test_a_loss_rolls_back_to_the_snapshot_and_ends_as_its_replay(
     log = (tmp_path / "lost" / "live_membership.jsonl").read_text().splitlines()
     first = json.loads(log[0])
     assert (first["members"], first["step"]) == (["r0", "r2"], 10), log  # rolled back
+    assert set(first["phases"]) == {"agree", "connect", "state"}, log  # where its time went
     assert "live recovery: 3 ranks (r0, r2, j1)" in lost, lost
     assert lost.count("done step=") == 3 and len(set(re.findall(r"eval=(\S+)", lost))) == 1, lost
     _check_held(_steps(tmp_path / "ledger"), k, offload)
