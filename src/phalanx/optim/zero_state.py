@@ -204,8 +204,19 @@ class Assembly:
         self._dtypes: dict[str, torch.dtype] = {}
         self._scalars: dict[str, torch.Tensor] = {}
 
-    def add(self, bundle: dict[str, torch.Tensor]) -> None:
-        """The next old rank's pieces, taken out of `bundle` as they are kept."""
+    def shape_of(self, name: str) -> torch.Size:
+        """The whole shape of piece `name` ("p3", "s3.exp_avg": parameter 3's)."""
+        return self.shapes[_index_of(name)]
+
+    @property
+    def rows_only(self) -> bool:
+        """Whether this keeps a part of each tensor (else every tensor whole)."""
+        return self.wanted is not whole
+
+    def add(self, bundle: dict[str, torch.Tensor], starts: dict[str, int] | None = None) -> None:
+        """The next old rank's pieces, taken out of `bundle` as they are kept. `starts`:
+        where each piece (or part of one) begins in its tensor, when not right after the
+        last one added (parts sent to this rank alone, `zero3` rows of a known layout)."""
         for name in list(bundle):
             value = bundle.pop(name)
             key = name.split(".", 1)[1] if "." in name else None
@@ -214,7 +225,7 @@ class Assembly:
                 continue
             shape = self.shapes[_index_of(name)]
             self._dtypes.setdefault(name, value.dtype)
-            start = self._seen.get(name, 0)
+            start = self._seen.get(name, 0) if starts is None else starts[name]
             stop = start + value.numel()
             self._seen[name] = stop
             lo, hi = self.wanted(shape)

@@ -136,3 +136,26 @@ def broadcast_tensors(
     if data.numel():
         dist.broadcast(data, src=root, group=group)
     return unpack(header, data)
+
+
+def all_to_all_tensors(
+    outgoing: list[dict[str, torch.Tensor]], group: dist.ProcessGroup | None = None
+) -> list[dict[str, torch.Tensor]]:
+    """Each rank's named tensors for each other (`outgoing[r]`: what group rank r gets from
+    this one), received here per source rank (collective: the headers in one all-gather,
+    the bytes in one all-to-all, each pair sending only what is meant for it)."""
+    packed = [pack(tensors) for tensors in outgoing]
+    sizes = [int(blob.numel()) for _, blob in packed]
+    every = all_gather_json([[header, size] for (header, _), size in zip(packed, sizes)], group)
+    me = dist.get_rank(group)
+    incoming = [int(sent[me][1]) for sent in every]
+    send = torch.cat([blob for _, blob in packed]) if packed else torch.zeros(0, dtype=torch.uint8)
+    del packed
+    received = torch.empty(sum(incoming), dtype=torch.uint8)
+    dist.all_to_all_single(received, send, incoming, sizes, group=group)
+    del send
+    out, start = [], 0
+    for sent, size in zip(every, incoming, strict=True):
+        out.append(unpack(sent[me][0], received[start : start + size]))
+        start += size
+    return out

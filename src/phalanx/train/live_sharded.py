@@ -17,7 +17,13 @@ from phalanx.offload import DiskOffloadPolicy
 from phalanx.optim.zero_state import Assembly
 from phalanx.runtime.live import LiveGroup
 from phalanx.runtime.recovery import LiveRecovery
-from phalanx.runtime.wire import all_gather_json, broadcast_json, broadcast_tensors, unpack
+from phalanx.runtime.wire import (
+    all_gather_json,
+    all_to_all_tensors,
+    broadcast_json,
+    broadcast_tensors,
+    unpack,
+)
 from phalanx.train.live_parity import (
     contribution,
     exchange,
@@ -151,10 +157,27 @@ class ShardedLive:
             rep = own.replicated if choice.rolls_back and own is not None else save()
         source = group.members.index(choice.replicated_from)
         replicated = self.recovery.send_state(_shared(rep), source)
-        # Every old rank's pieces pass by in rank order; each member keeps only what the
-        # new world deals it (stage 3: its new rows), so none holds the whole state.
+        assembly = self._layout(group.rank(), group.size())
+        if assembly.rows_only:
+            self._deal_rows(choice, assembly)
+        else:
+            self._deal_wholes(choice, assembly)
+        if choice.rolls_back and me in choice.ring:  # this member's own window, at that step
+            own = self.snapshots.own_at(key)
+            replicated["window"] = None if own is None else own.replicated.get("window")
+        self.restored = (choice, replicated, assembly)
+        return choice.step, choice.replicated_from, True
+
+    def _layout(self, rank: int, world_size: int) -> Assembly:
+        """What rank `rank` of `world_size` holds of each sharded tensor (the strategy's
+        layout), as the Assembly that keeps it."""
         trainer = self.trainer
-        assembly = trainer.strategy.live_assembly(trainer.optimizer, group.rank(), group.size())
+        return trainer.strategy.live_assembly(trainer.optimizer, rank, world_size)
+
+    def _deal_wholes(self, choice: Choice, assembly: Assembly) -> None:
+        """Every old rank's pieces to every member, one old rank at a time, in order (the
+        parameters are replicated at stages 1-2, so every member needs them whole)."""
+        group = self.group
         for old, (provider, rebuilt) in zip(choice.owners, choice.providers, strict=True):
             assembly.add(
                 self._rebuilt(old, provider, choice)
@@ -163,18 +186,30 @@ class ShardedLive:
                     self._pieces_of(provider, choice), group.members.index(provider), group
                 )
             )
-        if choice.rolls_back and me in choice.ring:  # this member's own window, at that step
-            own = self.snapshots.own_at(key)
-            replicated["window"] = None if own is None else own.replicated.get("window")
-        self.restored = (choice, replicated, assembly)
-        return choice.step, choice.replicated_from, True
+
+    def _deal_rows(self, choice: Choice, assembly: Assembly) -> None:
+        """Each member's new rows (`deal_rows`): the survivors' from them, a lost rank's
+        from its rebuilt pieces."""
+        me = self.group.member
+        mine = {}
+        for j, (provider, is_rebuilt) in enumerate(choice.providers):
+            if provider == me and not is_rebuilt:
+                pieces = self._pieces_of(provider, choice)
+                assert pieces is not None
+                mine[j] = pieces
+        rebuilt = [j for j, (_, is_rebuilt) in enumerate(choice.providers) if is_rebuilt]
+
+        def rebuild(j: int) -> dict[str, torch.Tensor]:
+            return self._rebuilt(choice.owners[j], choice.providers[j][0], choice)
+
+        deal_rows(assembly, self._layout, len(choice.owners), mine, rebuilt, rebuild, self.group)
 
     def _pieces_of(self, provider: str, choice: Choice) -> dict[str, torch.Tensor] | None:
         """`provider`'s own pieces at the chosen step, on `provider` (None elsewhere)."""
         if self.group.member != provider:
             return None
-        if not choice.rolls_back:
-            return self.trainer.strategy.live_pieces(self.trainer.optimizer)
+        if not choice.rolls_back:  # the live ones: what leaves is packed (copied) on its way
+            return self.trainer.strategy.live_pieces(self.trainer.optimizer, copy=False)
         found = self.snapshots.own_at((choice.ring, choice.step))
         assert found is not None, "choose() picked a snapshot this member does not hold"
         return self.snapshots.pieces(found, provider)
@@ -229,6 +264,66 @@ def _piece_files(trainer: TrainerSetup) -> tuple[PieceFiles, bool]:
     if isinstance(policy, DiskOffloadPolicy):
         return PieceFiles(policy.path, trainer.world.rank, "zero_offload_dir"), True
     return PieceFiles(tempfile.gettempdir(), trainer.world.rank, "TMPDIR"), False
+
+
+def deal_rows(
+    assembly: Assembly,
+    layout: Callable[[int, int], Assembly],
+    n_old: int,
+    mine: dict[int, dict[str, torch.Tensor]],
+    rebuilt: list[int],
+    rebuild: Callable[[int], dict[str, torch.Tensor]],
+    group: dist.ProcessGroup,
+) -> None:
+    """Into `assembly`, this member's rows of the new world (`layout(rank, world_size)`),
+    from the pieces of `n_old` old ranks: those this member holds (`mine`, by old rank)
+    reach each member in one all-to-all, each pair sending only the rows meant for it;
+    those of the `rebuilt` old ranks come whole from `rebuild(j)` (a collective, called on
+    every member in old-rank order). No member receives more than its new rows, besides a
+    lost rank's pieces."""
+    size = dist.get_world_size(group)
+    wanted = [layout(r, size).wanted for r in range(size)]
+    outgoing: list[dict[str, torch.Tensor]] = [{} for _ in range(size)]
+    for j, pieces in mine.items():
+        held = layout(j, n_old).wanted
+        for name, value in pieces.items():
+            if value.dim() == 0:  # a scalar ("step"): the same everywhere, sent whole
+                for part in outgoing:
+                    part[f"{j}/{name}"] = value
+                continue
+            start, stop = held(assembly.shape_of(name))
+            flat = value.reshape(-1)
+            for r, part in enumerate(outgoing):
+                lo, hi = _overlap((start, stop), wanted[r](assembly.shape_of(name)))
+                # empty where they do not meet: the name and dtype still arrive (a rank
+                # with no rows of a tensor holds its empty state all the same)
+                lo = min(max(lo, start), stop)
+                part[f"{j}/{name}"] = flat[lo - start : max(lo, hi) - start]
+    received: dict[int, dict[str, torch.Tensor]] = {}
+    for parts in all_to_all_tensors(outgoing, group):
+        for key, value in parts.items():
+            old_rank, name = key.split("/", 1)
+            received.setdefault(int(old_rank), {})[name] = value
+    del outgoing
+    here = wanted[dist.get_rank(group)]
+    for j in range(n_old):
+        held = layout(j, n_old).wanted
+        whole_pieces = j in rebuilt
+        bundle = rebuild(j) if whole_pieces else received.pop(j, {})
+        starts = {
+            name: (
+                held(assembly.shape_of(name))
+                if whole_pieces
+                else _overlap(held(assembly.shape_of(name)), here(assembly.shape_of(name)))
+            )[0]
+            for name, value in bundle.items()
+            if value.dim()
+        }
+        assembly.add(bundle, starts)
+
+
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
+    return max(a[0], b[0]), min(a[1], b[1])
 
 
 def _shared(state: dict[str, Any] | None) -> dict[str, Any] | None:

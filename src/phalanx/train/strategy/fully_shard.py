@@ -14,7 +14,7 @@ from phalanx import zero3
 from phalanx.errors import ConfigurationError
 from phalanx.offload import streamer_of
 from phalanx.optim.local_sgd import PeriodicSync
-from phalanx.optim.zero_state import Assembly, whole
+from phalanx.optim.zero_state import Assembly
 from phalanx.parallel.sharding import piece_of, row_numel
 from phalanx.parallel.traffic import Traffic
 from phalanx.runtime.hostmem import return_freed_memory
@@ -141,7 +141,7 @@ class FullyShard(Strategy):
         the state. The old one's offload streamer is closed."""
         old_params = zero3.sharded_parameters(model)
         assert assembly.shapes == [p.shape for p in old_params], "another model's rows"
-        rows = assembly.wanted is not whole
+        rows = assembly.rows_only
         values, state = assembly.finish()
         zero3.redeal(model, values, self._mesh(), rows)
         del values
