@@ -60,7 +60,9 @@ def _deal(
         rebuilds.append(j)
         return _piece(j, old)
 
-    deal_rows(assembly, _layout, old, mine, rebuilt, rebuild, dist.group.WORLD)
+    world = dist.group.WORLD
+    assert world is not None
+    deal_rows(assembly, _layout, old, mine, rebuilt, rebuild, world)
     params, state = assembly.finish()
     wholes, wrong = _wholes(), []
     for i, shape in enumerate(SHAPES):
