@@ -75,7 +75,10 @@ def wait_for_an_exit(workers: Iterable[Worker], timeout_s: float) -> None:
         if not fds:
             time.sleep(timeout_s)
             return
-        select.select(fds, [], [], timeout_s)
+        watch = select.poll()  # poll, not select: no limit on the descriptors' numbers
+        for fd in fds:
+            watch.register(fd, select.POLLIN)
+        watch.poll(timeout_s * 1000)
     finally:
         for fd in fds:
             os.close(fd)
