@@ -52,17 +52,43 @@ FLAGS = ["--nproc-per-node", "3", "--live-recovery", "--live-stall-timeout", "5"
          "--max-restarts", "1"]  # fmt: skip
 
 
+class RunHung(Exception):
+    """A launch that did not end in 400 s; its output and stacks are in the named file."""
+
+
 def launch(out: Path, ledger: Path, env: dict[str, str]) -> str:
     """One run to its end (it must succeed): its merged output."""
     ledger.mkdir(parents=True)
     full = {**os.environ, "LEDGER_DIR": str(ledger), "OMP_NUM_THREADS": "1",
             "SAVE_STEPS": str(SAVE_EVERY), **env}  # fmt: skip
     argv = [sys.executable, "-m", "phalanx", "launch", *FLAGS, str(SCRIPT), str(out), str(STEPS)]
-    done = subprocess.run(argv, env=full, cwd=ROOT, capture_output=True, text=True, timeout=400)
-    text = done.stdout + done.stderr
-    if done.returncode != 0:
-        raise SystemExit(f"a run failed ({done.returncode}): {env}\n{text[-4000:]}")
+    run = subprocess.Popen(argv, env=full, cwd=ROOT, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        text, _ = run.communicate(timeout=400)
+    except subprocess.TimeoutExpired:
+        stacks = _stacks(run.pid)  # before the kill: where each process of the run waits
+        run.kill()
+        text, _ = run.communicate()
+        (ledger.parent / "hung.log").write_text(text + "\n" + stacks)
+        print(f"a run hung (400 s): {env}\n{text[-4000:]}\n{stacks}", flush=True)
+        raise RunHung(str(ledger.parent / "hung.log")) from None
+    if run.returncode != 0:
+        raise SystemExit(f"a run failed ({run.returncode}): {env}\n{text[-4000:]}")
     return text
+
+
+def _stacks(pid: int) -> str:
+    """Every Python stack of the launcher `pid` and its workers, where py-spy is installed."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if not Path(spy).exists():
+        return "(no stacks: pip install py-spy to see where a hung run waits)"
+    children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    dumps = []
+    for each in [pid, *map(int, children.split())]:
+        dump = subprocess.run([spy, "dump", "--pid", str(each)], capture_output=True, text=True)
+        dumps.append(f"=== {each}\n{dump.stdout}{dump.stderr}")
+    return "\n".join(dumps)
 
 
 def applied_steps(ledger: Path, out: Path) -> dict[int, list[dict[str, Any]]]:
@@ -211,21 +237,26 @@ def main() -> None:
             member, step = f"r{rng.randrange(3)}", rng.randrange(3, 40)
             how = ("SIGKILL", "SIGSTOP")[index % 2]
             work = root / f"{setting}-{index}"
-            result = trial(setting, member, step, how, work)
-            shutil.rmtree(work, ignore_errors=True)
+            try:
+                result = trial(setting, member, step, how, work)
+                shutil.rmtree(work, ignore_errors=True)
+            except RunHung as hung:  # counted as failed; its directory kept for a look
+                result = {"setting": setting, "member": member, "step": step, "signal": how,
+                          "hung": str(hung), "passed": False}  # fmt: skip
             results.append(result)
             print(json.dumps(result), flush=True)
     passed = {
         s: sum(r["passed"] for r in results if r["setting"] == s) for s in ns.settings.split(",")
     }
-    firsts = sorted(r["first_step_after_loss_s"] for r in results if r["first_step_after_loss_s"])
+    firsts = sorted(f for r in results if (f := r.get("first_step_after_loss_s")) is not None)
     summary = {"passed_per_setting": passed, "trials_per_setting": ns.trials,
                "first_step_after_loss_s": {"median": firsts[len(firsts) // 2] if firsts else None,
                                            "max": firsts[-1] if firsts else None},
                "atime_detector_works": seen,
                "wall_s": round(time.perf_counter() - started, 1)}  # fmt: skip
     print(json.dumps(summary), flush=True)
-    shutil.rmtree(root, ignore_errors=True)
+    if all(r["passed"] for r in results):
+        shutil.rmtree(root, ignore_errors=True)
     if ns.out is not None:
         figures = {"settings": vars(ns) | {"out": str(ns.out)}, "summary": summary,
                    "trials": results}  # fmt: skip
