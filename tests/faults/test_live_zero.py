@@ -137,6 +137,19 @@ def test_a_rollback_to_the_end_of_a_padded_epoch_after_the_next_one_began(tmp_pa
     assert len(set(re.findall(r"eval=(\S+)", out))) == 1, out
 
 
+@pytest.mark.timeout(300)
+def test_a_loss_in_the_first_step_goes_on_from_the_first_snapshot(tmp_path: Path) -> None:
+    """r1 killed in the first step's forward, after every member took the step-0 snapshot
+    and passed the boundary vote: the others go on from that snapshot, and its launcher
+    starts a replacement. The soak's replay of such a run found the launcher restarting
+    the group instead (no member's record said a step had begun: the first step's begin
+    was written only at its end), and the replay's kill then came again after the restart."""
+    out = _train(tmp_path / "run", tmp_path / "ledger", 20, ZERO_STAGE="3", KILL_MEMBER="r1",
+                 KILL_STEP="0", HOLD_STEP="3", HOLD_WORLD="3")  # fmt: skip
+    assert "live recovery: 2 ranks (r0, r2) at step 0" in out, out
+    assert "restarting the worker group" not in out and out.count("done step=20") == 3, out
+
+
 @pytest.mark.slow  # choose()'s verdict is unit-tested (tests/unit/test_live_snapshots.py)
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize(

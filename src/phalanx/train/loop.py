@@ -133,6 +133,10 @@ class TrainingLoop:
         setup, state = self.setup, self.state
         self._callbacks.control._new_step()
         self._callbacks.fire("on_step_begin")
+        # Begun, the first step too: a loss from here is one the others can go on from (the
+        # boundary vote before it had every member), not one before anything trained
+        # (launch/live.py reads it to choose a replacement over restarting the group).
+        progress_record.step(state.global_step + 1)
         result = setup.stepper.run(batches, expected, setup.loss_fn, state)
         state.batches_done += expected
         state.global_step += 1
