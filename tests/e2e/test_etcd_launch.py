@@ -71,12 +71,17 @@ def test_an_unreachable_etcd_is_one_line(tmp_path: Path) -> None:
     assert result.stderr.count("\n") == 1, result.stderr
 
 
+# Rank 1 fails its first attempt once rank 0 has written its prefix: the launcher sees a
+# worker's exit at once, and would otherwise stop rank 0 before it wrote anything.
 _FAILS_ONCE = """
-import os, sys
+import os, sys, time
 from pathlib import Path
 rank, restart = os.environ["RANK"], os.environ["PHALANX_RESTART_COUNT"]
 Path(sys.argv[1], f"prefix_{rank}_{restart}").write_text(os.environ["PHALANX_ETCD_PREFIX"])
-sys.exit(1 if rank == "1" and restart == "0" else 0)
+if rank == "1" and restart == "0":
+    while not Path(sys.argv[1], "prefix_0_0").exists():
+        time.sleep(0.01)
+    sys.exit(1)
 """
 
 
