@@ -131,6 +131,11 @@ def test_a_stranger_on_the_store_cannot_steer_the_run(tmp_path: Path) -> None:
     assert _digest(attacked) == _digest(quiet), attacked
     assert "Traceback" not in attacked, attacked
     assert re.search(r"\[j1\] joined: .*received=True", attacked), attacked
-    forced, kicked = "phalanx/live/g0/abort", "phalanx/live/lost/r2"
-    for forged in (forced, kicked, "phalanx/live/g1/in/r1", "phalanx/live/g1/members"):
+    forced = "phalanx/live/g0/abort"
+    for forged in (forced, "phalanx/live/g1/in/r1", "phalanx/live/g1/members"):
         assert f"ignored {forged}=" in attacked, f"{forged} not logged:\n{attacked}"
+    # A loss report is read only for a member the agreement still waits for, so which
+    # member's forgery is met depends on who checked in first (since its launcher reports
+    # a loss at once, r2 is seldom waited for): one, whichever, is logged.
+    kicked = re.search(r"ignored phalanx/live/lost/\w+=", attacked)
+    assert kicked, f"no forged loss report logged:\n{attacked}"
