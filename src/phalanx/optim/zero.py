@@ -277,10 +277,8 @@ class ZeroRedundancyOptimizer(Optimizer):
     def restore_whole(
         self, assembly: zero_state.Assembly, groups: list[dict[str, Any]]
     ) -> dict[str, Any]:
-        """Every rank's `own_pieces` (in rank order, from a world of any size), assembled
-        whole: the parameters are written, and the state comes back in the plain format,
-        for a ZeroRedundancyOptimizer of the new world to `load_state_dict` (live
-        recovery)."""
+        """Every rank's `own_pieces` assembled whole (from a world of any size): the parameters
+        written, the state returned in the plain format for the new world's load_state_dict."""
         assert assembly.shapes == [p.shape for p in self._params], "another model's pieces"
         whole, state = assembly.finish()
         for p, value in zip(self._params, whole, strict=True):

@@ -283,9 +283,10 @@ def deal_rows(
     lost rank's pieces."""
     size = dist.get_world_size(group)
     wanted = [layout(r, size).wanted for r in range(size)]
+    old_rows = [layout(j, n_old).wanted for j in range(n_old)]
     outgoing: list[dict[str, torch.Tensor]] = [{} for _ in range(size)]
     for j, pieces in mine.items():
-        held = layout(j, n_old).wanted
+        held = old_rows[j]
         for name, value in pieces.items():
             if value.dim() == 0:  # a scalar ("step"): the same everywhere, sent whole
                 for part in outgoing:
@@ -306,8 +307,7 @@ def deal_rows(
             received.setdefault(int(old_rank), {})[name] = value
     del outgoing
     here = wanted[dist.get_rank(group)]
-    for j in range(n_old):
-        held = layout(j, n_old).wanted
+    for j, held in enumerate(old_rows):
         whole_pieces = j in rebuilt
         bundle = rebuild(j) if whole_pieces else received.pop(j, {})
         starts = {
