@@ -49,11 +49,12 @@ SCRIPT = ROOT / "tests" / "faults" / "scripts" / "live_trainer.py"
 SETTINGS = ("1", "2", "3", "3-disk")
 STEPS, SAMPLES, SAVE_EVERY = 120, 480, 20
 FLAGS = ["--nproc-per-node", "3", "--live-recovery", "--live-stall-timeout", "5",
-         "--max-restarts", "1"]  # fmt: skip
+         "--max-restarts", "1", "--exit-timeout", "60"]  # fmt: skip
 
 
 class RunHung(Exception):
-    """A launch that did not end in 400 s; its output and stacks are in the named file."""
+    """A launch that did not end in 400 s, or a worker of it killed hung in its exit; its
+    output and stacks are in the named file."""
 
 
 def launch(out: Path, ledger: Path, env: dict[str, str]) -> str:
@@ -75,6 +76,10 @@ def launch(out: Path, ledger: Path, env: dict[str, str]) -> str:
         raise RunHung(str(ledger.parent / "hung.log")) from None
     if run.returncode != 0:
         raise SystemExit(f"a run failed ({run.returncode}): {env}\n{text[-4000:]}")
+    if "hung in its teardown" in text:  # the launcher killed it, with its stacks: a finding
+        (ledger.parent / "hung.log").write_text(text)
+        print(f"a worker hung in its exit: {env}\n{text[-4000:]}", flush=True)
+        raise RunHung(str(ledger.parent / "hung.log"))
     return text
 
 

@@ -97,6 +97,20 @@ def test_a_replacement_the_run_no_longer_needs_exits_0(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(120)
+def test_a_worker_hung_in_its_exit_is_fenced_with_its_stack(tmp_path: Path) -> None:
+    """r2 finishes the run, then its exit never ends (its heartbeat stopped as the exit
+    began): its launcher shows where it hangs and kills it after --exit-timeout, and
+    the job ends 0 with no replacement, since the run had finished."""
+    code, out = _run(tmp_path, "--max-restarts 1 --exit-timeout 5", HANG_AT_EXIT_MEMBER="r2")
+    assert code == 0, out
+    assert re.search(r"rank 2 \(r2\) began to exit [\d.]+ s ago and has not ended .*"
+                     r"hung in its teardown; killing it \(SIGKILL\)", out), out  # fmt: skip
+    assert "in hang_at_exit" in out, out  # its Python stack, from faulthandler
+    assert "replacement" not in out and out.count("done step=") == 3, out
+    assert _check_exact(tmp_path) == [3] * STEPS
+
+
+@pytest.mark.timeout(120)
 def test_no_quorum_stops_with_one_line(tmp_path: Path) -> None:
     start = time.monotonic()
     code, out = _run(tmp_path, "--live-min-members 3 --live-quorum-timeout 5",

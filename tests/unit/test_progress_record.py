@@ -83,3 +83,29 @@ def test_the_dump_signal_writes_every_threads_stack(tmp_path: Path) -> None:
     finally:
         proc.kill()
         proc.communicate()
+
+
+def test_the_record_says_when_the_exit_began_after_the_scripts_threads(tmp_path: Path) -> None:
+    """`exiting` is 0 while the script runs, and is set as the first exit handler runs:
+    after a non-daemon thread the script left running has ended, before the handlers
+    registered earlier (one of which hangs here, and sees it set)."""
+    script = (
+        "import atexit, sys, threading, time\n"
+        "from pathlib import Path\n"
+        "from phalanx.ground import progress_record as p\n"
+        "d = Path(sys.argv[1])\n"
+        "def seen(): print('exiting' if p.read_record(p.record_path(d, 0)).exiting else 'no')\n"
+        "atexit.register(seen)\n"
+        "p.start(0, 1, 60.0)\n"
+        "assert p.read_record(p.record_path(d, 0)).exiting == 0.0\n"
+        "threading.Thread(target=time.sleep, args=(0.5,)).start()\n"
+        "t0 = time.time(); print(t0, flush=True)\n"
+    )
+    env = {**os.environ, "PHALANX_PROGRESS_DIR": str(tmp_path), "PYTHONPATH": str(REPO / "src")}
+    run = subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env, text=True,
+                         capture_output=True, timeout=60)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    began, seen = run.stdout.split()
+    pos = read_record(record_path(tmp_path, 0))
+    assert pos is not None and seen == "exiting"
+    assert pos.exiting - float(began) >= 0.4  # after the thread's 0.5 s sleep

@@ -66,6 +66,7 @@ def config_from_args(ns: argparse.Namespace) -> LaunchConfig:
         local_addr=ns.local_addr,
         grace_s=ns.shutdown_timeout,
         monitor_interval_s=ns.monitor_interval,
+        exit_timeout_s=ns.exit_timeout,
         # torchrun's default id; the same on every node, as a job id should be.
         run_id=ns.run_id or (uuid.uuid4().hex[:12] if nnodes == 1 else "none"),
         role=ns.role,

@@ -18,7 +18,12 @@ from typing import Any, NoReturn
 from phalanx.cli.rdzvflags import DEFAULT_C10D_PORT
 from phalanx.cli.suggest import nearest
 from phalanx.errors import UsageError
-from phalanx.launch.config import DEFAULT_GRACE_S, DEFAULT_MULTINODE_PORT, DEFAULT_RDZV_TIMEOUT_S
+from phalanx.launch.config import (
+    DEFAULT_EXIT_TIMEOUT_S,
+    DEFAULT_GRACE_S,
+    DEFAULT_MULTINODE_PORT,
+    DEFAULT_RDZV_TIMEOUT_S,
+)
 
 __all__ = ["TORCHRUN_ENV", "build_parser", "environment_defaults"]
 
@@ -145,6 +150,14 @@ def _processes(add: Add) -> None:
         f"seconds between SIGTERM and SIGKILL when stopping workers; default {DEFAULT_GRACE_S:g}",
         type=float,
         default=DEFAULT_GRACE_S,
+        metavar="S",
+    )
+    add(
+        "--exit-timeout",
+        "seconds a worker may take to exit once its script has ended; past them it is "
+        f"shown (its stacks) and killed as hung; default {DEFAULT_EXIT_TIMEOUT_S:g}",
+        type=float,
+        default=DEFAULT_EXIT_TIMEOUT_S,
         metavar="S",
     )
     add(

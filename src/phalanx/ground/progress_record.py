@@ -25,6 +25,7 @@ Imports no torch: the launcher reads the records with `read_record`.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import faulthandler
 import mmap
@@ -53,14 +54,17 @@ __all__ = [
 
 PROGRESS_DIR_VAR = "PHALANX_PROGRESS_DIR"
 _MAGIC = 0x50484C58  # "PHLX"
-# magic, sequence, pid, rank, dump signal, step, iteration, collectives, updated (time.time()).
-_FIELDS = struct.Struct("=IIiiiqqqd")
+# magic, sequence, pid, rank, dump signal, step, iteration, collectives, updated, exiting
+# (time.time() both; exiting 0.0 until the interpreter begins to exit).
+_FIELDS = struct.Struct("=IIiiiqqqdd")
 _LABEL_BYTES = 64
 _SIZE = _FIELDS.size + _LABEL_BYTES
 _SEQ_OFFSET = 4
 _SEQ = struct.Struct("=I")
 _BODY = struct.Struct("=qqqd")  # step, iteration, collectives, updated
 _BODY_OFFSET = 20
+_EXITING = struct.Struct("=d")
+_EXITING_OFFSET = _BODY_OFFSET + _BODY.size
 _LABEL_OFFSET = _FIELDS.size
 # The watchdog speaks at this share of the timeout: the stuck rank then reports before
 # its peers' collectives fail and a launcher (torchrun, srun) kills it.
@@ -104,7 +108,7 @@ class _Recorder:
         self._seq = 0
         self.dump_signal = 0
         self._labels: dict[str, bytes] = {}
-        _FIELDS.pack_into(self._map, 0, _MAGIC, 0, os.getpid(), rank, 0, 0, 0, 0, self.updated)
+        _FIELDS.pack_into(self._map, 0, _MAGIC, 0, os.getpid(), rank, 0, 0, 0, 0, self.updated, 0.0)
 
     def set_dump_signal(self, signum: int) -> None:
         self.dump_signal = signum
@@ -135,6 +139,14 @@ class _Recorder:
         self.step = value
         self._publish(None)
 
+    def exiting(self) -> None:
+        """The interpreter has begun to exit: from now on the process only tears down."""
+        self._seq += 1
+        _SEQ.pack_into(self._map, _SEQ_OFFSET, self._seq)
+        _EXITING.pack_into(self._map, _EXITING_OFFSET, time.time())
+        self._seq += 1
+        _SEQ.pack_into(self._map, _SEQ_OFFSET, self._seq)
+
 
 _recorder: _Recorder | None = None  # one per process, like faulthandler's own state
 
@@ -155,6 +167,7 @@ def start(rank: int, world_size: int, timeout_s: float) -> None:
         directory = None
     if directory is not None:
         _arm_stack_dump(_recorder, stacks_path(directory, rank))
+        _mark_exit(_recorder)
     elif world_size > 1:
         _Watchdog(_recorder, timeout_s).start()
 
@@ -166,6 +179,24 @@ def _arm_stack_dump(recorder: _Recorder, path: Path) -> None:
     stacks: IO[str] = path.open("w")  # kept open for the process's life, as faulthandler needs
     faulthandler.register(signum, file=stacks, all_threads=True)
     recorder.set_dump_signal(signum)
+
+
+def _mark_exit(recorder: _Recorder) -> None:
+    """Record when the teardown begins, so that a launcher can tell a process hung in its
+    exit (a group's teardown that never returns) from one still at work. The moment is
+    the first exit handler's, after the script's own threads have ended: the thread
+    shutdown hook (which runs first at exit, whatever ended the script) registers it
+    last, so it runs before every exit handler registered earlier (LIFO)."""
+    register_at_shutdown = getattr(threading, "_register_atexit", None)
+
+    def first_at_exit() -> None:
+        atexit.register(recorder.exiting)
+
+    if register_at_shutdown is None:
+        first_at_exit()
+        return
+    with contextlib.suppress(RuntimeError):  # the interpreter is exiting already
+        register_at_shutdown(first_at_exit)
 
 
 def collective(name: str, index: int = -1, iteration: int = 0) -> None:
@@ -209,6 +240,8 @@ class Position:
     collectives: int
     updated: float
     label: str
+    exiting: float = 0.0
+    """When the interpreter began to exit (time.time()); 0.0 while the script runs."""
 
     def collective_text(self) -> str:
         """'#12 (ddp all_reduce bucket 0, iteration 5)': the last collective entered."""
@@ -233,12 +266,14 @@ def read_record(path: Path) -> Position | None:
     for _ in range(_READ_TRIES):
         if len(data) < _SIZE:
             return None
-        magic, seq, pid, rank, dump, step_, iteration, count, updated = _FIELDS.unpack_from(data)
+        magic, seq, pid, rank, dump, step_, iteration, count, updated, exiting = (
+            _FIELDS.unpack_from(data)
+        )
         if magic != _MAGIC:
             return None
         if seq % 2 == 0:
             label = data[_LABEL_OFFSET:_SIZE].rstrip(b"\0").decode(errors="replace")
-            return Position(pid, rank, dump, step_, iteration, count, updated, label)
+            return Position(pid, rank, dump, step_, iteration, count, updated, label, exiting)
         time.sleep(0.001)  # an update is under way: read again
         data = path.read_bytes()
     return None

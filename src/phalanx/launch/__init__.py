@@ -15,7 +15,8 @@ Modules (tests/unit/test_layers.py holds this list to the folder):
   `etcdmeet` (--rdzv-backend etcd: the store in etcd, hosted by no launcher);
 - the workers: `workers` (one attempt's processes), `workerenv` (their
   environment), `lifeline` (stops them if the launcher dies unseen),
-  `procgroup` (signals to process groups), `live` (--live-recovery: a lost
+  `procgroup` (signals to process groups), `exitwatch` (a worker hung in
+  its exit: shown and killed), `live` (--live-recovery: a lost
   worker reported and replaced, a stalled one fenced, the others left running),
   `livenodes` (--live-recovery across hosts: a lost node noticed, its rank
   taken by a new host);

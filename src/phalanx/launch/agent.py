@@ -32,6 +32,7 @@ from phalanx.ground.store_keys import (
     STALL_ENV,
 )
 from phalanx.launch.config import LaunchConfig
+from phalanx.launch.exitwatch import fence_hung_exit
 from phalanx.launch.lifeline import LAUNCH_ID_ENV, Lifeline
 from phalanx.launch.live import Connect, LiveSupervisor, take_members
 from phalanx.launch.meeting import Meeting
@@ -145,7 +146,7 @@ class Agent:
                 if signum is None and (summary := supervisor.summary()) is not None:
                     self.sink.message(summary)
                 return status if signum is None else self._stopped_by(signum)
-            outcome = self._supervise(group)
+            outcome = self._supervise(group, progress_dir)
             if isinstance(outcome, Failure):
                 return self._after_failure(group, outcome, restart, progress_dir)
             # After a success too: stray children of finished workers would outlive the job.
@@ -285,13 +286,16 @@ class Agent:
             say=self.sink.message,
             stop_request=self.stop_request,
             interval_s=self.config.monitor_interval_s,
+            exit_timeout_s=self.config.exit_timeout_s,
             members=members,
             node_rank=self.config.node_rank if self.config.nnodes > 1 else None,
             nnodes=self.config.nnodes,
         )
 
-    def _supervise(self, group: WorkerGroup) -> Failure | int:
-        """Wait for a worker to fail (its Failure), all to succeed (0), or a signal (signum)."""
+    def _supervise(self, group: WorkerGroup, progress_dir: Path) -> Failure | int:
+        """Wait for a worker to fail (its Failure), all to succeed (0), or a signal (signum).
+        A worker hung in its exit is killed (launch/exitwatch.py), a failure like another."""
+        killed: set[int] = set()
         while True:
             signum = self.stop_request.signum
             if signum is not None:
@@ -301,6 +305,12 @@ class Agent:
                 return failure
             if group.all_succeeded():
                 return 0
+            for worker in group.workers:
+                if worker.pid not in killed and worker.exit_status() is None:
+                    who = f"rank {worker.rank}"
+                    limit = self.config.exit_timeout_s
+                    if fence_hung_exit(worker, who, progress_dir, limit, self.sink.message):
+                        killed.add(worker.pid)
             group.wait(self.config.monitor_interval_s)
 
     def _spawn(

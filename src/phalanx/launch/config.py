@@ -35,6 +35,8 @@ REPORT_ENV = "PHALANX_RDZV_REPORT_S"
 # torchrun's --signals-to-handle default. A dropped ssh session (SIGHUP) or SIGQUIT stops the
 # job like SIGTERM does, so no worker trains on unsupervised.
 DEFAULT_HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+DEFAULT_EXIT_TIMEOUT_S = 300.0
+"""--exit-timeout: generous, since an exit handler may upload (a metrics logger's last sync)."""
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -117,6 +119,9 @@ class LaunchConfig:
     """Seconds between SIGTERM and SIGKILL when stopping workers."""
     monitor_interval_s: float = 0.1
     """How often the agent polls its workers."""
+    exit_timeout_s: float = DEFAULT_EXIT_TIMEOUT_S
+    """--exit-timeout: how long a worker may take to exit once its script has ended before
+    it is shown and killed as hung (launch/exitwatch.py)."""
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     """TORCHELASTIC_RUN_ID, so scripts that log it keep working."""
     role: str = "default"
@@ -186,6 +191,10 @@ def _check_counts(config: LaunchConfig) -> None:
             f"--monitor-interval must be positive, got {config.monitor_interval_s}",
         ),
         (config.grace_s >= 0, f"--shutdown-timeout must be 0 or more, got {config.grace_s}"),
+        (
+            config.exit_timeout_s > 0,
+            f"--exit-timeout must be positive, got {config.exit_timeout_s}",
+        ),
     ]
     for ok, message in checks:
         if not ok:

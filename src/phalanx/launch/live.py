@@ -23,6 +23,7 @@ from phalanx.ground.live_store import LiveStore, StoreConn
 from phalanx.ground.progress_record import read_record, record_path
 from phalanx.ground.runauth import RunKey
 from phalanx.ground.store_keys import (
+    FINISHED_KEY,
     GENERATION_KEY,
     RESTART_KEY,
     RESTART_MARK,
@@ -33,6 +34,8 @@ from phalanx.ground.store_keys import (
     node_key,
 )
 from phalanx.ground.storeclient import StoreClient
+from phalanx.launch.config import DEFAULT_EXIT_TIMEOUT_S
+from phalanx.launch.exitwatch import fence_hung_exit
 from phalanx.launch.procgroup import describe_returncode, signal_group
 from phalanx.launch.summary import failure_summary
 from phalanx.launch.workers import Failure, StopRequest, Worker, WorkerGroup, wait_for_an_exit
@@ -86,6 +89,8 @@ class _Slot:
     member: str
     done: bool = False
     fenced_after_s: float | None = None
+    hung_at_exit: bool = False
+    """Fenced because its interpreter began to exit and never ended (not a stall)."""
 
 
 @dataclass
@@ -103,6 +108,8 @@ class LiveSupervisor:
     say: Callable[[str], None]
     stop_request: StopRequest
     interval_s: float = 0.1
+    exit_timeout_s: float = DEFAULT_EXIT_TIMEOUT_S
+    """How long a worker may take to exit once its script ended (launch/exitwatch.py)."""
     fell_back: Failure | None = None
     """The loss that ended a run which cannot go on without the lost rank (ZeRO: its
     workers left RESTART_MARK): the agent restarts the group as without live recovery."""
@@ -138,6 +145,8 @@ class LiveSupervisor:
                     self._fence_if_stalled(slot)
                     continue
                 slot.done = True
+                if slot.hung_at_exit and self._run_finished():
+                    continue  # its run's work is done: the teardown that hung loses nothing
                 lost = f"rank {slot.worker.rank} ({slot.member}) lost ({describe_returncode(code)})"
                 if code != 0 and (self.progress_dir / RESTART_MARK).exists():
                     self._ask_every_node(f"{lost}, which the run cannot go on without")
@@ -232,11 +241,13 @@ class LiveSupervisor:
     def _final_status(self, last: int) -> int:
         """0 when any worker finished the run; else the last failure's exit code."""
         codes = [s.worker.exit_status() for s in self._slots]
-        if any(code == 0 for code in codes):
+        if any(code == 0 for code in codes) or last == 0:
             return 0
         return last if last > 0 else 128 - last
 
     def _fence_if_stalled(self, slot: _Slot) -> None:
+        # Exiting first: its heartbeat may go on (a thread) while an exit handler hangs.
+        self._fence_if_hung_at_exit(slot)
         beat = self.progress_dir / heartbeat_name(slot.member)
         try:
             age = time.time() - beat.stat().st_mtime
@@ -250,9 +261,29 @@ class LiveSupervisor:
             )
             signal_group(slot.worker.pid, signal.SIGKILL)
 
+    def _fence_if_hung_at_exit(self, slot: _Slot) -> None:
+        """A worker hung in its exit (launch/exitwatch.py): fenced, and no loss when the run
+        had finished."""
+        if slot.fenced_after_s is not None:
+            return
+        who = f"rank {slot.worker.rank} ({slot.member})"
+        age = fence_hung_exit(slot.worker, who, self.progress_dir, self.exit_timeout_s, self.say)
+        if age is not None:
+            slot.fenced_after_s, slot.hung_at_exit = age, True
+
+    def _run_finished(self) -> bool:
+        """The members said training ended (FINISHED_KEY): nothing is lost with a worker."""
+        try:
+            with self.connect() as client:
+                return LiveStore(client, self.key).read(FINISHED_KEY) is not None
+        except (OSError, RuntimeError):  # the store gone: go on as for any loss
+            return False
+
     def _lost(self, slot: _Slot, code: int) -> int:
         """Report `slot`'s member lost, start its replacement if one is left; its exit code."""
-        why = "fenced" if slot.fenced_after_s is not None else describe_returncode(code)
+        why = describe_returncode(code)
+        if slot.fenced_after_s is not None:
+            why = "hung at exit, fenced" if slot.hung_at_exit else "fenced"
         self._losses.append((slot, code, why))
         lost = f"rank {slot.worker.rank} ({slot.member}) lost ({why})"
         try:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -85,12 +85,12 @@ def find_stall(failed_rank: int, workers: Sequence[_Worker], directory: Path) ->
     # a peer fails on them.)
     finished = [w for w in behind if w.exit_status() == 0]
     laggards = [w for w in behind if w.alive() and w not in finished]
-    stacks = _collect_stacks(laggards, positions, directory)
+    stacks = collect_stacks(laggards, positions, directory)
     return Stall(positions, [w.rank for w in laggards], stacks, [w.rank for w in finished])
 
 
-def _collect_stacks(
-    workers: Sequence[_Worker], positions: dict[int, Position], directory: Path
+def collect_stacks(
+    workers: Sequence[_Worker], positions: Mapping[int, Position], directory: Path
 ) -> dict[int, list[str]]:
     """Signal each worker to dump its stacks (faulthandler, armed by progress.start) and
     read the dumps once they stop growing."""

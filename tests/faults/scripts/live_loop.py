@@ -8,14 +8,17 @@ flight on the others. HOLD_STEP and HOLD_WORLD hold the members at that step's b
 until the world has grown back to HOLD_WORLD (a replacement coming from a new host), so
 the run cannot end before it arrives. ADMIT_AT lets a replacement in at that step
 only (as a replayed membership does), so two runs with the same loss are bit-identical.
+HANG_AT_EXIT_MEMBER finishes the run, then hangs in an exit handler.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -94,6 +97,13 @@ def main() -> None:
     phalanx.check_replicas(ddp, group)
     digest = float(sum(p.detach().double().sum() for p in model.parameters()))
     say(group, f"done step={at['step']} offset={at['offset']} digest={digest:.12e}")
+    if group.member == os.environ.get("HANG_AT_EXIT_MEMBER"):
+        atexit.register(hang_at_exit)
+
+
+def hang_at_exit() -> None:
+    """A teardown that never returns (as a group's can): the launcher must end it."""
+    threading.Event().wait()
 
 
 def maybe_die(member: str, step: int) -> None:
