@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -79,35 +80,67 @@ def _ddp_timeline(rank: int, world: int, out: str) -> dict[str, Any]:
     from phalanx.ddp.module import DistributedDataParallel
 
     off = DistributedDataParallel(nn.Linear(4, 4))
+    off(torch.randn(3, 4)).sum().backward()  # its first training forward: no timeline asked
     os.environ[timelines.ENV] = str(Path(out) / "ddp.json")
     on = DistributedDataParallel(nn.Linear(4, 4))
-    again = DistributedDataParallel(nn.Linear(4, 4))
-    timeline = on.timeline
-    assert timeline is not None
-    for model in (off, on):
+    other = DistributedDataParallel(nn.Linear(4, 4))
+    with torch.no_grad():
+        on(torch.randn(5, 4))  # not training: no forward span, and no timeline made yet
+    assert on.timeline is None
+    for model in (off, on, other):
         model(torch.randn(3, 4)).sum().backward()
+    timeline = on.timeline
+    assert timeline is not None and other.timeline is not None
     # A script's own optimizer step is a span; one inside the Trainer's span is not another.
     torch.optim.SGD(on.parameters(), lr=0.1).step()
     with timeline.span("optimizer step"):
         torch.optim.SGD(on.parameters(), lr=0.1).step()
-    with torch.no_grad():
-        on(torch.randn(5, 4))  # not training: no forward span, no step
+    for model in (on, other):
+        assert model.timeline is not None
+        model.timeline.write()
     return {
         "off": off.timeline is None and off.reducer.timeline is None,
-        "shared": again.timeline is timeline and on.reducer.timeline is timeline,
+        "own": other.timeline is not timeline and on.reducer.timeline is timeline,
         "spans": [name for name, *_ in timeline.spans],
+        "other spans": [name for name, *_ in other.timeline.spans],
         "samples": [s.samples for s in timeline.steps],
     }
 
 
 @pytest.mark.timeout(60)
-def test_ddp_picks_the_env_timeline_at_construction_and_only_then(tmp_path: Path) -> None:
+def test_ddp_makes_its_env_timeline_at_its_first_training_forward(tmp_path: Path) -> None:
+    """Each wrapper records into its own timeline, made at its first training forward
+    when PHALANX_TIMELINE is set (and none was handed to it); the merge puts both of a
+    rank's files on its tracks, each optimizer step once."""
     for out in run_workers(_ddp_timeline, 2, str(tmp_path)):
-        assert out.value["off"] and out.value["shared"]
+        assert out.value["off"] and out.value["own"]
         assert out.value["spans"].count("forward") == 1
         assert out.value["spans"].count("backward") == 1
         assert out.value["spans"].count("optimizer step") == 2  # the script's, the span's
+        assert out.value["other spans"].count("forward") == 1
+        assert out.value["other spans"].count("optimizer step") == 2  # the same two, timed
         assert out.value["samples"] == [3]
+    trace = timelines.merge(tmp_path / "ddp.json", 2, wait_s=30)
+    for rank in (0, 1):
+        names = [e["name"] for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == rank]
+        assert names.count("forward") == 2 and names.count("backward") == 2
+        assert names.count("optimizer step") == 2  # each once, though two recorders timed it
+        assert len(trace["phalanx"]["steps"][str(rank)]) == 2
+
+
+def test_a_merge_leaves_out_files_of_an_earlier_run(tmp_path: Path) -> None:
+    """A rank's files left at the same path by another process (an earlier run) are
+    removed when this process's timeline starts, so the merge cannot mix them in."""
+    path = tmp_path / "t.json"
+    stale = path.with_name(f"{path.name}.rank-0.1-deadbeef.json")
+    stale.write_text(json.dumps({"rank": 0, "origin_ns": 0, "spans": [["old", "compute", 0, 5, {}]],
+                                 "steps": []}))  # fmt: skip
+    timeline = timelines.Timeline(path, 0, 1)
+    timeline.clear_stale_files()
+    timeline.add("new", "compute", 0, 5)
+    timeline.write()
+    names = [e["name"] for e in timelines.merge(path, 1, wait_s=1)["traceEvents"] if e["ph"] == "X"]
+    assert names == ["new"] and not stale.exists()
 
 
 class _Blocks(nn.Module):

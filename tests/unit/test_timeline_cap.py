@@ -63,7 +63,7 @@ def test_steps_past_both_caps_cost_no_memory_and_are_reported(
     assert tl.dropped_steps == steps + 2000 - MAX_STEPS
     assert tl.dropped_spans == (steps + 2000) * per_step_spans - MAX_SPANS
     timeline._finish(tl)  # what the exit hook does: the rank file, the merge, the line
-    data = json.loads(tl.rank_file(0).read_text())
+    data = json.loads(tl.rank_file().read_text())
     assert data["truncated"] is True
     assert (data["dropped_spans"], data["dropped_steps"]) == (tl.dropped_spans, tl.dropped_steps)
     merged = json.loads((tmp_path / "trace.json").read_text())

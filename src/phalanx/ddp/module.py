@@ -205,9 +205,13 @@ class DistributedDataParallel(TorchSurface, nn.Module, JoinableDDP):
             batched_copy=self.batched_grad_copy,
             tune_bucket_size=self._tune_bucket_size,
         )
-        # A reducer made again (unpickling) records where the wrapper's timeline does.
-        self.reducer.timeline = getattr(self, "_timeline", None)
-        self.timeline = timelines.from_env(dist.get_rank(), dist.get_world_size())
+        if "_timeline" not in self.__dict__:  # made, or copied (a copy records anew)
+            self._timeline: Timeline | None = None
+            self._timeline_chosen = False
+            """False until handed one (the Trainer's) or its first training forward makes
+            PHALANX_TIMELINE's: one made here would be thrown away by a Trainer."""
+        # A reducer made again (a rebuild) records where the wrapper's timeline does.
+        self.reducer.timeline = self._timeline
 
     @staticmethod
     def _check_devices(
@@ -240,6 +244,7 @@ class DistributedDataParallel(TorchSurface, nn.Module, JoinableDDP):
             )
         state = dict(self.__dict__)
         del state["process_group"], state["reducer"], state["_timeline"]
+        del state["_timeline_chosen"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -264,11 +269,13 @@ class DistributedDataParallel(TorchSurface, nn.Module, JoinableDDP):
 
     @timeline.setter
     def timeline(self, timeline: Timeline | None) -> None:
-        self._timeline = timeline
+        self._timeline, self._timeline_chosen = timeline, True
         self.reducer.timeline = timeline
 
     # ------------------------------------------------------------------ forward
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if not self._timeline_chosen and torch.is_grad_enabled():
+            self.timeline = timelines.from_env(dist.get_rank(), dist.get_world_size())
         if self._timeline is not None and torch.is_grad_enabled():
             with self._timeline.forward(self._batch_size(inputs, kwargs)):
                 return self._forward(*inputs, **kwargs)

@@ -24,17 +24,23 @@ first MAX_SPANS spans and the first MAX_STEPS step records. Past either cap
 the rest are counted, not kept; the counts go into the rank file and the merged
 trace (`dropped_spans`, `dropped_steps`), and the rank says so on stderr at exit.
 
-One timeline per process (`start`): the DDP wrapper, its reducer and the
-Trainer all write into it, and one exit hook writes it, as the process has one
-trace file. Imports no torch: `phalanx bench` reads what it writes.
+A timeline belongs to what records into it: the Trainer makes one and hands it
+to the wrappers it builds; a hand loop's DDP wrapper or fully_shard root makes
+its own at its first training forward when none was handed to it (`start`).
+Each timeline writes its own rank file (named per recorder) at exit; the merge
+puts every file of a rank on that rank's tracks, so two wrappers in one
+process, or a wrapper rebuilt by a live recovery, land in one trace. Imports
+no torch: `phalanx bench` reads what it writes.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import glob
 import json
 import os
+import secrets
 import sys
 import threading
 import time
@@ -58,6 +64,7 @@ MAX_SPANS = 200_000
 # The step records' horizon, the spans' own: each holds its collectives' flights (about
 # 2 KB a step, which went on growing after the spans' cap before this one).
 MAX_STEPS = 10_000
+OPTIMIZER_SPAN = "optimizer step"
 TRACKS = ("compute", "comm", "io")
 """Each rank's tracks: the training thread, collectives in flight, offload file I/O."""
 
@@ -100,6 +107,8 @@ class Timeline:
         self.stop_after = stop_after
         """End the script at the first forward after this many steps (`phalanx bench`)."""
         self.origin_ns = time.time_ns() - time.perf_counter_ns()  # wall clock of perf 0
+        self.tag = f"{os.getpid()}-{secrets.token_hex(4)}"
+        """This recorder's part of its rank file's name: the process, then a random id."""
         self.spans: list[tuple[str, str, int, int, dict[str, Any]]] = []
         self.steps: list[StepRecord] = []
         """The first MAX_STEPS synced steps' records."""
@@ -218,8 +227,18 @@ class Timeline:
         return self.synced_steps - len(self.steps)
 
     # ------------------------------------------------------------------ output
-    def rank_file(self, rank: int) -> Path:
-        return self.path.with_name(f"{self.path.name}.rank-{rank}.json")
+    def rank_file(self) -> Path:
+        """This timeline's file, next to `path`: `<name>.rank-<rank>.<pid>-<id>.json`."""
+        return self.path.with_name(f"{self.path.name}.rank-{self.rank}.{self.tag}.json")
+
+    def clear_stale_files(self) -> None:
+        """Remove this rank's files left by other processes (an earlier run or attempt at
+        the same path), so the merge cannot mix them in; this process's are kept."""
+        mine = f".rank-{self.rank}.{os.getpid()}-"
+        for stale in _rank_files(self.path, self.rank):
+            if mine not in stale.name:
+                with contextlib.suppress(OSError):
+                    stale.unlink()
 
     def write(self) -> None:
         """This rank's spans and step numbers, next to `path`."""
@@ -233,6 +252,7 @@ class Timeline:
             "steps": [
                 {
                     "step": s.step,
+                    "at_ns": s.backward[0],
                     "exposed_ms": s.exposed_ns / 1e6,
                     "hidden_ms": s.hidden_ns() / 1e6,
                     "bytes": sum(b for *_, b in s.flights),
@@ -243,58 +263,86 @@ class Timeline:
             ],
         }
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        final = self.rank_file(self.rank)
+        final = self.rank_file()
         tmp, file = create_file(final.parent, final.name)  # random, O_EXCL|O_NOFOLLOW
         with file:
             file.write(json.dumps(data).encode())
         os.replace(tmp, final)
 
 
+def _rank_files(path: Path, rank: int) -> list[Path]:
+    return sorted(path.parent.glob(f"{glob.escape(path.name)}.rank-{rank}.*.json"))
+
+
 def merge(path: str | Path, world_size: int, wait_s: float = _MERGE_WAIT_S) -> dict[str, Any]:
-    """Rank 0: every rank's file into one Chrome trace at `path` (waiting for late ranks)."""
+    """Rank 0: every rank's files into one Chrome trace at `path` (waiting, up to `wait_s`,
+    until each rank has written one). A rank's files (one per recorder) share its tracks;
+    its steps are put in time order; an optimizer step that two of its recorders both
+    timed is kept once."""
     path = Path(path)
-    files = [path.with_name(f"{path.name}.rank-{r}.json") for r in range(world_size)]
     deadline = time.monotonic() + wait_s
-    while not all(f.exists() for f in files) and time.monotonic() < deadline:
+    while time.monotonic() < deadline and not all(_rank_files(path, r) for r in range(world_size)):
         time.sleep(0.1)
-    ranks = [json.loads(f.read_text()) for f in files if f.exists()]
-    base = min(r["origin_ns"] for r in ranks) if ranks else 0
+    files = {
+        r: [json.loads(f.read_text()) for f in _rank_files(path, r)] for r in range(world_size)
+    }
+    ranks = {r: parts for r, parts in files.items() if parts}
+    base = min((d["origin_ns"] for parts in ranks.values() for d in parts), default=0)
     events: list[dict[str, Any]] = []
-    for data in ranks:
-        rank, shift = data["rank"], data["origin_ns"] - base
-        used = {"compute", "comm"} | {span[1] for span in data["spans"]}
-        for tid, track in enumerate(TRACKS):
-            if track in used:
-                events.append(_meta(rank, tid, f"rank {rank} {track}"))
-        for name, track, start, dur, args in data["spans"]:
+    steps: dict[str, list[dict[str, Any]]] = {}
+    dropped: dict[str, dict[str, int]] = {}
+    for rank, parts in ranks.items():
+        spans = [
+            (name, track, start + d["origin_ns"] - base, dur, args)
+            for d in parts
+            for name, track, start, dur, args in d["spans"]
+        ]
+        spans = _one_optimizer_step_each(sorted(spans, key=lambda span: span[2]))
+        used = {"compute", "comm"} | {span[1] for span in spans}
+        events += [
+            _meta(rank, tid, f"rank {rank} {t}") for tid, t in enumerate(TRACKS) if t in used
+        ]
+        for name, track, start, dur, args in spans:
             events.append(
                 {
                     "name": name,
                     "ph": "X",
                     "pid": rank,
                     "tid": TRACKS.index(track) if track in TRACKS else 0,
-                    "ts": (start + shift) / 1000,
+                    "ts": start / 1000,
                     "dur": dur / 1000,
                     "args": args,
                 }
             )
+        records = [
+            (step.get("at_ns", 0) + d["origin_ns"], step) for d in parts for step in d["steps"]
+        ]
+        steps[str(rank)] = [step for _, step in sorted(records, key=lambda r: r[0])]
+        dropped[str(rank)] = {
+            "spans": sum(d.get("dropped_spans", 0) for d in parts),
+            "steps": sum(d.get("dropped_steps", 0) for d in parts),
+        }
     trace = {
         "traceEvents": events,
         "displayTimeUnit": "ms",
-        "phalanx": {
-            "ranks": [r["rank"] for r in ranks],
-            "steps": {str(r["rank"]): r["steps"] for r in ranks},
-            "dropped": {
-                str(r["rank"]): {
-                    "spans": r.get("dropped_spans", 0),
-                    "steps": r.get("dropped_steps", 0),
-                }
-                for r in ranks
-            },
-        },
+        "phalanx": {"ranks": sorted(ranks), "steps": steps, "dropped": dropped},
     }
     path.write_text(json.dumps(trace))
     return trace
+
+
+def _one_optimizer_step_each(spans: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """`spans` (in start order) without an optimizer step that overlaps the one before it:
+    every recorder of a process times each optimizer step (torch's hooks are global)."""
+    kept: list[tuple[Any, ...]] = []
+    last_end = -1
+    for span in spans:
+        if span[0] == OPTIMIZER_SPAN:
+            if span[2] < last_end:
+                continue
+            last_end = span[2] + span[3]
+        kept.append(span)
+    return kept
 
 
 def _meta(rank: int, tid: int, name: str) -> dict[str, Any]:
@@ -327,30 +375,23 @@ class BenchStop(SystemExit):
         self.steps = steps
 
 
-# The one timeline of this process, by path. Process-wide on purpose: every recorder in the
-# process (DDP wrappers, their reducers, the Trainer) writes into one file at exit.
-_ACTIVE: dict[Path, Timeline] = {}
-
-
 def start(path: str | Path, rank: int, world_size: int) -> Timeline:
-    """This process's timeline at `path` (made on first call), written and merged at exit."""
-    key = Path(path).resolve()
-    timeline = _ACTIVE.get(key)
-    if timeline is None:
-        stop = os.environ.get(STOP_ENV)
-        timeline = Timeline(path, rank, world_size, int(stop) if stop else None)
-        _ACTIVE[key] = timeline
-        atexit.register(_finish, timeline)
-        # A script's own opt.step() too (the one module here that imports torch, imported
-        # only by a process that records, which has torch already).
-        from phalanx.diagnostics.optimizer_spans import time_optimizer_steps
+    """A new timeline at `path` for the caller that records into it, written (and, on rank
+    0, merged) at exit. Every optimizer step of the process is timed in it."""
+    stop = os.environ.get(STOP_ENV)
+    timeline = Timeline(path, rank, world_size, int(stop) if stop else None)
+    timeline.clear_stale_files()
+    atexit.register(_finish, timeline)
+    # A script's own opt.step() too (the one module here that imports torch, imported
+    # only by a process that records, which has torch already).
+    from phalanx.diagnostics.optimizer_spans import time_optimizer_steps
 
-        time_optimizer_steps(timeline)
+    time_optimizer_steps(timeline)
     return timeline
 
 
 def from_env(rank: int, world_size: int) -> Timeline | None:
-    """The timeline `PHALANX_TIMELINE` asks for, or None when it is unset."""
+    """A new timeline where `PHALANX_TIMELINE` asks for one, or None when it is unset."""
     path = os.environ.get(ENV)
     return start(path, rank, world_size) if path else None
 
