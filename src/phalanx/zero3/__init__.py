@@ -13,6 +13,7 @@ from torch import nn
 
 from phalanx.parallel.traffic import NO_TRAFFIC, Traffic
 from phalanx.zero3.auto_wrap import Policy, by_class_names, repeated_blocks, shard_model
+from phalanx.zero3.clip import clip_grad_norm_
 from phalanx.zero3.hybrid import hybrid_mesh
 from phalanx.zero3.meta_init import Materialized, has_meta_tensors, materialize
 from phalanx.zero3.module import FSDPModule, UnshardHandle, register_fsdp_forward_method
@@ -25,7 +26,6 @@ from phalanx.zero3.policies import (
 )
 from phalanx.zero3.root import unit_of
 from phalanx.zero3.state import (
-    clip_grad_norm_,
     full_optimizer_state_dict,
     full_state_dict,
     load_full_state_dict,

@@ -71,9 +71,13 @@ class FileHome(Home):
         return self.files.tensor(shape, dtype)
 
     def keep(self, local: torch.Tensor) -> torch.Tensor:
+        """`local` in a file, whose pages then leave this process (as `settle`): kept
+        mapped, every shard written at setup stayed resident until its first gather."""
         if local.is_meta or self.files.holds(local):
             return local
-        return self.files.copy(local)
+        copy = self.files.copy(local)
+        self.files.forget([copy])
+        return copy
 
     def settle(self, tensors: list[torch.Tensor]) -> None:
         """Unmap these file pages from this process once read (a shard, copied into its

@@ -268,6 +268,7 @@ def _keep(
     if sp is not None:
         start, stop = sp.rows
         sp.local.copy_(value.reshape(sp.shape)[start:stop])
+        sp.home.settle([sp.local])  # in a file: its pages leave this process, written
     else:
         final.copy_(value)
     done.add(id(final))

@@ -148,13 +148,3 @@ def _refuse_flat_pieces(directory: Path) -> None:
             "pieces — convert it with `phalanx consolidate "
             f"{checkpoint} OUT.pt` and load OUT.pt's model into your model before training"
         )
-
-
-def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """torch's `clip_grad_norm_` over the model's DTensor gradients; the norm as a plain
-    tensor (torch returns a DTensor), the same on every rank."""
-    from torch.distributed.tensor import DTensor
-
-    params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm

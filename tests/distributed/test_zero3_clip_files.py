@@ -1,0 +1,80 @@
+"""`zero3.clip_grad_norm_` under disk offload: torch's numbers, bit for bit, with the
+gradients read one at a time, so they are never all mapped into the process at once
+(torch's clip reads every gradient before it scales any: the whole gradient resident,
+just before the step that streams it a window at a time)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.harness import run_workers
+
+WIDTH, LAYERS = 512, 6  # a weight's shard is 0.5 MB on 2 ranks
+
+
+def _mapped_offload_kb(directory: str) -> int:
+    """Resident kB of this process's mappings of files under `directory` (smaps)."""
+    total, current = 0, ""
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = re.match(r"^[0-9a-f]+-[0-9a-f]+ \S+ \S+ \S+ \S+\s*(.*)$", line)
+        if head:
+            current = head.group(1)
+        elif line.startswith("Rss:") and current.startswith(directory):
+            total += int(line.split()[1])
+    return total
+
+
+def _clip(rank: int, world: int, scratch: str) -> dict[str, Any]:
+    import torch
+    from torch import nn
+    from torch.distributed.tensor import DTensor
+
+    import phalanx
+    from phalanx import zero3
+
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(LAYERS):
+        layer = nn.Linear(WIDTH, WIDTH)
+        phalanx.fully_shard(layer, offload_policy=phalanx.DiskOffloadPolicy(path=scratch))
+        layers += [layer, nn.Tanh()]
+    model = phalanx.fully_shard(nn.Sequential(*layers))
+    x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(rank))
+    (model(x) ** 2).sum().mul(100).backward()  # a norm well above max_norm: they scale
+    params = [p for p in model.parameters() if p.grad is not None]
+    copies = []
+    for p in params:
+        twin = nn.Parameter(p.detach().clone())
+        twin.grad = p.grad.clone()
+        copies.append(twin)
+    expected = torch.nn.utils.clip_grad_norm_(copies, 1.0)
+    expected = expected.full_tensor() if isinstance(expected, DTensor) else expected
+    for unit in zero3.units(model):  # the copies read them all: unmapped again
+        for group in unit.groups:
+            for p in group.params:
+                p.home.settle([p.local, p.sharded.grad._local_tensor])
+    before = _mapped_offload_kb(scratch)
+    norm = zero3.clip_grad_norm_(model, 1.0)
+    after = _mapped_offload_kb(scratch)
+    same = all(
+        torch.equal(p.grad._local_tensor, c.grad._local_tensor) for p, c in zip(params, copies)
+    )
+    grad_kb = sum(p.grad._local_tensor.nbytes for p in params) // 1024
+    return {"norm": norm.item(), "expected": expected.item(), "grads equal": same,
+            "mapped before": before, "mapped after": after, "grad kb": grad_kb}  # fmt: skip
+
+
+@pytest.mark.timeout(120)
+def test_a_clip_of_gradients_in_files_is_torchs_and_maps_none_of_them(tmp_path: Path) -> None:
+    for out in run_workers(_clip, 2, str(tmp_path)):
+        got = out.value
+        assert got["norm"] == got["expected"] and got["norm"] > 1.0, got
+        assert got["grads equal"], got
+        # Each gradient left the process once read and once scaled: nothing stays mapped
+        # (torch's clip leaves every gradient resident: `grad kb` more).
+        assert got["mapped after"] <= got["mapped before"] + 64 < got["grad kb"], got
+        assert got["grad kb"] > 1024, got
