@@ -97,6 +97,10 @@ def test_the_record_says_when_the_exit_began_after_the_scripts_threads(tmp_path:
         "def seen(): print('exiting' if p.read_record(p.record_path(d, 0)).exiting else 'no')\n"
         "atexit.register(seen)\n"
         "p.start(0, 1, 60.0)\n"
+        "import os\n"
+        "child = os.fork()\n"  # a forked child's exit (a DataLoader worker's) is not ours
+        "if child == 0:\n    p._recorder.exiting(); os._exit(0)\n"
+        "os.waitpid(child, 0)\n"
         "assert p.read_record(p.record_path(d, 0)).exiting == 0.0\n"
         "threading.Thread(target=time.sleep, args=(0.5,)).start()\n"
         "t0 = time.time(); print(t0, flush=True)\n"

@@ -102,13 +102,14 @@ class _Recorder:
                 f.truncate(_SIZE)
                 self._map = mmap.mmap(f.fileno(), _SIZE)
         self.rank = rank
+        self.pid = os.getpid()
         self.step = self.iteration = self.collectives = 0
         self.label = b""
         self.updated = time.time()
         self._seq = 0
         self.dump_signal = 0
         self._labels: dict[str, bytes] = {}
-        _FIELDS.pack_into(self._map, 0, _MAGIC, 0, os.getpid(), rank, 0, 0, 0, 0, self.updated, 0.0)
+        _FIELDS.pack_into(self._map, 0, _MAGIC, 0, self.pid, rank, 0, 0, 0, 0, self.updated, 0.0)
 
     def set_dump_signal(self, signum: int) -> None:
         self.dump_signal = signum
@@ -140,7 +141,10 @@ class _Recorder:
         self._publish(None)
 
     def exiting(self) -> None:
-        """The interpreter has begun to exit: from now on the process only tears down."""
+        """The interpreter has begun to exit: from now on the process only tears down. Not
+        in a forked child (a DataLoader worker): the record is its parent's."""
+        if os.getpid() != self.pid:
+            return
         self._seq += 1
         _SEQ.pack_into(self._map, _SEQ_OFFSET, self._seq)
         _EXITING.pack_into(self._map, _EXITING_OFFSET, time.time())
