@@ -193,7 +193,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--reuse", type=Path, default=None, help="an earlier report's runs")
+    parser.add_argument("--every-from", type=Path, default=None,
+                        help="only add every configuration's prediction to this report")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.every_from is not None:
+        report = json.loads(args.every_from.read_text())
+        report["every_configuration"] = every_configuration(report)
+        args.every_from.write_text(json.dumps(report, indent=1))
+        print(json.dumps(report["every_configuration"]["summary"]), flush=True)
+        return 0
     args.reused = json.loads(args.reuse.read_text()) if args.reuse else {}
     Path(args.scratch).mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
@@ -205,9 +213,36 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps(report, indent=1))
     report["trainer_check"] = trainer_check(rates, args)
     report["wall_s"] = time.monotonic() - start
+    report["every_configuration"] = every_configuration(report)
     args.out.write_text(json.dumps(report, indent=1))
     print(gm.tables(report), flush=True)
+    print(json.dumps(report["every_configuration"]["summary"]), flush=True)
     return 0
+
+
+def every_configuration(report: dict[str, Any]) -> dict[str, Any]:
+    """Every configuration that trained uncapped, predicted (from the report's own rates)
+    against measured: not only the chosen ones. A pure function of the report, so that
+    `--every-from REPORT` recomputes it without training."""
+    from phalanx.train.plan.predict import predict_memory
+    from phalanx.train.plan.probe import Rates
+
+    rates = Rates(**report["rates"])
+    rows = []
+    for name, entry in report["models"].items():
+        count = gm.count(name)
+        for config in gm.candidates(name):
+            measured = entry["measured"].get(gm.key(config), {})
+            if not measured.get("trained"):
+                continue
+            predicted = predict_memory(config, count, 2, rates).total / 2**20
+            rows.append({"model": name, "config": gm.key(config), "predicted_peak_mb": predicted,
+                         "measured_peak_mb": measured["peak_rss_mb"],
+                         "error": predicted / measured["peak_rss_mb"] - 1})  # fmt: skip
+    out = [r for r in rows if abs(r["error"]) > 0.10]
+    summary = {"configurations": len(rows), "within_10_percent": len(rows) - len(out),
+               "outside": [f"{r['model']} {r['config']} {r['error']:+.1%}" for r in out]}  # fmt: skip
+    return {"rows": rows, "summary": summary}
 
 
 if __name__ == "__main__":

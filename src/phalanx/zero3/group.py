@@ -301,10 +301,16 @@ class ParamGroup:
             if self._divide_after is not None and self._divide_after != 1:
                 out.div_(self._divide_after)
             pieces = self.layout.piece_views(out)
+            # A unit partly offloaded: its other pieces go home, so a piece kept here is made
+            # its own; as a view it would keep all of `out` (the unit's rows) until zero_grad.
+            partly_away = any(p.home.away for p in self.params)
             for p, piece, had in zip(self.params, pieces, self._with_grad, strict=True):
                 if not p.sharded.requires_grad or not had:
                     continue
-                p.set_grad(piece.to(p.sharded.dtype))  # on the device: a view, no copy
+                grad = piece.to(p.sharded.dtype)  # on the device: a view, no copy
+                if partly_away and not p.home.away and _shares_storage(grad, out):
+                    grad = grad.clone()
+                p.set_grad(grad)
 
 
 def sum_then_divide(dtype: torch.dtype, factor: float) -> tuple[float | None, float]:
@@ -317,6 +323,10 @@ def sum_then_divide(dtype: torch.dtype, factor: float) -> tuple[float | None, fl
     while factor % before == 0 and factor / before > before:
         before *= 2
     return before, factor / before
+
+
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _take_grad(p: ShardedParam) -> torch.Tensor | None:
