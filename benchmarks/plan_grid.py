@@ -193,8 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--reuse", type=Path, default=None, help="an earlier report's runs")
-    parser.add_argument("--every-from", type=Path, default=None,
-                        help="only add every configuration's prediction to this report")  # fmt: skip
+    parser.add_argument(
+        "--every-from", type=Path, default=None, help="only add every prediction to this report"
+    )
     args = parser.parse_args(argv)
     if args.every_from is not None:
         report = json.loads(args.every_from.read_text())
@@ -240,8 +241,9 @@ def every_configuration(report: dict[str, Any]) -> dict[str, Any]:
                          "measured_peak_mb": measured["peak_rss_mb"],
                          "error": predicted / measured["peak_rss_mb"] - 1})  # fmt: skip
     out = [r for r in rows if abs(r["error"]) > 0.10]
+    outside = [f"{r['model']} {r['config']} {r['error']:+.1%}" for r in out]
     summary = {"configurations": len(rows), "within_10_percent": len(rows) - len(out),
-               "outside": [f"{r['model']} {r['config']} {r['error']:+.1%}" for r in out]}  # fmt: skip
+               "outside": outside}  # fmt: skip
     return {"rows": rows, "summary": summary}
 
 

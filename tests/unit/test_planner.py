@@ -4,6 +4,7 @@ group: the machine's rates are given (probe.py measures them; the grid checks th
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from phalanx.train.plan import (
     predict_step_s,
 )
 from phalanx.train.plan.budget import cgroup_limit
+from phalanx.train.plan.predict import _in_files
 
 MB = 2**20
 
@@ -144,6 +146,27 @@ def test_stage_2_accumulating_holds_whole_gradients_until_the_last_micro_batch()
     accumulating = predict_memory(Config(2, micro_batch=2, accumulation=4), count, 2, RATES)
     assert alone.gradients == p / 2
     assert accumulating.gradients == p + p / 2
+
+
+def test_an_offloaded_window_counts_only_what_lives_in_files() -> None:
+    """Found by benchmarks/plan_grid.py: with the state in files and the shards in memory
+    (stage 3 at 1/2), a window holds a parameter's state alone, its shard and gradient
+    being counted as in memory already; counting them again put the 67M MLP 16% high."""
+    # No activations and no units in flight: the optimizer step's windows are the peak.
+    count = dataclasses.replace(
+        _count(layers=16), activation_fixed=0.0, activation_per_sample=0.0,
+        unit_bytes=tuple(0 for _ in _count(layers=16).unit_bytes),
+    )  # fmt: skip
+    largest = max(count.param_bytes) / 2
+    windows = 7  # resident at once: read ahead, stepped, written back (predict.py)
+    config = Config(3, "disk", 0.5, window_mb=0.001)  # every window a single parameter
+    shards_out, state_out = _in_files(config, count)
+    assert shards_out == 0.0 and state_out == 1.0
+    parts = predict_memory(config, count, 2, RATES)
+    in_memory_state = 0.0  # all of it in files
+    assert parts.optimizer_state == pytest.approx(
+        in_memory_state + windows * count.state_per_param_byte * largest
+    )
 
 
 def test_a_roomy_budget_takes_the_fastest_and_a_tight_one_what_fits() -> None:

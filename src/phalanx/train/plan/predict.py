@@ -125,8 +125,10 @@ def predict_memory(config: Config, count: ModelCount, world: int, rates: Rates) 
             passing = _in_flight(config, count, rates, p)
     if config.offload == "disk":  # the windows in memory; the step fused: no temporaries
         offloaded = state * state_out + 2 * p / n * shards_out
-        # a window is a parameter at least: its shard, gradient and state together
-        largest_cost = (2 + count.state_per_param_byte) * max(count.param_bytes) / n
+        # a window is a parameter at least: those of its shard, gradient and state that
+        # live in files (the largest go first; a shard kept in memory is counted above)
+        in_files = count.state_per_param_byte * (state_out > 0) + 2.0 * (shards_out > 0)
+        largest_cost = in_files * max(count.param_bytes) / n
         window = max(config.window_mb * 2**20, largest_cost)
         stepping = min(offloaded, _WINDOWS_RESIDENT * window)
     else:
