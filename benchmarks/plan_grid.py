@@ -198,10 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.every_from is not None:
-        report = json.loads(args.every_from.read_text())
-        report["every_configuration"] = every_configuration(report)
-        args.every_from.write_text(json.dumps(report, indent=1))
-        print(json.dumps(report["every_configuration"]["summary"]), flush=True)
+        earlier = json.loads(args.every_from.read_text())
+        earlier["every_configuration"] = every_configuration(earlier)
+        args.every_from.write_text(json.dumps(earlier, indent=1))
+        print(json.dumps(earlier["every_configuration"]["summary"]), flush=True)
         return 0
     args.reused = json.loads(args.reuse.read_text()) if args.reuse else {}
     Path(args.scratch).mkdir(parents=True, exist_ok=True)

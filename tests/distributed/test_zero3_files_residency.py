@@ -50,8 +50,8 @@ def _clip(rank: int, world: int, scratch: str) -> dict[str, Any]:
     model = phalanx.fully_shard(nn.Sequential(*layers))
     x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(rank))
     (model(x) ** 2).sum().mul(100).backward()  # a norm well above max_norm: they scale
-    params = [p for p in model.parameters() if p.grad is not None]
-    copies = []
+    params: list[Any] = [p for p in model.parameters() if p.grad is not None]
+    copies: list[Any] = []
     for p in params:
         twin = nn.Parameter(p.detach().clone())
         twin.grad = p.grad.clone()
@@ -60,8 +60,9 @@ def _clip(rank: int, world: int, scratch: str) -> dict[str, Any]:
     expected = expected.full_tensor() if isinstance(expected, DTensor) else expected
     for unit in zero3.units(model):  # the copies read them all: unmapped again
         for group in unit.groups:
-            for p in group.params:
-                p.home.settle([p.local, p.sharded.grad._local_tensor])
+            for sp in group.params:
+                grad: Any = sp.sharded.grad
+                sp.home.settle([sp.local, grad._local_tensor])
     before = _mapped_offload_kb(scratch)
     norm = zero3.clip_grad_norm_(model, 1.0)
     after = _mapped_offload_kb(scratch)
@@ -100,7 +101,8 @@ def _mixed_unit(rank: int, world: int, scratch: str) -> dict[str, Any]:
     homes = {p.fqn: p.home.in_files for group in unit.groups for p in group.params}
     own = {}
     for name, p in layer.named_parameters():
-        local = p.grad._local_tensor
+        grad: Any = p.grad
+        local = grad._local_tensor
         own[name] = local.untyped_storage().nbytes() == local.nbytes
     return {"in files": homes, "own storage": own}
 
