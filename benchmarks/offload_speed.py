@@ -189,12 +189,12 @@ def rank_main(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]
     }
     timeline = trainers["disk"].timeline
     if timeline is not None:  # spawned ranks end with os._exit: no exit hook writes it
-        from phalanx.diagnostics import timeline as timelines
+        from phalanx.diagnostics.trace import merge
 
         timeline.write()
         dist.barrier()
         if rank == 0:
-            trace = timelines.merge(timeline.path, world)
+            trace = merge(timeline.path, world)
             out["trace_io_spans"] = sum(1 for e in trace["traceEvents"] if e.get("tid") == 2)
     for trainer in trainers.values():
         trainer.close()

@@ -40,6 +40,7 @@ from step_report import bootstrap_ci, round_ratios, round_sizes, slowest_rank_ms
 from phalanx.cli.bench_report import analyze_trace
 from phalanx.ddp.allreduce_probe import time_all_reduce
 from phalanx.diagnostics import timeline as timelines
+from phalanx.diagnostics.trace import merge
 
 VARIANTS = ("compute", "phalanx", "timeline")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "timeline_cost.json"
@@ -114,7 +115,7 @@ def run_model(
         tl.write()
         dist.barrier()
         if rank == 0:
-            trace = timelines.merge(tl.path, world, wait_s=30)
+            trace = merge(tl.path, world, wait_s=30)
             result[f"{variant}_breakdown"] = analyze_trace(trace, cfg.warmup).to_dict()
     sizes = sorted({int(b) for b in result.get("timeline_breakdown", {}).get("bucket_bytes", [])})
     sizes_obj = [sizes]

@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from phalanx.diagnostics import timeline as timelines
+from phalanx.diagnostics.trace import merge
 from phalanx.train import Trainer, TrainingArguments
 from tests.harness import run_workers
 
@@ -48,7 +49,7 @@ def _trace_of(trainer: Trainer, path: Path, rank: int, world: int) -> dict[str, 
     trainer.timeline.write()
     if rank != 0:
         return {}
-    trace = timelines.merge(path, world, wait_s=30)
+    trace = merge(path, world, wait_s=30)
     spans = [(e["pid"], e["tid"], e["name"]) for e in trace["traceEvents"] if e["ph"] == "X"]
     return {"spans": spans, "steps": trace["phalanx"]["steps"]}
 
@@ -120,7 +121,7 @@ def test_ddp_makes_its_env_timeline_at_its_first_training_forward(tmp_path: Path
         assert out.value["other spans"].count("forward") == 1
         assert out.value["other spans"].count("optimizer step") == 2  # the same two, timed
         assert out.value["samples"] == [3]
-    trace = timelines.merge(tmp_path / "ddp.json", 2, wait_s=30)
+    trace = merge(tmp_path / "ddp.json", 2, wait_s=30)
     for rank in (0, 1):
         names = [e["name"] for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == rank]
         assert names.count("forward") == 2 and names.count("backward") == 2
@@ -139,7 +140,7 @@ def test_a_merge_leaves_out_files_of_an_earlier_run(tmp_path: Path) -> None:
     timeline.clear_stale_files()
     timeline.add("new", "compute", 0, 5)
     timeline.write()
-    names = [e["name"] for e in timelines.merge(path, 1, wait_s=1)["traceEvents"] if e["ph"] == "X"]
+    names = [e["name"] for e in merge(path, 1, wait_s=1)["traceEvents"] if e["ph"] == "X"]
     assert names == ["new"] and not stale.exists()
 
 

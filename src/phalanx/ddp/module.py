@@ -206,10 +206,9 @@ class DistributedDataParallel(TorchSurface, nn.Module, JoinableDDP):
             tune_bucket_size=self._tune_bucket_size,
         )
         if "_timeline" not in self.__dict__:  # made, or copied (a copy records anew)
+            # Handed one (a Trainer's), or PHALANX_TIMELINE's at the first training forward
             self._timeline: Timeline | None = None
             self._timeline_chosen = False
-            """False until handed one (the Trainer's) or its first training forward makes
-            PHALANX_TIMELINE's: one made here would be thrown away by a Trainer."""
         # A reducer made again (a rebuild) records where the wrapper's timeline does.
         self.reducer.timeline = self._timeline
 
@@ -243,8 +242,7 @@ class DistributedDataParallel(TorchSurface, nn.Module, JoinableDDP):
                 "pickled (a group cannot travel) — copy or save model.module, and wrap it again"
             )
         state = dict(self.__dict__)
-        del state["process_group"], state["reducer"], state["_timeline"]
-        del state["_timeline_chosen"]
+        del state["process_group"], state["reducer"], state["_timeline"], state["_timeline_chosen"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

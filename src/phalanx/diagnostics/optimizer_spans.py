@@ -20,8 +20,8 @@ from torch.optim.optimizer import (
 )
 from torch.utils.hooks import RemovableHandle
 
-from phalanx.diagnostics.timeline import OPTIMIZER_SPAN as SPAN
 from phalanx.diagnostics.timeline import Timeline
+from phalanx.diagnostics.trace import OPTIMIZER_SPAN as SPAN
 
 
 def time_optimizer_steps(timeline: Timeline) -> tuple[RemovableHandle, RemovableHandle]:

@@ -30,14 +30,13 @@ its own at its first training forward when none was handed to it (`start`).
 Each timeline writes its own rank file (named per recorder) at exit; the merge
 puts every file of a rank on that rank's tracks, so two wrappers in one
 process, or a wrapper rebuilt by a live recovery, land in one trace. Imports
-no torch: `phalanx bench` reads what it writes.
+no torch: `phalanx bench` reads what it writes; the merge is trace.py's.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import glob
 import json
 import os
 import secrets
@@ -50,23 +49,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from phalanx.diagnostics.trace import merge, rank_files
 from phalanx.ground.safe_files import create_file
 
 ENV = "PHALANX_TIMELINE"
 STOP_ENV = "PHALANX_BENCH_STEPS"
 """Set by `phalanx bench`: the script ends (SystemExit(0)) at the first forward after
 this many synced steps, on every rank at the same step."""
-# Rank 0 waits this long at exit for the other ranks' files before merging what it has.
-_MERGE_WAIT_S = 20.0
 # About 20 spans per step: 200k spans keep the first ~10k steps (tens of MB) of a long
 # run and then stop recording, rather than grow without bound.
 MAX_SPANS = 200_000
 # The step records' horizon, the spans' own: each holds its collectives' flights (about
 # 2 KB a step, which went on growing after the spans' cap before this one).
 MAX_STEPS = 10_000
-OPTIMIZER_SPAN = "optimizer step"
-TRACKS = ("compute", "comm", "io")
-"""Each rank's tracks: the training thread, collectives in flight, offload file I/O."""
 
 
 @dataclass
@@ -235,7 +230,7 @@ class Timeline:
         """Remove this rank's files left by other processes (an earlier run or attempt at
         the same path), so the merge cannot mix them in; this process's are kept."""
         mine = f".rank-{self.rank}.{os.getpid()}-"
-        for stale in _rank_files(self.path, self.rank):
+        for stale in rank_files(self.path, self.rank):
             if mine not in stale.name:
                 with contextlib.suppress(OSError):
                     stale.unlink()
@@ -268,85 +263,6 @@ class Timeline:
         with file:
             file.write(json.dumps(data).encode())
         os.replace(tmp, final)
-
-
-def _rank_files(path: Path, rank: int) -> list[Path]:
-    return sorted(path.parent.glob(f"{glob.escape(path.name)}.rank-{rank}.*.json"))
-
-
-def merge(path: str | Path, world_size: int, wait_s: float = _MERGE_WAIT_S) -> dict[str, Any]:
-    """Rank 0: every rank's files into one Chrome trace at `path` (waiting, up to `wait_s`,
-    until each rank has written one). A rank's files (one per recorder) share its tracks;
-    its steps are put in time order; an optimizer step that two of its recorders both
-    timed is kept once."""
-    path = Path(path)
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline and not all(_rank_files(path, r) for r in range(world_size)):
-        time.sleep(0.1)
-    files = {
-        r: [json.loads(f.read_text()) for f in _rank_files(path, r)] for r in range(world_size)
-    }
-    ranks = {r: parts for r, parts in files.items() if parts}
-    base = min((d["origin_ns"] for parts in ranks.values() for d in parts), default=0)
-    events: list[dict[str, Any]] = []
-    steps: dict[str, list[dict[str, Any]]] = {}
-    dropped: dict[str, dict[str, int]] = {}
-    for rank, parts in ranks.items():
-        spans = [
-            (name, track, start + d["origin_ns"] - base, dur, args)
-            for d in parts
-            for name, track, start, dur, args in d["spans"]
-        ]
-        spans = _one_optimizer_step_each(sorted(spans, key=lambda span: span[2]))
-        used = {"compute", "comm"} | {span[1] for span in spans}
-        events += [
-            _meta(rank, tid, f"rank {rank} {t}") for tid, t in enumerate(TRACKS) if t in used
-        ]
-        for name, track, start, dur, args in spans:
-            events.append(
-                {
-                    "name": name,
-                    "ph": "X",
-                    "pid": rank,
-                    "tid": TRACKS.index(track) if track in TRACKS else 0,
-                    "ts": start / 1000,
-                    "dur": dur / 1000,
-                    "args": args,
-                }
-            )
-        records = [
-            (step.get("at_ns", 0) + d["origin_ns"], step) for d in parts for step in d["steps"]
-        ]
-        steps[str(rank)] = [step for _, step in sorted(records, key=lambda r: r[0])]
-        dropped[str(rank)] = {
-            "spans": sum(d.get("dropped_spans", 0) for d in parts),
-            "steps": sum(d.get("dropped_steps", 0) for d in parts),
-        }
-    trace = {
-        "traceEvents": events,
-        "displayTimeUnit": "ms",
-        "phalanx": {"ranks": sorted(ranks), "steps": steps, "dropped": dropped},
-    }
-    path.write_text(json.dumps(trace))
-    return trace
-
-
-def _one_optimizer_step_each(spans: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-    """`spans` (in start order) without an optimizer step that overlaps the one before it:
-    every recorder of a process times each optimizer step (torch's hooks are global)."""
-    kept: list[tuple[Any, ...]] = []
-    last_end = -1
-    for span in spans:
-        if span[0] == OPTIMIZER_SPAN:
-            if span[2] < last_end:
-                continue
-            last_end = span[2] + span[3]
-        kept.append(span)
-    return kept
-
-
-def _meta(rank: int, tid: int, name: str) -> dict[str, Any]:
-    return {"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": name}}
 
 
 def span_of(timeline: Timeline | None, name: str) -> AbstractContextManager[None]:

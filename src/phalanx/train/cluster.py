@@ -18,7 +18,7 @@ import math
 from collections.abc import Iterator
 from pathlib import Path
 
-from phalanx.diagnostics import timeline as timelines
+from phalanx.diagnostics.trace import merge
 from phalanx.train.logging.report import RunReport
 from phalanx.train.raytrain import RaySession, ray_session
 from phalanx.train.trainer_setup import TrainerSetup
@@ -98,7 +98,7 @@ class ClusterReport:
             setup.timeline.write()
             setup.world.barrier_or_raise(None)  # every rank's file is complete
             if setup.world.is_main:
-                timelines.merge(setup.timeline.path, setup.world.world_size)
+                merge(setup.timeline.path, setup.world.world_size)
 
     def _metrics(self, checkpoint: str | None) -> dict[str, float | str]:
         """The step, the epoch, the mean loss since the last report ("loss") and over the
