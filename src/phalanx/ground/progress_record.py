@@ -117,13 +117,16 @@ class _Recorder:
 
     def _publish(self, label: bytes | None) -> None:
         self.updated = time.time()
-        self._seq += 1
-        _SEQ.pack_into(self._map, _SEQ_OFFSET, self._seq)  # odd: an update is under way
+        self._next_seq()  # odd: an update is under way
         _BODY.pack_into(
             self._map, _BODY_OFFSET, self.step, self.iteration, self.collectives, self.updated
         )
         if label is not None:
             self._map[_LABEL_OFFSET : _LABEL_OFFSET + _LABEL_BYTES] = label
+        self._next_seq()
+
+    def _next_seq(self) -> None:
+        """The sequence number a reader checks: odd while an update is under way."""
         self._seq += 1
         _SEQ.pack_into(self._map, _SEQ_OFFSET, self._seq)
 
@@ -145,11 +148,9 @@ class _Recorder:
         in a forked child (a DataLoader worker): the record is its parent's."""
         if os.getpid() != self.pid:
             return
-        self._seq += 1
-        _SEQ.pack_into(self._map, _SEQ_OFFSET, self._seq)
+        self._next_seq()
         _EXITING.pack_into(self._map, _EXITING_OFFSET, time.time())
-        self._seq += 1
-        _SEQ.pack_into(self._map, _SEQ_OFFSET, self._seq)
+        self._next_seq()
 
 
 _recorder: _Recorder | None = None  # one per process, like faulthandler's own state
