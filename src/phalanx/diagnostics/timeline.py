@@ -25,8 +25,9 @@ the rest are counted, not kept; the counts go into the rank file and the merged
 trace (`dropped_spans`, `dropped_steps`), and the rank says so on stderr at exit.
 
 A timeline belongs to what records into it: the Trainer makes one and hands it
-to the wrappers it builds; a hand loop's DDP wrapper or fully_shard root makes
-its own at its first training forward when none was handed to it (`start`).
+to the wrappers it builds; a hand loop's DDP wrapper makes its own at its first
+training forward when none was handed to it (`start`), a fully_shard root at its
+first forward.
 Each timeline writes its own rank file (named per recorder) at exit; the merge
 puts every file of a rank on that rank's tracks, so two wrappers in one
 process, or a wrapper rebuilt by a live recovery, land in one trace. Imports
