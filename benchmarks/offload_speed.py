@@ -89,9 +89,10 @@ def disk_bandwidth(directory: Path, nbytes: int, rank: int) -> dict[str, float]:
 
 # ------------------------------------------------------------------------------ the ranks
 def variants(args: argparse.Namespace) -> list[str]:
-    """memory, disk (at --window-mb), and disk-W for each of --extra-windows."""
+    """memory, disk (at --window-mb), mapped (--mapped: disk with O_DIRECT off, the state
+    stepped through its mappings), and disk-W for each of --extra-windows."""
     extra = [f"disk-{w}" for w in args.extra_windows.split(",") if w]
-    return [*VARIANTS, *extra]
+    return [*VARIANTS, *(["mapped"] if args.mapped else []), *extra]
 
 
 def make_trainer(variant: str, args: argparse.Namespace, scratch: Path) -> Any:
@@ -105,7 +106,7 @@ def make_trainer(variant: str, args: argparse.Namespace, scratch: Path) -> Any:
     torch.manual_seed(0)
     model = TanhMLP(args.layers, args.width)
     data = TensorDataset(torch.zeros(8, args.width))  # unused: the loop feeds its own batches
-    disk = variant.startswith("disk")
+    disk = variant.startswith("disk") or variant == "mapped"
     window = float(variant.split("-")[1]) if "-" in variant else args.window_mb
     targs = phalanx.TrainingArguments(
         output_dir=str(scratch / f"out-{variant}"),
@@ -121,6 +122,7 @@ def make_trainer(variant: str, args: argparse.Namespace, scratch: Path) -> Any:
         zero_offload="disk" if disk else None,
         zero_offload_dir=str(scratch / "offload") if disk else None,
         zero_offload_window_mb=window,
+        optim=args.memory_optim if not disk else "adamw_torch",  # offload fuses by itself
         timeline=args.timeline if variant == "disk" and args.timeline else None,
     )
     from phalanx.train.trainer_state import TrainState
@@ -132,6 +134,12 @@ def make_trainer(variant: str, args: argparse.Namespace, scratch: Path) -> Any:
         loss_fn=lambda out, batch: nn.functional.mse_loss(out, batch[1]),
     )
     trainer.setup.state = TrainState()
+    if variant == "mapped":  # before the first step: no state is in files yet
+        from phalanx.offload import streamer_of
+
+        streamer = streamer_of(trainer.optimizer)
+        assert streamer is not None
+        streamer.files.direct = False
     time_optimizer(trainer)
     return trainer
 
@@ -212,11 +220,13 @@ def timed_step(trainer: Any, batch: list[Any], streamer: Any) -> dict[str, float
 
     before = None if streamer is None else dict(vars(streamer.stats))
     usage = resource.getrusage(resource.RUSAGE_THREAD)
+    process = resource.getrusage(resource.RUSAGE_SELF)
     trainer._opt_s = 0.0
     start = time.perf_counter()
     trainer.setup.stepper.run([batch], 1, trainer.loss_fn, trainer.state)
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_THREAD)
+    process_after = resource.getrusage(resource.RUSAGE_SELF)
     slowest = torch.tensor([wall])
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     step = {
@@ -227,6 +237,10 @@ def timed_step(trainer: Any, batch: list[Any], streamer: Any) -> dict[str, float
         "minor_faults": float(after.ru_minflt - usage.ru_minflt),
         "thread_cpu_s": after.ru_utime + after.ru_stime - usage.ru_utime - usage.ru_stime,
         "thread_sys_s": after.ru_stime - usage.ru_stime,
+        "process_cpu_s": process_after.ru_utime
+        + process_after.ru_stime
+        - process.ru_utime
+        - process.ru_stime,
     }
     if streamer is not None and before is not None:
         step.update({k: v - before[k] for k, v in vars(streamer.stats).items()})
@@ -234,10 +248,15 @@ def timed_step(trainer: Any, batch: list[Any], streamer: Any) -> dict[str, float
 
 
 def params_equal(trainers: dict[str, Any]) -> float:
-    """Largest difference between the two Trainers' shards: they saw the same batches."""
+    """Largest difference between the memory Trainer's shards and any other's: they saw the
+    same batches."""
     mem = list(trainers["memory"].model.parameters())
-    disk = list(trainers["disk"].model.parameters())
-    return max(float((a._local_tensor - b._local_tensor).abs().max()) for a, b in zip(mem, disk))
+    return max(
+        float((a._local_tensor - b._local_tensor).abs().max())
+        for name, trainer in trainers.items()
+        if name != "memory"
+        for a, b in zip(mem, trainer.model.parameters())
+    )
 
 
 # ------------------------------------------------------------------------------ the report
@@ -259,7 +278,14 @@ def summarise(ranks: list[dict[str, Any]], args: argparse.Namespace) -> dict[str
     phases = {
         v: {
             k: statistics.median(s[k] for s in ranks[0]["steps"][v])
-            for k in ("optimizer_s", "minor_faults", "major_faults", "thread_cpu_s", "thread_sys_s")
+            for k in (
+                "optimizer_s",
+                "minor_faults",
+                "major_faults",
+                "thread_cpu_s",
+                "thread_sys_s",
+                "process_cpu_s",
+            )
         }
         for v in variants(args)
     }
@@ -275,6 +301,7 @@ def summarise(ranks: list[dict[str, Any]], args: argparse.Namespace) -> dict[str
             "read_mb_s": rate(d, "read_bytes", lambda s: s.get("read_s", 0.0)),
             "write_mb_s": rate(d, "written_bytes", lambda s: s["io_s"] - s.get("read_s", 0.0)),
             "moved_mb_per_step": moved / len(d) / MB,
+            "moved_mb_s_in_optimizer_step": moved / MB / sum(s["step_s"] for s in d),
             "achieved_mb_s": moved / MB / sum(s["io_s"] for s in d),
         }
     disk_own = {
@@ -294,6 +321,12 @@ def summarise(ranks: list[dict[str, Any]], args: argparse.Namespace) -> dict[str
             / statistics.median(mem),
             "wait_share": [
                 sum(s["wait_s"] for s in r["steps"][v]) / sum(s["s"] for s in r["steps"][v])
+                for r in ranks
+            ],
+            "moved_mb_s_in_optimizer_step": [
+                sum(s["read_bytes"] + s["written_bytes"] for s in r["steps"][v])
+                / MB
+                / sum(s["step_s"] for s in r["steps"][v])
                 for r in ranks
             ],
         }
@@ -327,6 +360,14 @@ def main() -> None:
     parser.add_argument("--window-mb", type=float, default=64.0)
     parser.add_argument(
         "--extra-windows", default="", help="more disk variants at these windows (MB): 16,256"
+    )
+    parser.add_argument(
+        "--mapped", action="store_true", help="add disk offload with O_DIRECT off (mappings)"
+    )
+    parser.add_argument(
+        "--memory-optim",
+        default="adamw_torch_fused",
+        help="the in-memory Trainer's optim (the offloaded step runs fused AdamW itself)",
     )
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--per-round", type=int, default=2)

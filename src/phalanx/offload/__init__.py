@@ -9,10 +9,11 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from phalanx.errors import ConfigurationError
-from phalanx.offload.files import OffloadFiles, sweep_dead_runs
+from phalanx.offload.files import OffloadFiles
 from phalanx.offload.fraction import largest_first
 from phalanx.offload.fused import local
 from phalanx.offload.policies import CPUOffloadPolicy, DiskOffloadPolicy, OffloadPolicy
+from phalanx.offload.scratch import sweep_dead_runs
 from phalanx.offload.stream import IOStats, Streamer
 from phalanx.offload.streamed import stream_optimizer, streamer_of
 

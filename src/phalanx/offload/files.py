@@ -33,7 +33,6 @@ import errno
 import mmap
 import os
 import shutil
-import socket
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -42,8 +41,10 @@ from pathlib import Path
 import torch
 
 from phalanx.errors import OffloadError
+from phalanx.offload.direct import aligned
+from phalanx.offload.scratch import PREFIX, owner_key, sweep_dead_runs
 
-__all__ = ["OffloadFiles", "Region", "owner_key", "read_at", "sweep_dead_runs", "write_at"]
+__all__ = ["OffloadFiles", "Region", "read_at", "write_at"]
 
 PAGE = mmap.PAGESIZE
 _MADV_WILLNEED = 3
@@ -57,10 +58,6 @@ _SYNC_FILE_RANGE_WRITE = 2
 _SYNC_FILE_RANGE_WAIT_AFTER = 4
 _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_ZERO_RANGE = 0x10  # Linux 3.15+, ext4 and xfs: zeroes, blocks kept allocated
-_PREFIX = "phalanx-offload"
-# Linux's PID_MAX_LIMIT on 64-bit: no process has a larger pid (a name that says otherwise
-# was not written by a live owner).
-_PID_MAX_LIMIT = 1 << 22
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 # ctypes releases the GIL around these calls: advice runs beside the training thread.
@@ -95,7 +92,7 @@ class OffloadFiles:
         sweep_dead_runs(self.parent)
         try:
             self.parent.mkdir(parents=True, exist_ok=True)
-            prefix = f"{_PREFIX}-{owner_key()}-{os.getpid()}-rank{rank}-"
+            prefix = f"{PREFIX}-{owner_key()}-{os.getpid()}-rank{rank}-"
             self.directory = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
         except OSError as e:
             raise OffloadError(
@@ -108,6 +105,9 @@ class OffloadFiles:
         atexit.register(self.close)
         self.can_discard = self._zero_range_works()
         """Whether `discard` can drop pages unwritten here (not on tmpfs, for one)."""
+        self.direct = False
+        """Whether the optimizer's step moves its state through these files by O_DIRECT
+        (direct.py); the policy turns it on where the filesystem takes it."""
 
     def tensor(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A zero-filled tensor backed by a new file of its own (allocated whole)."""
@@ -119,9 +119,9 @@ class OffloadFiles:
             return torch.zeros(shape, dtype=dtype)
         self._count += 1
         path = self.directory / f"{self._count:06d}.bin"
-        fd = self._open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = self.open_file(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            self._allocate(fd, nbytes, path)
+            self._allocate(fd, aligned(nbytes), path)  # whole pages: O_DIRECT moves only those
             mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)  # the mapping keeps the file; the descriptor is not needed
@@ -164,6 +164,13 @@ class OffloadFiles:
     def holds(self, tensor: torch.Tensor) -> bool:
         return self.region(tensor) is not None
 
+    def path_of(self, tensor: torch.Tensor) -> Path | None:
+        """The file `tensor` spans whole (not a view of part of one), else None."""
+        region = self.region(tensor)
+        if region is None or tensor.data_ptr() != region.address:
+            return None
+        return region.path if tensor.nbytes == region.nbytes else None
+
     @contextlib.contextmanager
     def through_file(self, tensor: torch.Tensor) -> Iterator[int]:
         """A descriptor on `tensor`'s file, for `write_at`/`read_at`: bytes that go through
@@ -171,7 +178,7 @@ class OffloadFiles:
         mapping's pages would (coherent with the mapping: one page cache)."""
         region = self.region(tensor)
         assert region is not None, "not a tensor of these files"
-        fd = self._open(region.path, os.O_RDWR)
+        fd = self.open_file(region.path, os.O_RDWR)
         try:
             yield fd
         finally:
@@ -198,7 +205,7 @@ class OffloadFiles:
         fds: list[int] = []
         for region in regions:
             try:
-                fd = self._open(region.path, os.O_RDWR)
+                fd = self.open_file(region.path, os.O_RDWR)
             except OffloadError:
                 for opened in fds:
                     os.close(opened)
@@ -238,14 +245,14 @@ class OffloadFiles:
         if not self.can_discard:
             return
         for region in self._regions_of(tensors):
-            fd = self._open(region.path, os.O_RDWR)
+            fd = self.open_file(region.path, os.O_RDWR)
             try:
                 mode = _FALLOC_FL_ZERO_RANGE | _FALLOC_FL_KEEP_SIZE
                 _libc.fallocate(fd, mode, 0, region.nbytes)
             finally:
                 os.close(fd)
 
-    def _open(self, path: Path, flags: int, mode: int = 0o600) -> int:
+    def open_file(self, path: Path, flags: int, mode: int = 0o600) -> int:
         """os.open, with a file or directory removed under the run said in one line."""
         try:
             return os.open(path, flags, mode)
@@ -335,59 +342,3 @@ def read_at(fd: int, out: torch.Tensor, offset: int) -> int:
             break
         view, offset, total = view[done:], offset + done, total + done
     return total
-
-
-def owner_key() -> str:
-    """What makes a pid name one process: `<host>-<boot id>-<PID namespace>`.
-
-    A pid alone is not enough: another PID namespace (a container) sharing the
-    directory numbers its processes from 1 too, and a boot starts the numbering
-    again. The boot id is /proc/sys/kernel/random/boot_id, the namespace the
-    inode of /proc/self/ns/pid; where either cannot be read, "x" (and so two such
-    owners look alike, as before).
-    """
-    host = socket.gethostname().replace("-", "_")
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip().replace("-", "")[:16]
-    except OSError:
-        boot = "x"
-    try:
-        namespace = str(os.stat("/proc/self/ns/pid").st_ino)
-    except OSError:
-        namespace = "x"
-    return f"{host}-{boot or 'x'}-{namespace}"
-
-
-def sweep_dead_runs(parent: Path) -> list[Path]:
-    """Remove offload directories under `parent` left by processes that are gone (a killed
-    run's scratch: nothing reads it, it only takes disk). Returns what was removed.
-
-    Only directories of this process's `owner_key` are judged: their pids are pids
-    here. Another namespace's, another boot's or another host's are left alone,
-    since no pid here says whether their owner lives.
-    """
-    removed: list[Path] = []
-    if not parent.is_dir():
-        return removed
-    mine = f"{_PREFIX}-{owner_key()}-"
-    for entry in parent.glob(f"{mine}*"):
-        pid = entry.name[len(mine) :].split("-")[0]
-        if not pid.isdigit() or _alive(int(pid)):
-            continue
-        shutil.rmtree(entry, ignore_errors=True)
-        removed.append(entry)
-    return removed
-
-
-def _alive(pid: int) -> bool:
-    """Whether process `pid` of this namespace lives; a number no pid can be is nobody's
-    (os.kill would raise OverflowError for it)."""
-    if not 0 < pid < _PID_MAX_LIMIT:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -1,5 +1,5 @@
 """How a window of offloaded state is stepped: torch's fused CPU Adam where the user left
-the choice to torch, and the local tensor a DTensor's step reads."""
+the choice to torch, and the local tensor a DTensor's step reads (and one put back)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,24 @@ from torch.optim import Optimizer
 def local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local tensor; any other tensor itself."""
     return getattr(t, "_local_tensor", t)
+
+
+def like(value: torch.Tensor, inner: torch.Tensor) -> torch.Tensor:
+    """`inner` in `value`'s place: itself for a plain tensor, for a DTensor a DTensor of the
+    same mesh, placements and global shape over `inner` as its local tensor."""
+    if local(value) is value:
+        return inner
+    from torch.distributed.tensor import DTensor
+
+    assert isinstance(value, DTensor)
+    return DTensor.from_local(
+        inner,
+        value.device_mesh,
+        value.placements,
+        run_check=False,
+        shape=value.shape,
+        stride=value.stride(),
+    )
 
 
 def fuse_where_default(optimizer: Optimizer) -> list[dict[str, Any]]:

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.errors import ConfigurationError
+from phalanx.offload import direct
 from phalanx.offload.files import OffloadFiles
 from phalanx.offload.fraction import Order, largest_first, shard_share, state_share
 
@@ -57,6 +58,9 @@ class DiskOffloadPolicy(OffloadPolicy):
     params: bool = True
     fraction: float = 1.0
     order: Order = "coldest"
+    direct: bool | None = None
+    """Move the optimizer's state by O_DIRECT in its step (offload/direct.py): None where the
+    filesystem takes it (not tmpfs), False never (mappings throughout), True or an error."""
     _files: OffloadFiles | None = field(default=None, init=False, repr=False, compare=False)
     """This process's scratch directory for the policy's state: the policy owns it, so the
     units' shards, their gradients and the optimizer's state given this policy share it."""
@@ -120,6 +124,15 @@ class DiskOffloadPolicy(OffloadPolicy):
         if self._files is None or self._files.closed:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
             self._files = OffloadFiles(self.path, rank, what)
+            works = direct.supported(self._files.directory) if self.direct is not False else False
+            if self.direct and not works:
+                self._files.close()
+                raise ConfigurationError(
+                    f"DiskOffloadPolicy(direct=True): the filesystem of {self.path} refuses "
+                    "O_DIRECT (tmpfs?) — point path at a local disk, or leave direct=None "
+                    "to step through mappings where O_DIRECT is refused"
+                )
+            self._files.direct = works
         return self._files
 
     def close(self) -> None:

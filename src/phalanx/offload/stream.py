@@ -5,7 +5,10 @@ walks its parameters in windows of about `window_bytes` of state: while the opti
 own step (torch's; hooks run once around the whole step; Adam fused where the
 user left the choice to torch) updates window i, a read thread has window
 i+1's pages read in and a write thread window i-1's written back and dropped.
-Gradients are not written back: zero_grad drops them unwritten. State tensors
+Where the files take O_DIRECT, a window's optimizer state is not faulted in but
+read into a buffer, stepped there and written back (direct.py); the step returns
+once those writes are done. Gradients are not written back: zero_grad drops them
+unwritten. State tensors
 the optimizer creates on its first step are moved into files as each window
 finishes, so the whole state never exists in memory; a state loaded from a
 checkpoint is moved the same way.
@@ -20,7 +23,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,9 +30,11 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from phalanx.errors import OffloadError
+from phalanx.offload.direct import DirectMover, entries_of
 from phalanx.offload.files import OffloadFiles
-from phalanx.offload.fused import fuse_where_default, local
+from phalanx.offload.fused import fuse_where_default, like, local
 from phalanx.offload.held import SaveHold
+from phalanx.offload.window import IOStats, Window
 from phalanx.parallel.traffic import TimedWait
 from phalanx.runtime.agree import raise_on_every_rank
 
@@ -39,21 +43,8 @@ if TYPE_CHECKING:
 
 __all__ = ["IOStats", "Streamer"]
 
-
-@dataclass
-class IOStats:
-    """What the offloaded steps cost: bytes through the files, and the step's waits."""
-
-    read_bytes: int = 0
-    written_bytes: int = 0
-    io_s: float = 0.0
-    """Time the I/O threads spent reading and writing."""
-    read_s: float = 0.0
-    """Of which reading (faulting the next window's pages in)."""
-    wait_s: float = 0.0
-    """Time the training thread waited for a window's pages (the exposed I/O)."""
-    step_s: float = 0.0
-    """Wall time of the offloaded optimizer steps."""
+_WRITES_IN_FLIGHT = 4
+"""Windows being written back through mappings at once: the rest wait (a bounded window)."""
 
 
 class Streamer:
@@ -78,7 +69,9 @@ class Streamer:
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="phalanx-offload-read")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="phalanx-offload-write")
         self._writes: list[Future[None]] = []
-        self._first_ahead: Future[None] | None = None
+        self.direct = DirectMover(files.open_file, self._timed_direct, self._wait)
+        """The state moved by O_DIRECT where the files take it (direct.py)."""
+        self._first_ahead: list[Future[None]] = []
         """The next step's first window, read while forward and backward run."""
         self.hold: SaveHold | None = None
         """The background save in flight's file-backed tensors: copied aside before a
@@ -116,20 +109,26 @@ class Streamer:
             return 4 * nbytes
         return 2 * nbytes + sum(local(v).nbytes for v in state.values() if torch.is_tensor(v))
 
-    def _tensors(
-        self, optimizer: Optimizer, params: list[list[torch.Tensor]]
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Every file-backed tensor a window's step reads or writes: (those it writes, the
-        parameters and their state; those it only reads, the gradients)."""
+    def _plan(self, optimizer: Optimizer, params: list[list[torch.Tensor]]) -> Window:
+        """Every file-backed tensor a window's step reads or writes: those it writes through
+        mappings (the parameters and their state), those it only reads (the gradients), and
+        the state it moves by O_DIRECT instead (direct.py), where the files take it."""
+        flat = [p for members in params for p in members]
+        direct = entries_of(optimizer, flat, self.files.path_of) if self.files.direct else []
+        by_direct = {local(e.value).data_ptr() for e in direct}
         written, read = [], []
-        for members in params:
-            for p in members:
-                written.append(local(p))
-                if p.grad is not None:
-                    read.append(local(p.grad))
-                state = optimizer.state.get(p, {}).values()
-                written += [local(v) for v in state if torch.is_tensor(v)]
-        return [t for t in written if self.files.holds(t)], [t for t in read if self.files.holds(t)]
+        for p in flat:
+            written.append(local(p))
+            if p.grad is not None:
+                read.append(local(p.grad))
+            state = optimizer.state.get(p, {}).values()
+            written += [local(v) for v in state if torch.is_tensor(v)]
+        return Window(
+            params,
+            [t for t in written if self.files.holds(t) and t.data_ptr() not in by_direct],
+            [t for t in read if self.files.holds(t)],
+            direct,
+        )
 
     # ------------------------------------------------------------------- step
     def step(self, optimizer: Optimizer) -> None:
@@ -149,10 +148,12 @@ class Streamer:
     def _read_first_window_ahead(self, optimizer: Optimizer) -> None:
         """Start reading the next step's first window now: otherwise every step begins by
         waiting for it, the one read nothing else overlaps (its gradients, made by the
-        next backward, are read with it then; they are fresh in memory anyway)."""
+        next backward, are read with it then; they are fresh in memory anyway). Its state
+        moved by O_DIRECT is read when the step begins: a buffer read now would miss what
+        changes the state before then (a checkpoint loaded in place)."""
         windows = self.windows(optimizer)
         if windows:
-            self._first_ahead = self._read(*self._tensors(optimizer, windows[0]))
+            self._first_ahead = self._read(self._plan(optimizer, windows[0]), direct=False).reads
 
     def _step_windows(
         self,
@@ -167,31 +168,38 @@ class Streamer:
         windows = self.windows(optimizer, only)
         drop = {id(p) for p in free_grads or ()}
         fused = fuse_where_default(optimizer)
-        ahead, self._first_ahead = self._first_ahead, None  # read during forward and backward
+        early, self._first_ahead = self._first_ahead, []  # read during forward and backward
+        failed = True
         try:
-            if ahead is None and windows:
-                ahead = self._read(*self._tensors(optimizer, windows[0]))
-            for i, window in enumerate(windows):
-                written, read = self._tensors(optimizer, window)
-                if ahead is not None:
-                    self._wait(ahead)
+            if windows:
+                ahead = self._read(self._plan(optimizer, windows[0]), mapped=not early)
+                ahead.reads += early
+            for i, params in enumerate(windows):
+                window = ahead
+                for read in window.reads:
+                    self._wait(read)
                 if i + 1 < len(windows):
-                    ahead = self._read(*self._tensors(optimizer, windows[i + 1]))
-                for group, members in zip(groups, window):
+                    ahead = self._read(self._plan(optimizer, windows[i + 1]))
+                for group, members in zip(groups, params):
                     group["params"] = members
-                self._keep_for_save(written)
-                self._raw_step(optimizer)
-                stepped = [p for members in window for p in members]
+                self._keep_for_save(window.held())
+                with window.stepping():
+                    self._raw_step(optimizer)
+                stepped = [p for members in params for p in members]
                 moved = self.adopt(optimizer, stepped)
                 for p in stepped:
                     if id(p) in drop:
                         p.grad = None
-                self._write(written + moved, read)
+                self._write(window.written + moved, window.read)
+                if window.buffer is not None:
+                    self.direct.write(window.buffer)
+            failed = False
         finally:
             for group, members in zip(groups, originals):
                 group["params"] = members
             for group in fused:
                 group["fused"] = None
+            self.direct.finish(failed)  # the mappings show this step's state from here on
 
     def adopt(self, optimizer: Optimizer, params: list[torch.Tensor]) -> list[torch.Tensor]:
         """Move the state of `params` that is still in memory into files; the moved."""
@@ -256,34 +264,32 @@ class Streamer:
         self.drain()
 
     def _in_file(self, value: torch.Tensor) -> torch.Tensor:
-        inner = local(value)
-        copy = self.files.copy(inner.contiguous())
-        if inner is value:
-            return copy
-        from torch.distributed.tensor import DTensor
-
-        assert isinstance(value, DTensor)
-        return DTensor.from_local(
-            copy,
-            value.device_mesh,
-            value.placements,
-            run_check=False,
-            shape=value.shape,
-            stride=value.stride(),
-        )
+        return like(value, self.files.copy(local(value).contiguous()))
 
     # --------------------------------------------------------------------- io
-    def _read(self, written: list[torch.Tensor], read: list[torch.Tensor]) -> Future[None]:
-        """Fault a window in on the read thread: what the step writes mapped writable."""
+    def _read(self, window: Window, mapped: bool = True, direct: bool = True) -> Window:
+        """Start reading a window on the read thread: its mapped part faulted in (what the
+        step writes mapped writable), its O_DIRECT part into a slab."""
+        written, read = window.written, window.read
 
         def populate(_: list[torch.Tensor]) -> None:
             self.files.populate(read)
             self.files.populate(written, writable=True)
-            self._keep_for_save(written)  # here, off the training thread, where it can
+            self._keep_for_save(window.held())  # here, off the training thread, where it can
 
-        nbytes = sum(t.nbytes for t in written + read)
-        self.stats.read_bytes += nbytes
-        return self._reader.submit(self._timed, "read", populate, written + read, nbytes)
+        if mapped and (written or read):
+            nbytes = sum(t.nbytes for t in written + read)
+            self.stats.read_bytes += nbytes
+            work = self._reader.submit(self._timed, "read", populate, written + read, nbytes)
+            window.reads.append(work)
+        if direct and window.direct:
+            buffer = window.buffer = self.direct.window(window.direct)
+            self.stats.read_bytes += buffer.nbytes
+            work = self._reader.submit(
+                self._timed_direct, "read", lambda: self.direct.read(buffer), buffer.nbytes
+            )
+            window.reads.append(work)
+        return window
 
     def hold_for_save(self) -> SaveHold:
         """A hold on this optimizer's file-backed tensors for one background save: kept still
@@ -311,7 +317,7 @@ class Streamer:
                 self.files.forget(grads)
 
         self._writes.append(self._writer.submit(self._timed, "write", release, written, nbytes))
-        while len(self._writes) > 4:  # at most four windows being written: a bounded window
+        while len(self._writes) > _WRITES_IN_FLIGHT:
             self._wait(self._writes.pop(0))
 
     def discard_grads(self, optimizer: Optimizer) -> None:
@@ -339,6 +345,12 @@ class Streamer:
         if self.timeline is not None:
             self.timeline.add(f"offload {what}", "io", io.start_ns, io.end_ns, bytes=nbytes)
 
+    def _timed_direct(self, what: str, work: Callable[[], None], nbytes: int) -> None:
+        self.stats.direct_bytes += nbytes
+        if what == "write":
+            self.stats.written_bytes += nbytes
+        self._timed(what, lambda _: work(), [], nbytes)
+
     def _wait(self, future: Future[None]) -> None:
         with TimedWait() as waited:
             future.result()
@@ -357,5 +369,6 @@ class Streamer:
 
     def close(self) -> None:
         self.drain()
+        self.direct.close()
         self._reader.shutdown(wait=True)
         self._writer.shutdown(wait=True)
