@@ -42,6 +42,7 @@ import spawn
 import torch
 import torch.distributed as dist
 from interleave import balanced_order, balanced_rounds
+from load import busy
 from step_report import BASE_VARIANTS, format_table, round_sizes, summarise
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
@@ -76,6 +77,8 @@ class BenchConfig:
     """gloo ranks on this machine."""
     bucket_sweep: tuple[str, ...] = ()
     """Extra phalanx variants, one per bucket_cap_mb (a number of MiB, or "auto")."""
+    load: int = 0
+    """Busy background processes while the ranks run (load.py): 0 is a quiet run."""
 
     @property
     def variants(self) -> tuple[str, ...]:
@@ -254,6 +257,7 @@ def parse_args(argv: list[str] | None) -> tuple[BenchConfig, Path, float]:
         default="",
         help='extra phalanx variants by bucket_cap_mb, e.g. "1,5,100,auto"',
     )
+    p.add_argument("--load", type=int, default=0, help="busy background processes (load.py)")
     a = p.parse_args(argv)
     names = tuple(m.strip() for m in a.models.split(",") if m.strip())
     unknown = sorted(set(names) - set(models.SPECS))
@@ -273,6 +277,7 @@ def parse_args(argv: list[str] | None) -> tuple[BenchConfig, Path, float]:
         tolerance=a.tolerance,
         world_size=a.world_size,
         bucket_sweep=tuple(c.strip() for c in a.bucket_sweep.split(",") if c.strip()),
+        load=a.load,
     )
     return cfg, a.out, a.timeout
 
@@ -285,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     started = time.monotonic()
-    env, per_model = launch(cfg, timeout)
+    with busy(cfg.load):
+        env, per_model = launch(cfg, timeout)
     summaries = {name: summarise(ranks, cfg) for name, ranks in per_model.items()}
     if env.get("impl") != "phalanx":
         print(f"NOTE: the 'phalanx' column is {env.get('impl')}, not phalanx", flush=True)

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import interleave
+import load
 import models
 import spawn
 import torch
@@ -166,22 +167,25 @@ def time_rank(
     variants = {v: build(v, model_spec) for v in VARIANTS}
     g = torch.Generator().manual_seed(rank)
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
     rounds = interleave.balanced_rounds(rounds, 1, len(VARIANTS))
     for r in range(rounds + 1):  # round 0 warms up (allocator, the DDPs' bucket rebuild)
         for variant in interleave.balanced_order(r, VARIANTS):
             model, opt = variants[variant]
             dist.barrier()
             for _ in range(per_round):
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), time.process_time()
                 x, y = model_spec.make_batch(g)
                 model_spec.loss(model(x), y).backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
+                used = time.process_time() - cpu_start  # every thread of this process
                 elapsed = torch.tensor([time.perf_counter() - start])
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slower rank sets the pace
                 if r:
                     times[variant].append(float(elapsed))
-    return {"times": times}
+                    cpu[variant].append(used)
+    return {"times": times, "cpu": cpu}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -191,24 +195,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=14)
     parser.add_argument("--per-round", type=int, default=2)
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--no-memory", action="store_true", help="time only (no memory table)")
+    parser.add_argument(
+        "--load", type=int, default=0, help="busy background processes while it times (load.py)"
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
-    result: dict[str, Any] = {}
+    result: dict[str, Any] = {
+        "settings": {**vars(args), "out": str(args.out), "load": load.describe(args.load)},
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
     for model_name in args.models.split(","):
         entry: dict[str, Any] = {
             "params": sum(p.numel() for p in spec(model_name, args.tiny).build().parameters())
         }
-        for world in (int(w) for w in args.worlds.split(",")):
+        for world in (int(w) for w in args.worlds.split(",")) if not args.no_memory else ():
             for variant in VARIANTS:
                 ranks = spawn.run_ranks(
                     measure_rank, world, variant, model_name, args.tiny, threads=max(1, 2 // world)
                 )
                 entry.setdefault("memory", {})[f"world{world}-{variant}"] = ranks
-        timing = spawn.run_ranks(time_rank, 2, model_name, args.rounds, args.per_round, args.tiny)[
-            0
-        ]
+        with load.busy(args.load):
+            timing = spawn.run_ranks(
+                time_rank, 2, model_name, args.rounds, args.per_round, args.tiny
+            )[0]
         medians = {v: statistics.median(timing["times"][v]) for v in VARIANTS}
         entry["step_s_median"] = medians
+        cpu = {v: statistics.median(timing["cpu"][v]) for v in VARIANTS}
+        entry["cpu_s_median_rank0"] = cpu
+        entry["cpu_ratios"] = {f"{v}_over_{t}": cpu[v] / cpu[t] for v, t in COUNTERPART.items()}
         entry["ratios"] = {f"{v}_over_{t}": medians[v] / medians[t] for v, t in COUNTERPART.items()}
         entry["ratios"].update(
             {f"{v}_over_torch_ddp": medians[v] / medians["torch_ddp"] for v in VARIANTS}
@@ -230,7 +245,7 @@ def markdown_table(model_name: str, entry: dict[str, Any]) -> str:
     ]
     medians = entry["step_s_median"]
     for variant in VARIANTS:
-        ranks = entry["memory"].get(f"world2-{variant}")
+        ranks = entry.get("memory", {}).get(f"world2-{variant}")
         r0 = ranks[0] if ranks else {}
         counterpart = COUNTERPART.get(variant)
         vs = f"{medians[variant] / medians[counterpart]:.3f}" if counterpart else ""

@@ -32,6 +32,7 @@ from torch.optim import Optimizer
 from phalanx.errors import OffloadError
 from phalanx.offload.direct import DirectMover, entries_of
 from phalanx.offload.files import OffloadFiles
+from phalanx.offload.fileset import FileSet
 from phalanx.offload.fused import fuse_where_default, like, local
 from phalanx.offload.held import SaveHold
 from phalanx.offload.window import IOStats, Window
@@ -58,6 +59,10 @@ class Streamer:
         group: dist.ProcessGroup | None,
     ) -> None:
         self.files = files
+        """Its own scratch directory: the state it makes goes there."""
+        self.all_files = FileSet(files)
+        """Its own and those holding its parameters' shards (`streams_from`): a window's
+        tensors are read, written back and held for a save through whichever holds them."""
         self.in_files: set[int] | None = None  # fractional offload: only these ids' state
         self.window_bytes = max(1, window_bytes)
         self.group = group
@@ -125,8 +130,8 @@ class Streamer:
             written += [local(v) for v in state if torch.is_tensor(v)]
         return Window(
             params,
-            [t for t in written if self.files.holds(t) and t.data_ptr() not in by_direct],
-            [t for t in read if self.files.holds(t)],
+            [t for t in written if self.all_files.holds(t) and t.data_ptr() not in by_direct],
+            [t for t in read if self.all_files.holds(t)],
             direct,
         )
 
@@ -273,8 +278,8 @@ class Streamer:
         written, read = window.written, window.read
 
         def populate(_: list[torch.Tensor]) -> None:
-            self.files.populate(read)
-            self.files.populate(written, writable=True)
+            self.all_files.populate(read)
+            self.all_files.populate(written, writable=True)
             self._keep_for_save(window.held())  # here, off the training thread, where it can
 
         if mapped and (written or read):
@@ -291,10 +296,16 @@ class Streamer:
             window.reads.append(work)
         return window
 
+    def streams_from(self, files: OffloadFiles) -> None:
+        """Its parameters' shards and gradients (some of them) live in `files`, another
+        scratch directory than its own (a model sharded with a policy of its own): stream
+        them and hold them for saves as its own (fileset.py)."""
+        self.all_files.add(files)
+
     def hold_for_save(self) -> SaveHold:
         """A hold on this optimizer's file-backed tensors for one background save: kept still
         for its writer until it is closed (held.py)."""
-        self.hold = SaveHold(self.files.holds, self.files.release)
+        self.hold = SaveHold(self.all_files.holds, self.all_files.release)
         return self.hold
 
     def _keep_for_save(self, written: list[torch.Tensor]) -> None:
@@ -305,16 +316,15 @@ class Streamer:
     def _write(self, tensors: list[torch.Tensor], grads: list[torch.Tensor] | None = None) -> None:
         """Write a window back and drop it, on the write thread. Its gradients are only
         unmapped where they can be discarded: zero_grad drops them unwritten."""
-        discarding = self.files.can_discard
-        grads = grads or []
-        written = tensors if discarding else tensors + grads
+        dropped = self.all_files.discardable(grads or [])
+        kept = {id(g) for g in dropped}
+        written = tensors + [g for g in grads or [] if id(g) not in kept]
         nbytes = sum(t.nbytes for t in written)
         self.stats.written_bytes += nbytes
 
         def release(_: list[torch.Tensor]) -> None:
-            self.files.release(written)
-            if discarding:
-                self.files.forget(grads)
+            self.all_files.release(written)
+            self.all_files.forget(dropped)
 
         self._writes.append(self._writer.submit(self._timed, "write", release, written, nbytes))
         while len(self._writes) > _WRITES_IN_FLIGHT:
@@ -328,7 +338,7 @@ class Streamer:
             for p in group["params"]
             if p.grad is not None
         ]
-        self.files.discard([g for g in grads if self.files.holds(g)])
+        self.all_files.discard([g for g in grads if self.all_files.holds(g)])
 
     def _timed(
         self,

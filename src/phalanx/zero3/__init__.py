@@ -37,7 +37,14 @@ from phalanx.zero3.state import (
     save_model_sharded,
     save_optimizer_sharded,
 )
-from phalanx.zero3.wrap import fully_shard, is_sharded, redeal, sharded_parameters, units
+from phalanx.zero3.wrap import (
+    fully_shard,
+    is_sharded,
+    redeal,
+    shard_files,
+    sharded_parameters,
+    units,
+)
 
 __all__ = [
     "CPUOffloadPolicy",
@@ -70,6 +77,7 @@ __all__ = [
     "repeated_blocks",
     "save_model_sharded",
     "save_optimizer_sharded",
+    "shard_files",
     "shard_model",
     "sharded_parameters",
     "unit_of",

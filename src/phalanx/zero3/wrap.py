@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from phalanx.errors import ConfigurationError, NotSupportedError, OffloadError
+from phalanx.offload.files import OffloadFiles
 from phalanx.parallel.sync import broadcast_coalesced, verify_same_state
 from phalanx.runtime.agree import raise_on_every_rank
 from phalanx.runtime.exit import register_exit_hook
@@ -355,6 +356,18 @@ def _sync_initial_values(
     values = [p for p, _, _ in managed if not p.is_meta]
     if values and dist.get_world_size(group) > 1:
         broadcast_coalesced(values, group)
+
+
+def shard_files(model: nn.Module) -> list[OffloadFiles]:
+    """The scratch directories `model`'s shards live in (DiskOffloadPolicy's), each once."""
+    found: list[OffloadFiles] = []
+    for unit in units(model):
+        for group in unit.groups:
+            for p in group.params:
+                files = getattr(p.home, "files", None)
+                if isinstance(files, OffloadFiles) and all(files is not f for f in found):
+                    found.append(files)
+    return found
 
 
 def units(model: nn.Module) -> list[Unit]:

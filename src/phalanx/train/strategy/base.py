@@ -30,6 +30,7 @@ from phalanx.diagnostics.timeline import Timeline
 from phalanx.errors import ConfigurationError
 from phalanx.offload import (
     DiskOffloadPolicy,
+    OffloadFiles,
     OffloadPolicy,
     Streamer,
     offload_optimizer,
@@ -190,7 +191,7 @@ class Strategy:
         if optimizer is None:
             cls, groups, settings = self._recipe(model)
             optimizer = cls(groups, **settings)
-        return self._offloaded(optimizer)
+        return self._offloaded(optimizer, model)
 
     def _user_optimizer(self, model: nn.Module) -> Optimizer | None:
         optimizer = self.choice.optimizer
@@ -212,7 +213,7 @@ class Strategy:
             cls, settings = self.choice.cls_and_kwargs[0], dict(self.choice.cls_and_kwargs[1])
         return cls, groups, settings
 
-    def _offloaded(self, optimizer: Optimizer) -> Optimizer:
+    def _offloaded(self, optimizer: Optimizer, model: nn.Module) -> Optimizer:
         disk = self.offload
         if not isinstance(disk, DiskOffloadPolicy):
             return optimizer
@@ -220,7 +221,13 @@ class Strategy:
         streamer = streamer_of(offloaded)
         if streamer is not None:
             streamer.timeline = self.timeline
+            for files in self.shard_files(model):  # a model sharded with a policy of its own
+                streamer.streams_from(files)
         return offloaded
+
+    def shard_files(self, model: nn.Module) -> list[OffloadFiles]:
+        """The scratch directories the model's shards live in (stage 3's), each once."""
+        return []
 
     def scheduler_for(self, optimizer: Optimizer) -> LRScheduler | None:
         """The user's scheduler (optimizers=(optimizer, scheduler)), now driving `optimizer`,

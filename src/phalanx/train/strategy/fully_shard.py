@@ -12,7 +12,7 @@ from torch.optim import Optimizer
 
 from phalanx import zero3
 from phalanx.errors import ConfigurationError
-from phalanx.offload import streamer_of
+from phalanx.offload import OffloadFiles, streamer_of
 from phalanx.optim.local_sgd import PeriodicSync
 from phalanx.optim.zero_state import Assembly
 from phalanx.parallel.sharding import piece_of, row_numel
@@ -63,6 +63,9 @@ class FullyShard(Strategy):
 
     def rewrap(self, model: nn.Module) -> nn.Module:
         return self.wrap(model)
+
+    def shard_files(self, model: nn.Module) -> list[OffloadFiles]:
+        return zero3.shard_files(model)
 
     def _mesh(self) -> DeviceMesh | None:
         """HSDP's mesh when zero3_shard_size asks for one (zero3/hybrid.py; collective), None
@@ -149,7 +152,7 @@ class FullyShard(Strategy):
         streamer = streamer_of(optimizer)
         if streamer is not None:
             streamer.close()
-        fresh = self._offloaded(_rebuilt(optimizer, old_params, new_params))
+        fresh = self._offloaded(_rebuilt(optimizer, old_params, new_params), model)
         mine = _my_rows(state, new_params, rows)
         fresh.load_state_dict({"state": mine, "param_groups": groups})
         return fresh
