@@ -64,7 +64,9 @@ def test_offload_figures_are_the_quoted_run() -> None:
     )
     assert claim in FLAT_ZERO
     modes = {r["mode"]: r["ranks"] for r in run["runs"]}
-    assert all(rank["killed_by_kernel"] for rank in modes["capped"])
+    # The kernel kills a rank; its peer may stop on losing it first (exit 203): none trains.
+    assert any(rank["killed_by_kernel"] for rank in modes["capped"])
+    assert all(rank["exit"] != 0 and rank["result"] is None for rank in modes["capped"])
     losses = {
         mode: [r["result"]["loss_sums"] for r in modes[mode]] for mode in ("offload", "reference")
     }
