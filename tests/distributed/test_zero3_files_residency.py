@@ -33,7 +33,7 @@ def _mapped_offload_kb(directory: str) -> int:
     return total
 
 
-def _clip(rank: int, world: int, scratch: str) -> dict[str, Any]:
+def _clip(rank: int, world: int, scratch: str, max_norm: float = 1.0) -> dict[str, Any]:
     import torch
     from torch import nn
     from torch.distributed.tensor import DTensor
@@ -56,7 +56,7 @@ def _clip(rank: int, world: int, scratch: str) -> dict[str, Any]:
         twin = nn.Parameter(p.detach().clone())
         twin.grad = p.grad.clone()
         copies.append(twin)
-    expected = torch.nn.utils.clip_grad_norm_(copies, 1.0)
+    expected = torch.nn.utils.clip_grad_norm_(copies, max_norm)
     expected = expected.full_tensor() if isinstance(expected, DTensor) else expected
     for unit in zero3.units(model):  # the copies read them all: unmapped again
         for group in unit.groups:
@@ -64,7 +64,7 @@ def _clip(rank: int, world: int, scratch: str) -> dict[str, Any]:
                 grad: Any = sp.sharded.grad
                 sp.home.settle([sp.local, grad._local_tensor])
     before = _mapped_offload_kb(scratch)
-    norm = zero3.clip_grad_norm_(model, 1.0)
+    norm = zero3.clip_grad_norm_(model, max_norm)
     after = _mapped_offload_kb(scratch)
     same = all(
         torch.equal(p.grad._local_tensor, c.grad._local_tensor) for p, c in zip(params, copies)
@@ -84,6 +84,51 @@ def test_a_clip_of_gradients_in_files_is_torchs_and_maps_none_of_them(tmp_path: 
         # (torch's clip leaves every gradient resident: `grad kb` more).
         assert got["mapped after"] <= got["mapped before"] + 64 < got["grad kb"], got
         assert got["grad kb"] > 1024, got
+
+
+def _faults_of_clips(rank: int, world: int, scratch: str) -> dict[str, Any]:
+    """The page faults of a clip under its bound (1e9) and of one that scales (1e-3), each
+    from the same start (every gradient settled out of the process), after one untimed."""
+    import resource
+
+    import torch
+    from torch import nn
+
+    import phalanx
+    from phalanx import zero3
+
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(LAYERS):
+        layer = nn.Linear(WIDTH, WIDTH)
+        phalanx.fully_shard(layer, offload_policy=phalanx.DiskOffloadPolicy(path=scratch))
+        layers += [layer, nn.Tanh()]
+    model = phalanx.fully_shard(nn.Sequential(*layers))
+    model(torch.randn(8, WIDTH)).square().sum().backward()
+    faults, norms = {}, {}
+    for name, bound in (("warm-up", 1e9), ("under", 1e9), ("scaling", 1e-3)):
+        for unit in zero3.units(model):
+            for group in unit.groups:
+                for sp in group.params:
+                    grad: Any = sp.sharded.grad
+                    sp.home.settle([grad._local_tensor])
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        norms[name] = zero3.clip_grad_norm_(model, bound).item()
+        faults[name] = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+    pages = sum(p.grad._local_tensor.nbytes for p in model.parameters()) // 4096
+    return {"faults": faults, "norms": norms, "grad pages": pages}
+
+
+@pytest.mark.timeout(120)
+def test_a_clip_under_its_bound_touches_the_gradients_once(tmp_path: Path) -> None:
+    """A norm under max_norm scales by 1.0, which changes no bit: skipped, so the gradients'
+    pages are read once (the norm) and not faulted in and dirtied again (the multiply)."""
+    for out in run_workers(_faults_of_clips, 2, str(tmp_path)):
+        got = out.value
+        assert got["norms"]["under"] == got["norms"]["scaling"], got
+        under, scaling = got["faults"]["under"], got["faults"]["scaling"]
+        assert got["grad pages"] > 256, got  # 0.5 MB shards: a fault count well above noise
+        assert under < 0.75 * scaling, got  # measured: 65 against 936
 
 
 def _mixed_unit(rank: int, world: int, scratch: str) -> dict[str, Any]:

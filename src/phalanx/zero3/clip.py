@@ -8,7 +8,9 @@ that streams them a window at a time). Here each file-backed gradient leaves the
 process (`Home.settle`) as soon as its norm is taken and again once it is scaled.
 The numbers are torch's: the same per-tensor norms (each (device, dtype) group in
 the order torch takes them, foreach where torch would use it), stacked and normed
-as torch does, and the same scaling by `min(max_norm / (norm + 1e-6), 1)`.
+as torch does, and the same scaling by `min(max_norm / (norm + 1e-6), 1)`, skipped
+where that is 1 (a norm under the bound): multiplying by 1.0 changes no bit, and would
+read and dirty every gradient page again.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     else:
         norm = _total_norm(params, float(norm_type), in_files)
         coefficient = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)
+        if bool(coefficient == 1.0):  # x * 1.0 is x, bit for bit: no page to fault or dirty
+            params = []
         for p in params:
             grad = p.grad
             assert grad is not None
