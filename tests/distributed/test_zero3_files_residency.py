@@ -115,7 +115,8 @@ def _faults_of_clips(rank: int, world: int, scratch: str) -> dict[str, Any]:
         before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
         norms[name] = zero3.clip_grad_norm_(model, bound).item()
         faults[name] = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
-    pages = sum(p.grad._local_tensor.nbytes for p in model.parameters()) // 4096
+    grads: list[Any] = [p.grad for p in model.parameters()]
+    pages = sum(g._local_tensor.nbytes for g in grads) // 4096
     return {"faults": faults, "norms": norms, "grad pages": pages}
 
 
