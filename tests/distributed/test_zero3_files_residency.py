@@ -33,13 +33,12 @@ def _mapped_offload_kb(directory: str) -> int:
     return total
 
 
-def _clip(rank: int, world: int, scratch: str, max_norm: float = 1.0) -> dict[str, Any]:
+def _offloaded_mlp(scratch: str) -> Any:
+    """LAYERS Linears of WIDTH, each a unit with its shards in files under `scratch`."""
     import torch
     from torch import nn
-    from torch.distributed.tensor import DTensor
 
     import phalanx
-    from phalanx import zero3
 
     torch.manual_seed(0)
     layers: list[nn.Module] = []
@@ -47,7 +46,17 @@ def _clip(rank: int, world: int, scratch: str, max_norm: float = 1.0) -> dict[st
         layer = nn.Linear(WIDTH, WIDTH)
         phalanx.fully_shard(layer, offload_policy=phalanx.DiskOffloadPolicy(path=scratch))
         layers += [layer, nn.Tanh()]
-    model = phalanx.fully_shard(nn.Sequential(*layers))
+    return phalanx.fully_shard(nn.Sequential(*layers))
+
+
+def _clip(rank: int, world: int, scratch: str) -> dict[str, Any]:
+    import torch
+    from torch import nn
+    from torch.distributed.tensor import DTensor
+
+    from phalanx import zero3
+
+    model = _offloaded_mlp(scratch)
     x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(rank))
     (model(x) ** 2).sum().mul(100).backward()  # a norm well above max_norm: they scale
     params: list[Any] = [p for p in model.parameters() if p.grad is not None]
@@ -56,7 +65,7 @@ def _clip(rank: int, world: int, scratch: str, max_norm: float = 1.0) -> dict[st
         twin = nn.Parameter(p.detach().clone())
         twin.grad = p.grad.clone()
         copies.append(twin)
-    expected = torch.nn.utils.clip_grad_norm_(copies, max_norm)
+    expected = torch.nn.utils.clip_grad_norm_(copies, 1.0)
     expected = expected.full_tensor() if isinstance(expected, DTensor) else expected
     for unit in zero3.units(model):  # the copies read them all: unmapped again
         for group in unit.groups:
@@ -64,7 +73,7 @@ def _clip(rank: int, world: int, scratch: str, max_norm: float = 1.0) -> dict[st
                 grad: Any = sp.sharded.grad
                 sp.home.settle([sp.local, grad._local_tensor])
     before = _mapped_offload_kb(scratch)
-    norm = zero3.clip_grad_norm_(model, max_norm)
+    norm = zero3.clip_grad_norm_(model, 1.0)
     after = _mapped_offload_kb(scratch)
     same = all(
         torch.equal(p.grad._local_tensor, c.grad._local_tensor) for p, c in zip(params, copies)
@@ -92,18 +101,10 @@ def _faults_of_clips(rank: int, world: int, scratch: str) -> dict[str, Any]:
     import resource
 
     import torch
-    from torch import nn
 
-    import phalanx
     from phalanx import zero3
 
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(LAYERS):
-        layer = nn.Linear(WIDTH, WIDTH)
-        phalanx.fully_shard(layer, offload_policy=phalanx.DiskOffloadPolicy(path=scratch))
-        layers += [layer, nn.Tanh()]
-    model = phalanx.fully_shard(nn.Sequential(*layers))
+    model = _offloaded_mlp(scratch)
     model(torch.randn(8, WIDTH)).square().sum().backward()
     faults, norms = {}, {}
     for name, bound in (("warm-up", 1e9), ("under", 1e9), ("scaling", 1e-3)):

@@ -63,11 +63,11 @@ def test_a_window_round_trips_through_its_files_and_the_step_ends_after_its_writ
     entries = []
     offset = 0
     for i, v in enumerate(values):
-        path = tmp_path / f"{i}.bin"
-        path.write_bytes(v.numpy().tobytes() + bytes(aligned(v.nbytes) - v.nbytes))
+        path, length = tmp_path / f"{i}.bin", aligned(v.nbytes)
+        path.write_bytes(v.numpy().tobytes() + bytes(length - v.nbytes))
         state: dict[str, Any] = {"exp_avg": v}
-        entries.append(DirectEntry(state, "exp_avg", v, path, offset))
-        offset += aligned(v.nbytes)
+        entries.append(DirectEntry(state, "exp_avg", v, path, offset, length))
+        offset += length
     gate = threading.Event()
     opened: list[int] = []
 

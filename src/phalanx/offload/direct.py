@@ -14,7 +14,7 @@ keeps the two views coherent: a direct write drops the file's cached pages, so a
 mapping's next read faults the new bytes in, and a direct read first writes back
 pages dirtied through a mapping (a checkpoint loaded in place). What it cannot
 show a mapping is bytes still in a buffer, so a step returns only once its direct
-writes are done (`DirectState.finish`). The parameters and gradients of stage 3
+writes are done (`DirectMover.finish`). The parameters and gradients of stage 3
 stay mapped: forward and backward read and write them in place.
 
 A filesystem without O_DIRECT (tmpfs) keeps the mappings (`supported`).
@@ -161,6 +161,8 @@ class DirectEntry:
     path: Path
     offset: int
     """Where in the slab its bytes go (aligned)."""
+    length: int
+    """Its bytes rounded up to whole pages: what O_DIRECT moves (its file is that long)."""
 
 
 class DirectWindow:
@@ -172,7 +174,7 @@ class DirectWindow:
 
     @property
     def nbytes(self) -> int:
-        return sum(aligned(local(e.value).nbytes) for e in self.entries)
+        return sum(e.length for e in self.entries)
 
     def read(self, opener: Callable[[Path, int], int], lanes: ThreadPoolExecutor) -> None:
         """Every entry's file into its place in the slab (blocking: on the read thread)."""
@@ -189,9 +191,8 @@ class DirectWindow:
         idle between them (a virtio disk here read 0.6x as fast by O_DIRECT as buffered)."""
         pieces = []
         for e in self.entries:
-            nbytes = aligned(local(e.value).nbytes)
-            for start in range(0, nbytes, PIECE):
-                length = min(PIECE, nbytes - start)
+            for start in range(0, e.length, PIECE):
+                length = min(PIECE, e.length - start)
                 pieces.append((e.path, start, self.slab.memory(e.offset + start, length)))
         moves = [
             lanes.submit(_transfer, opener, path, start, memory, write)
@@ -247,9 +248,7 @@ class DirectMover:
 
     def window(self, entries: list[DirectEntry]) -> DirectWindow:
         """A slab for these entries (waits while every slab is in use: a write gives one back)."""
-        return DirectWindow(
-            entries, self._slabs.take(sum(aligned(local(e.value).nbytes) for e in entries))
-        )
+        return DirectWindow(entries, self._slabs.take(sum(e.length for e in entries)))
 
     def read(self, window: DirectWindow) -> None:
         """Read `window` from its files into its slab (blocking: on the read thread)."""
@@ -311,8 +310,9 @@ def entries_of(
             path = path_of(local(value))
             if path is None:
                 continue
-            out.append(DirectEntry(state, key, value, path, offset))
-            offset += aligned(local(value).nbytes)
+            length = aligned(local(value).nbytes)
+            out.append(DirectEntry(state, key, value, path, offset, length))
+            offset += length
     return out
 
 

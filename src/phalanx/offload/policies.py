@@ -124,7 +124,7 @@ class DiskOffloadPolicy(OffloadPolicy):
         if self._files is None or self._files.closed:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
             self._files = OffloadFiles(self.path, rank, what)
-            works = direct.supported(self._files.directory) if self.direct is not False else False
+            works = self.direct is not False and direct.supported(self._files.directory)
             if self.direct and not works:
                 self._files.close()
                 raise ConfigurationError(

@@ -317,8 +317,8 @@ class Streamer:
         """Write a window back and drop it, on the write thread. Its gradients are only
         unmapped where they can be discarded: zero_grad drops them unwritten."""
         dropped = self.all_files.discardable(grads or [])
-        kept = {id(g) for g in dropped}
-        written = tensors + [g for g in grads or [] if id(g) not in kept]
+        unwritten = {id(g) for g in dropped}
+        written = tensors + [g for g in grads or [] if id(g) not in unwritten]
         nbytes = sum(t.nbytes for t in written)
         self.stats.written_bytes += nbytes
 

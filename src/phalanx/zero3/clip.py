@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils._foreach_utils import _has_foreach_support
 
 from phalanx.zero3.home import Home
-from phalanx.zero3.wrap import units
+from phalanx.zero3.wrap import params_in_files
 
 __all__ = ["clip_grad_norm_"]
 
@@ -38,9 +38,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     else:
         norm = _total_norm(params, float(norm_type), in_files)
         coefficient = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)
-        if bool(coefficient == 1.0):  # x * 1.0 is x, bit for bit: no page to fault or dirty
-            params = []
-        for p in params:
+        scaling = not bool(coefficient == 1.0)  # x * 1.0 is x, bit for bit: nothing to touch
+        for p in params if scaling else []:
             grad = p.grad
             assert grad is not None
             if _has_foreach_support([grad], grad.device):
@@ -76,13 +75,7 @@ def _total_norm(
 
 def _file_homes(model: nn.Module) -> dict[int, Home]:
     """The sharded parameters whose gradients live in files, by id: their homes."""
-    return {
-        id(p.sharded): p.home
-        for unit in units(model)
-        for group in unit.groups
-        for p in group.params
-        if p.home.in_files
-    }
+    return {id(p.sharded): p.home for p in params_in_files(model)}
 
 
 def _settle(p: nn.Parameter, in_files: dict[int, Home]) -> None:

@@ -21,7 +21,7 @@ from phalanx.offload.files import OffloadFiles
 from phalanx.parallel.sync import broadcast_coalesced, verify_same_state
 from phalanx.runtime.agree import raise_on_every_rank
 from phalanx.runtime.exit import register_exit_hook
-from phalanx.zero3.home import Home, homes_of
+from phalanx.zero3.home import FileHome, Home, homes_of
 from phalanx.zero3.hooks import post_forward, pre_forward
 from phalanx.zero3.mesh import (
     MeshInfo,
@@ -358,15 +358,20 @@ def _sync_initial_values(
         broadcast_coalesced(values, group)
 
 
+def params_in_files(model: nn.Module) -> list[ShardedParam]:
+    """`model`'s sharded parameters whose shards (and gradients) live in files."""
+    return [
+        p for unit in units(model) for group in unit.groups for p in group.params if p.home.in_files
+    ]
+
+
 def shard_files(model: nn.Module) -> list[OffloadFiles]:
     """The scratch directories `model`'s shards live in (DiskOffloadPolicy's), each once."""
     found: list[OffloadFiles] = []
-    for unit in units(model):
-        for group in unit.groups:
-            for p in group.params:
-                files = getattr(p.home, "files", None)
-                if isinstance(files, OffloadFiles) and all(files is not f for f in found):
-                    found.append(files)
+    for p in params_in_files(model):
+        assert isinstance(p.home, FileHome)
+        if all(p.home.files is not f for f in found):
+            found.append(p.home.files)
     return found
 
 
