@@ -3,15 +3,19 @@ each step's traffic counted twice, by the Trainer's log and by the link's own co
 
 Runs in its own network namespace, its only link a veth to the other rank's: every
 byte a collective carries crosses that interface, and /sys/class/net/<veth>/statistics
-counts it (payload, gloo's framing, TCP/IP headers, the ACKs of what it receives).
-Prints one JSON line: per strategy, the link's counts over steps 5-8 and the log line
-of step 8, which covers the same four steps.
+counts it (payload, gloo's framing, TCP/IP headers, the ACKs of what it receives, and
+what TCP sent again: a segment the loaded peer dropped or acknowledged late, which
+`ss` reports per socket as bytes_retrans). Prints one JSON line: per strategy, the
+link's counts over steps 5-8, the bytes TCP resent in them, and the log line of step 8,
+which covers the same four steps.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -59,20 +63,41 @@ def _link_counts() -> tuple[int, int]:
     return int((stats / "tx_bytes").read_text()), int((stats / "rx_bytes").read_text())
 
 
+def _resent_by_socket() -> dict[str, int]:
+    """Per TCP socket of this namespace, the payload bytes TCP has sent more than once."""
+    listing = subprocess.run(["ss", "-tinH"], capture_output=True, text=True, check=True)
+    resent: dict[str, int] = {}
+    name = ""
+    for line in listing.stdout.splitlines():
+        if line and not line[0].isspace():  # a socket's first line: state, queues, ends
+            name = " ".join(line.split()[3:5])
+            resent[name] = 0
+        found = re.search(r"\bbytes_retrans:(\d+)", line)
+        if found:
+            resent[name] = int(found.group(1))
+    return resent
+
+
 class LinkWindow(TrainerCallback):
-    """The link's counts across the window, and the log line that covers it."""
+    """The link's counts across the window, what TCP resent in it, and the log line
+    that covers it."""
 
     def __init__(self) -> None:
         self.start = self.end = (0, 0)
+        self.resent_start: dict[str, int] = {}
+        self.resent = 0
         self.logged: dict[str, float] = {}
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         if state.global_step == FIRST:
+            self.resent_start = _resent_by_socket()
             self.start = _link_counts()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         if state.global_step == LAST:
             self.end = _link_counts()
+            now = _resent_by_socket()
+            self.resent = sum(n - self.resent_start.get(s, 0) for s, n in now.items())
 
     def on_log(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         if state.global_step == LAST and "comm_bytes_per_step" in kw["logs"]:
@@ -105,6 +130,7 @@ def _run(name: str, root: Path) -> dict[str, Any]:
     return {
         "tx_per_step": (window.end[0] - window.start[0]) / steps,
         "rx_per_step": (window.end[1] - window.start[1]) / steps,
+        "resent_per_step": window.resent / steps,
         "logged": {k: v for k, v in window.logged.items() if k.startswith(("comm", "coll"))},
     }
 
