@@ -31,12 +31,19 @@ same three steps. Reported: each run's wall time, the lost time (variant minus
 src/ and DIR's test script (an older checkout: before/after, interleaved in one run).
 
 Each live run's ledger also gives the bytes of snapshots a member holds in memory
-(its parity) and in files (its own snapshot), the largest over members and steps.
+(its parity) and in files (its own snapshot), the largest over members and steps; and
+rank 0's step times say where a live run's lost time went (`live_phases_s`, medians,
+each step less its run's median step): the steps members were lost in (the cut work,
+the detection, the recovery, the step again), the first steps with a replacement in
+(the agreement, the re-deal, its first step), the four steps after each, the other
+steps, every step's median and the time outside the steps (the last three against
+`none`).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -58,6 +65,9 @@ PEAK_RSS_MB: dict[str, list[float]] = {}
 """The largest rank's peak resident set of each run, by variant (what snapshots cost)."""
 HELD_BYTES: dict[str, list[dict[str, float]]] = {}
 """Per run, by variant: the most snapshot bytes any member held in memory and in files."""
+PHASES: dict[str, list[dict[str, float]]] = {}
+"""Per run, by variant: where its wall time went (`_phases`)."""
+AFTER_JOIN_STEPS = 4
 
 
 def run_once(
@@ -96,6 +106,7 @@ def run_once(
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900)
     wall = time.perf_counter() - start
     HELD_BYTES.setdefault(name, []).append(_held(ledger))
+    PHASES.setdefault(name, []).append(_phases(ledger, wall))
     shutil.rmtree(work, ignore_errors=True)
     if done.returncode != 0:
         raise SystemExit(f"{variant} failed ({done.returncode}):\n{done.stdout[-3000:]}\n"
@@ -121,6 +132,48 @@ def _held(ledger: Path) -> dict[str, float]:
     other = [g for s, g in gaps.items() if (s - 1) % SNAPSHOT_STEPS != 0]
     extra = statistics.median(after) - statistics.median(other) if after and other else 0.0
     return {"memory": memory, "files": files, "snapshot_s": extra}
+
+
+def _phases(ledger: Path, wall_s: float) -> dict[str, float]:
+    """Where a run's wall time went, from rank 0's step times (rank 0 is never the one
+    killed), each step less the run's median step: the step a member was lost in, the
+    first step after a replacement joined, the AFTER_JOIN_STEPS after that one, every
+    other step; and the time outside the steps (the launch, setup, the end)."""
+    entries = sorted((json.loads(line) for line in (ledger / "r0.jsonl").open()),
+                     key=lambda e: e["step"])  # fmt: skip
+    gaps = [(b["t"] - a["t"], a["world"], b["world"]) for a, b in itertools.pairwise(entries)]
+    median = statistics.median(g for g, _, _ in gaps)
+    span = entries[-1]["t"] - entries[0]["t"]
+    phases = dict.fromkeys(("lost_step_s", "join_step_s", "after_join_s", "other_steps_s"), 0.0)
+    phases |= {"median_step_s": median, "steps": len(gaps), "span_s": span}
+    phases["outside_s"] = wall_s - span
+    after = 0
+    for gap, before, now in gaps:
+        kind = "other_steps_s"
+        if now < before:
+            kind = "lost_step_s"
+        elif now > before:
+            kind, after = "join_step_s", AFTER_JOIN_STEPS
+        elif after:
+            kind, after = "after_join_s", after - 1
+        phases[kind] += gap - median
+    return phases
+
+
+def _lost_by_phase(live: list[dict[str, float]], none: list[dict[str, float]]) -> dict[str, float]:
+    """The medians of `live`'s phases; its median step (times its steps), its other steps
+    and its time outside the steps set against the run without failures: the parts sum to
+    the lost time, up to the noise between the medians."""
+
+    def median(runs: list[dict[str, float]], key: str) -> float:
+        return statistics.median(run[key] for run in runs)
+
+    parts = {k: median(live, k) for k in ("lost_step_s", "join_step_s", "after_join_s")}
+    parts["other_steps_s"] = median(live, "other_steps_s") - median(none, "other_steps_s")
+    parts["outside_s"] = median(live, "outside_s") - median(none, "outside_s")
+    slower = median(live, "median_step_s") - median(none, "median_step_s")
+    parts["median_step_s"] = slower * median(live, "steps")  # every step a little slower
+    return parts
 
 
 def main() -> None:
@@ -161,7 +214,8 @@ def main() -> None:
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(ns).items()}
     figures: dict[str, object] = {"settings": settings,
                                   "walls_s": walls, "median_s": median,
-                                  "peak_rss_mb": PEAK_RSS_MB, "held_bytes": HELD_BYTES}  # fmt: skip
+                                  "peak_rss_mb": PEAK_RSS_MB, "held_bytes": HELD_BYTES,
+                                  "phases_s": PHASES}  # fmt: skip
     for k in ks:
         cost = median[f"quiet-live{k}"] / median["none"]  # live recovery's own price
         held = HELD_BYTES[f"quiet-live{k}"][-1]
@@ -181,6 +235,11 @@ def main() -> None:
                   f"{lost['restart']:.2f} s; {live} / restart = {ratio:.3f} "
                   "(target <= 0.1)")  # fmt: skip
             figures[f"{live.replace('-', '_')}_over_restart"] = ratio
+            parts = _lost_by_phase(PHASES[live], PHASES["none"])
+            figures[f"{live.replace('-', '_')}_phases_s"] = parts
+            print(f"{live}'s lost seconds by where they went (medians over runs; each step "
+                  "less its run's median step; against none): "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()))  # fmt: skip
     if ns.baseline_tree and not ns.no_failures:
         base_lost = median["live-base"] - median["none"]
         figures["live_base_over_restart"] = base_lost / (median["restart"] - median["none"])
