@@ -54,3 +54,15 @@ def test_a_budget_nothing_fits_is_one_line_with_the_smallest(tmp_path: Path) -> 
     assert len(lines) == 1, done.stderr
     assert lines[0].startswith("phalanx plan: error: no configuration fits 50 MB per rank")
     assert "the smallest needs" in lines[0] and "give each rank that much" in lines[0]
+
+
+@pytest.mark.timeout(300)
+def test_a_two_rank_probe_prices_gloos_reduce_scatter_as_its_all_reduce(tmp_path: Path) -> None:
+    """On gloo phalanx's reduce-scatter is an all-reduce: timed apart, one probe read the
+    same call 2.2x faster, and the planner chose stage 2 for a speed it lacks."""
+    done = _plan(tmp_path, "--world", "2", "--budget", "64GB", "--json", str(tmp_path / "p.json"))
+    assert done.returncode == 0, done.stderr
+    rates = json.loads((tmp_path / "p.json").read_text())["rates"]
+    for figure in ("collective_latency_s", "collective_bytes_per_s"):
+        assert rates[figure]["reduce_scatter"] == rates[figure]["all_reduce"], rates
+    assert 0 < rates["fresh_copy_bytes_per_s"] < float("inf")

@@ -69,6 +69,7 @@ def _adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
 RATES = Rates(
     flops_per_s=2e10,
     memory_bytes_per_s=1e10,
+    fresh_copy_bytes_per_s=2e9,
     adam_fused_bytes_per_s=4e9,
     adam_loop_bytes_per_s=3e8,
     collective_latency_s=dict.fromkeys(("all_reduce", "all_gather", "reduce_scatter"), 1e-3),
@@ -134,6 +135,22 @@ def test_more_accumulation_is_slower_and_smaller() -> None:
         predict_memory(four, count, 2, RATES).activations
         < predict_memory(one, count, 2, RATES).activations
     )
+
+
+def test_stage_3_prices_its_per_use_copies_at_the_fresh_copy_rate() -> None:
+    """Found by benchmarks/plan_grid.py: stage 3 makes its gathered parameters and its
+    reduce-scatter inputs for each use, and each copy faults its pages in; priced at a warm
+    copy's rate, four micro-batches were predicted faster than one and ran 1.9x slower.
+    Five parameter-sized copies a micro-batch, at the fresh rate; stage 2 makes none."""
+    count = _count()
+    p = float(count.params)
+    slower = dataclasses.replace(RATES, fresh_copy_bytes_per_s=RATES.fresh_copy_bytes_per_s / 2)
+    for k in (1, 4):
+        stage3 = Config(3, micro_batch=8 // k, accumulation=k)
+        added = predict_step_s(stage3, count, slower, 2) - predict_step_s(stage3, count, RATES, 2)
+        assert added == pytest.approx(k * 5 * p / RATES.fresh_copy_bytes_per_s)
+    stage2 = Config(2, micro_batch=8, accumulation=1)
+    assert predict_step_s(stage2, count, slower, 2) == predict_step_s(stage2, count, RATES, 2)
 
 
 def test_stage_2_accumulating_holds_whole_gradients_until_the_last_micro_batch() -> None:

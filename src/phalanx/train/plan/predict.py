@@ -39,6 +39,16 @@ it: with 3 counted the peak of a 67M-parameter MLP's stage 3 in files was 35% ab
 prediction, its files' pages resident in the step (RssFile 344 MB of its 590)."""
 
 
+_STAGE3_FRESH_COPIES = 5
+"""What stage 3 writes per micro-batch into memory allocated for it, in parameter bytes:
+each of its two gathers' outputs and the parameters they are copied into, and the
+reduce-scatter's input. Priced at the rate of a copy that faults its pages in (stage 3
+frees each after use, and a planned run returns freed memory to the kernel). Priced at a
+warm copy's rate (3 passes), a 27M GPT's stage 3 with 4 micro-batches was predicted
+faster than with one, and ran 1.9x slower; py-spy put a third of its step in these
+copies."""
+
+
 @dataclass(frozen=True, order=True)
 class Config:
     """One way to train: the stage, where the sharded state lives, and the micro-batches."""
@@ -164,8 +174,8 @@ def predict_step_s(config: Config, count: ModelCount, rates: Rates, world: int) 
     # Each micro-batch reads the weights twice (forward, backward) and writes their
     # gradients once, whatever its size: why fewer, larger micro-batches are faster.
     passes = 3 * (p + count.frozen_bytes) / rates.memory_bytes_per_s
-    if config.stage == 3:  # and stage 3 copies them: into each gather, out of each reduction
-        passes += 3 * p / rates.memory_bytes_per_s
+    if config.stage == 3:  # and stage 3 writes them into memory made for each use
+        passes += _STAGE3_FRESH_COPIES * p / rates.fresh_copy_bytes_per_s
     compute = k * (count.flops(config.micro_batch) / rates.flops_per_s + passes)
     comm = _collectives_s(config, p, n, rates)
     shards_out, state_out = _in_files(config, count)
