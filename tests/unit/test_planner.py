@@ -76,6 +76,8 @@ RATES = Rates(
     collective_bytes_per_s=dict.fromkeys(("all_reduce", "all_gather", "reduce_scatter"), 7e8),
     disk_read_bytes_per_s=4e8,
     disk_write_bytes_per_s=4e8,
+    disk_direct_read_bytes_per_s=8e8,
+    disk_direct_write_bytes_per_s=6e8,
     libraries_bytes=300 * MB,
 )
 

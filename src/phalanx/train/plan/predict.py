@@ -186,9 +186,11 @@ def predict_step_s(config: Config, count: ModelCount, rates: Rates, world: int) 
     shards = stepped * shards_out if config.stage == 3 else 0.0
     # The step reads state, shards and gradients, writes state and shards back; each gather
     # of a micro-batch reads the unit's shards again (two per micro-batch: forward, backward).
-    read = state + 2 * shards + 2 * k * shards
-    write = state + shards + k * shards
+    # The state moves by O_DIRECT, the shards and gradients through the page cache.
+    read = 2 * shards + 2 * k * shards
+    write = shards + k * shards
     io = read / rates.disk_read_bytes_per_s + write / rates.disk_write_bytes_per_s
+    io += state / rates.disk_direct_read_bytes_per_s + state / rates.disk_direct_write_bytes_per_s
     return compute + comm + optimizer + io
 
 

@@ -8,9 +8,10 @@ torch's AdamW stepping a 16 MB tensor, every rank at once (fused, as the offload
 step runs it, and per tensor, torch's CPU default); the collectives are the ones ZeRO issues
 (all-reduce, all-gather, reduce-scatter) timed on the run's group at two sizes,
 so each has a latency and a bandwidth (on gloo phalanx's reduce-scatter is an
-all-reduce, priced as one); the disk is a file in the offload
-directory written and synced, then read with its pages dropped, by every rank
-at once (the share of the disk a rank gets when all offload). The libraries are
+all-reduce, priced as one); the disk is a file in the offload directory, every
+rank at once (the share of the disk a rank gets when all offload), written and
+synced then read with its pages dropped (stage 3's shards, through the page
+cache), and written and read by O_DIRECT (the optimizer's state). The libraries are
 this process's resident memory before any of the model exists. Every rank
 measures; the slowest figure of any rank is kept, so all ranks plan alike.
 
@@ -26,6 +27,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -69,6 +71,11 @@ class Rates:
     is latency + bytes / rate, bytes being the whole tensor (all ranks' parts)."""
     disk_read_bytes_per_s: float
     disk_write_bytes_per_s: float
+    """Through the page cache: how stage 3's shards and gradients in files move."""
+    disk_direct_read_bytes_per_s: float
+    disk_direct_write_bytes_per_s: float
+    """By O_DIRECT, as a disk offload moves the optimizer's state (offload/direct.py); the
+    page cache's rates where the filesystem refuses O_DIRECT."""
     libraries_bytes: float
     """Resident memory of the process before the model exists (torch, phalanx, the group)."""
 
@@ -222,6 +229,32 @@ def _disk(directory: str) -> tuple[float, float]:
     return read, write
 
 
+def _disk_direct(directory: str) -> tuple[float, float]:
+    """(read, write) bytes per second by O_DIRECT, every rank at once, the way a disk
+    offload moves its optimizer state (offload/direct.py: 1 MB pieces, LANES in flight);
+    `_disk`'s where the filesystem refuses O_DIRECT (the offload then maps its state)."""
+    from phalanx.offload.direct import LANES, DirectEntry, DirectWindow, Slab, supported
+
+    if not supported(Path(directory)):
+        return _disk(directory)
+    fd, name = tempfile.mkstemp(prefix="phalanx-plan-probe-", dir=directory)
+    try:
+        os.ftruncate(fd, _DISK_BYTES)
+        os.close(fd)
+        entry = DirectEntry({}, "probe", torch.empty(0), Path(name), 0, _DISK_BYTES)
+        window = DirectWindow([entry], Slab(_DISK_BYTES))
+        with ThreadPoolExecutor(LANES, thread_name_prefix="phalanx-plan-probe") as lanes:
+            start = time.perf_counter()
+            window.write(os.open, lanes)
+            write = _DISK_BYTES / (time.perf_counter() - start)
+            start = time.perf_counter()
+            window.read(os.open, lanes)
+            read = _DISK_BYTES / (time.perf_counter() - start)
+    finally:
+        os.unlink(name)
+    return read, write
+
+
 def measure_rates(group: dist.ProcessGroup | None, offload_dir: str | None) -> Rates:
     """Collective over `group` (every rank calls it): this machine's rates, the slowest
     rank's figure of each, the largest libraries (see the module doc). Measured as a
@@ -233,7 +266,11 @@ def measure_rates(group: dist.ProcessGroup | None, offload_dir: str | None) -> R
     latency, rate = _collectives(group)
     if dist.is_initialized():
         dist.barrier(group=group)
-    read, write = _disk(offload_dir) if offload_dir else (float("inf"), float("inf"))
+    unlimited = (float("inf"), float("inf"))
+    read, write = _disk(offload_dir) if offload_dir else unlimited
+    if dist.is_initialized():
+        dist.barrier(group=group)
+    direct_read, direct_write = _disk_direct(offload_dir) if offload_dir else unlimited
 
     def together(measure: Callable[[], float]) -> float:
         """Every rank measures at once, as they train at once (they share the memory's
@@ -250,6 +287,8 @@ def measure_rates(group: dist.ProcessGroup | None, offload_dir: str | None) -> R
         "adam_loop_bytes_per_s": together(lambda: _adam_bytes_per_s(fused=False)),
         "disk_read_bytes_per_s": read,
         "disk_write_bytes_per_s": write,
+        "disk_direct_read_bytes_per_s": direct_read,
+        "disk_direct_write_bytes_per_s": direct_write,
         "libraries_bytes": libraries,
     }
     everyone = all_gather_json([mine, latency, rate], group) if dist.is_initialized() else []
