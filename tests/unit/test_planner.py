@@ -78,6 +78,7 @@ RATES = Rates(
     disk_write_bytes_per_s=4e8,
     disk_direct_read_bytes_per_s=8e8,
     disk_direct_write_bytes_per_s=6e8,
+    busy_all_reduce_bytes_per_s=3e8,
     libraries_bytes=300 * MB,
 )
 

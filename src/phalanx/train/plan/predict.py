@@ -160,11 +160,16 @@ def _in_flight(config: Config, count: ModelCount, rates: Rates, p: float) -> flo
     """Stage 2's gradient bytes between autograd and their reduce-scatter's end, at most:
     the buckets sent while the backward ran leave at the reductions' pace, so what the
     backward makes faster than that waits, as .grads or as reduce-scatter inputs (two
-    buckets at least: the one filling, the one in flight). Measured by plan_grid.py: 2
-    buckets counted, a 252M-parameter MLP's peak was 14% above the prediction."""
+    buckets at least: the one filling, the one in flight). The backward reads the weights
+    and writes its gradients into fresh memory; the reductions beside it run at the
+    probe's busy all-reduce rate (their cores are computing). Measured by plan_grid.py: 2
+    buckets counted, a 252M-parameter MLP's peak was 14% above the prediction; a warm
+    copy's backward and the idle reduce-scatter rate put it 0.2% below when the probe
+    timed gloo's reduce-scatter 2.2x faster than its all-reduce, and 9% above when it
+    priced it as the all-reduce it is."""
     backward_s = 2 / 3 * count.flops(config.micro_batch) / rates.flops_per_s
-    backward_s += 2 * p / rates.memory_bytes_per_s  # it reads the weights, writes the grads
-    sent = rates.collective_bytes_in("reduce_scatter", backward_s)
+    backward_s += p / rates.memory_bytes_per_s + p / rates.fresh_copy_bytes_per_s
+    sent = backward_s * rates.busy_all_reduce_bytes_per_s
     return min(p, max(2.0 * DEFAULT_BUCKET_CAP_MB * 2**20, p - sent))
 
 
