@@ -156,6 +156,28 @@ def test_stage_3_prices_its_per_use_copies_at_the_fresh_copy_rate() -> None:
     assert predict_step_s(stage2, count, slower, 2) == predict_step_s(stage2, count, RATES, 2)
 
 
+def test_stage_2_holds_what_the_reductions_beside_the_backward_have_not_sent() -> None:
+    """Stage 2's gradients in flight: the backward (its operations, the weights read, its
+    gradients written into fresh memory) against the reductions at the probe's busy
+    all-reduce rate; two 25 MB buckets at least, every gradient at most."""
+    with torch.device("meta"):
+        model = Tiny(d=1024)
+    count = count_model(model, _step, _adamw)
+    p = float(count.params)
+    assert p > 100 * MB
+    config = Config(2, micro_batch=8)
+
+    def in_flight(busy: float) -> float:
+        rates = dataclasses.replace(RATES, busy_all_reduce_bytes_per_s=busy)
+        return predict_memory(config, count, 2, rates).collective_buffers
+
+    backward_s = 2 / 3 * count.flops(8) / RATES.flops_per_s
+    backward_s += p / RATES.memory_bytes_per_s + p / RATES.fresh_copy_bytes_per_s
+    assert in_flight(0.0) == p
+    assert in_flight(p / 2 / backward_s) == pytest.approx(p / 2)
+    assert in_flight(1e15) == 2 * 25 * MB
+
+
 def test_stage_2_accumulating_holds_whole_gradients_until_the_last_micro_batch() -> None:
     """Found by benchmarks/plan_grid.py: its micro-batches before the last run no_sync, so
     the whole-size gradients build up as at stage 1, beside the shards (measured: 770 MB
