@@ -5,8 +5,8 @@ Each rank trains the same 400k-parameter MLP under every data-parallel strategy
 reads its end of the link's byte counters across steps 5-8, which one log line
 covers. Nothing else talks on that link, so what it carried, less what TCP sent
 twice (a loaded machine's peer may drop or acknowledge late a burst, which TCP
-resends whole), is an independent measure of what the collectives sent: the test
-holds the logged
+resends whole), read once every socket's send queue is empty, is an independent
+measure of what the collectives sent: the test holds the logged
 `comm_wire_bytes_per_step` (the ring estimate of the logged payload) to it, and
 the payload to the bytes gradients and parameters must take. docs/trainer.md
 ("What the traffic fields mean") gives the figures.

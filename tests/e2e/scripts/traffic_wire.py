@@ -17,6 +17,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,20 @@ def _resent_by_socket() -> dict[str, int]:
     return resent
 
 
+def _drained(deadline_s: float = 30.0) -> None:
+    """Wait until every TCP socket of this namespace has sent and had acknowledged all it
+    was given: a collective ends when its bytes are received, but on a loaded machine its
+    last bytes sent may still sit in the socket's queue, counted by the link only later
+    (the window would lose them at its end and gain them at its start)."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        listing = subprocess.run(["ss", "-tnH"], capture_output=True, text=True, check=True)
+        if all(int(line.split()[2]) == 0 for line in listing.stdout.splitlines() if line):
+            return
+        time.sleep(0.001)
+    raise TimeoutError(f"a socket still had bytes to send after {deadline_s} s")
+
+
 class LinkWindow(TrainerCallback):
     """The link's counts across the window, what TCP resent in it, and the log line
     that covers it."""
@@ -90,11 +105,13 @@ class LinkWindow(TrainerCallback):
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         if state.global_step == FIRST:
+            _drained()
             self.resent_start = _resent_by_socket()
             self.start = _link_counts()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         if state.global_step == LAST:
+            _drained()
             self.end = _link_counts()
             now = _resent_by_socket()
             self.resent = sum(n - self.resent_start.get(s, 0) for s, n in now.items())
