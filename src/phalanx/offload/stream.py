@@ -49,10 +49,13 @@ _WRITES_IN_FLIGHT = 4
 
 
 def _with_grads(optimizer: Optimizer) -> set[int] | None:
-    """The ids of the parameters a step updates, those with a gradient; None: every one."""
+    """The ids of the parameters a step updates, those with a gradient; None: every one that
+    trains (a frozen parameter handed to the optimizer does not make each step a partial one,
+    which would not read the next step's first window ahead)."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     ids = {id(p) for p in params if p.grad is not None}
-    return None if len(ids) == len(params) else ids
+    trained = {id(p) for p in params if p.requires_grad}
+    return None if ids == trained else ids
 
 
 class Streamer:
