@@ -89,12 +89,6 @@ class Rates:
             return 0.0
         return calls * self.collective_latency_s[kind] + nbytes / self.collective_bytes_per_s[kind]
 
-    def collective_bytes_in(self, kind: str, seconds: float) -> float:
-        """How many bytes collectives of `kind` move in `seconds` (one latency paid)."""
-        return (
-            max(0.0, seconds - self.collective_latency_s[kind]) * self.collective_bytes_per_s[kind]
-        )
-
     def to_json(self) -> dict[str, object]:
         return asdict(self)
 
@@ -251,14 +245,14 @@ def _disk(directory: str) -> tuple[float, float]:
     return read, write
 
 
-def _disk_direct(directory: str) -> tuple[float, float]:
+def _disk_direct(directory: str) -> tuple[float, float] | None:
     """(read, write) bytes per second by O_DIRECT, every rank at once, the way a disk
     offload moves its optimizer state (offload/direct.py: 1 MB pieces, LANES in flight);
-    `_disk`'s where the filesystem refuses O_DIRECT (the offload then maps its state)."""
+    None where the filesystem refuses O_DIRECT (the offload then maps its state)."""
     from phalanx.offload.direct import LANES, DirectEntry, DirectWindow, Slab, supported
 
     if not supported(Path(directory)):
-        return _disk(directory)
+        return None
     fd, name = tempfile.mkstemp(prefix="phalanx-plan-probe-", dir=directory)
     try:
         os.ftruncate(fd, _DISK_BYTES)
@@ -293,7 +287,8 @@ def measure_rates(group: dist.ProcessGroup | None, offload_dir: str | None) -> R
     read, write = _disk(offload_dir) if offload_dir else unlimited
     if dist.is_initialized():
         dist.barrier(group=group)
-    direct_read, direct_write = _disk_direct(offload_dir) if offload_dir else unlimited
+    direct = _disk_direct(offload_dir) if offload_dir else unlimited
+    direct_read, direct_write = direct or (read, write)  # refused: the state is mapped
 
     def together(measure: Callable[[], float]) -> float:
         """Every rank measures at once, as they train at once (they share the memory's
