@@ -64,19 +64,26 @@ def _link_counts() -> tuple[int, int]:
     return int((stats / "tx_bytes").read_text()), int((stats / "rx_bytes").read_text())
 
 
-def _resent_by_socket() -> dict[str, int]:
-    """Per TCP socket of this namespace, the payload bytes TCP has sent more than once."""
+def _sockets() -> dict[str, tuple[int, int]]:
+    """Per TCP socket of this namespace (by its two ends): the bytes in its send queue
+    (given it, not yet acknowledged) and the payload bytes TCP has sent more than once."""
     listing = subprocess.run(["ss", "-tinH"], capture_output=True, text=True, check=True)
-    resent: dict[str, int] = {}
+    sockets: dict[str, tuple[int, int]] = {}
     name = ""
     for line in listing.stdout.splitlines():
         if line and not line[0].isspace():  # a socket's first line: state, queues, ends
-            name = " ".join(line.split()[3:5])
-            resent[name] = 0
+            fields = line.split()
+            name = " ".join(fields[3:5])
+            sockets[name] = (int(fields[2]), 0)
         found = re.search(r"\bbytes_retrans:(\d+)", line)
         if found:
-            resent[name] = int(found.group(1))
-    return resent
+            sockets[name] = (sockets[name][0], int(found.group(1)))
+    return sockets
+
+
+def _resent_by_socket() -> dict[str, int]:
+    """Per TCP socket of this namespace, the payload bytes TCP has sent more than once."""
+    return {name: resent for name, (_, resent) in _sockets().items()}
 
 
 def _drained(deadline_s: float = 30.0) -> None:
@@ -86,8 +93,7 @@ def _drained(deadline_s: float = 30.0) -> None:
     (the window would lose them at its end and gain them at its start)."""
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
-        listing = subprocess.run(["ss", "-tnH"], capture_output=True, text=True, check=True)
-        if all(int(line.split()[2]) == 0 for line in listing.stdout.splitlines() if line):
+        if all(queued == 0 for queued, _ in _sockets().values()):
             return
         time.sleep(0.001)
     raise TimeoutError(f"a socket still had bytes to send after {deadline_s} s")
