@@ -23,15 +23,19 @@ def rehash(checkpoint: Path) -> None:
     manifest_path.write_text(json.dumps(manifest))
 
 
-def record_loss_sums(trainer: Any) -> list[float]:
-    """The Trainer's running loss sum at each log line, appended as the run goes (the list
-    it returns fills in): what parity tests compare step by step."""
-    sums: list[float] = []
-    original = trainer.loop._log
+def record_losses(trainer: Any) -> list[float]:
+    """The loss of each training log line (the mean step loss since the last, over every
+    rank: the same on each), appended as the run goes (the list it returns fills in): what
+    parity tests compare step by step. Read from the line itself: the Trainer's loss_sum
+    is settled only at the end of train(), and a record of it read 0.0 at every line."""
+    losses: list[float] = []
+    callbacks = trainer.setup.callbacks
+    original = callbacks.log
 
-    def log() -> None:
-        original()
-        sums.append(trainer.state.loss_sum)
+    def log(logs: dict[str, float]) -> None:
+        if "loss" in logs:
+            losses.append(float(logs["loss"]))
+        original(logs)
 
-    trainer.loop._log = log
-    return sums
+    callbacks.log = log
+    return losses

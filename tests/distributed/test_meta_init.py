@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from phalanx import zero3
 from phalanx.train import Trainer
-from tests.checkpoints import record_loss_sums
+from tests.checkpoints import record_losses
 from tests.distributed.test_trainer_zero import _args, _data, _xent
 from tests.harness import run_scenarios, run_workers
 from tests.unit.test_meta_init import Tied, _Raw
@@ -80,7 +80,7 @@ def _train(rank: int, out: Path, meta: bool, **extra: Any) -> dict[str, Any]:
     args = _args(out, max_steps=6, logging_steps=1, save_steps=10_000, **extra)
     trainer = Trainer(model=_built(meta, rank), args=args, train_dataset=_data(), loss_fn=_xent)
     initial = _full(trainer, int(args.zero_stage))
-    losses = record_loss_sums(trainer)
+    losses = record_losses(trainer)
     trainer.train()
     result = {"initial": initial, "final": _full(trainer, int(args.zero_stage)), "losses": losses}
     trainer.close()

@@ -23,7 +23,7 @@ from phalanx.offload import streamer_of
 from phalanx.offload.direct import aligned
 from phalanx.optim import zero_gather
 from phalanx.train import Trainer
-from tests.checkpoints import record_loss_sums
+from tests.checkpoints import record_losses
 from tests.distributed.test_trainer_zero import _args, _data, _Net, _xent
 from tests.harness import run_workers
 
@@ -56,7 +56,7 @@ def _train(out: Path, stage: int, offload: str | None, files_seen: list[Any]) ->
         **extra,
     )
     trainer = Trainer(model=_Net(), args=args, train_dataset=_data(), loss_fn=_xent)
-    losses = record_loss_sums(trainer)
+    losses = record_losses(trainer)
     trainer.train()
     if offload == "disk":
         inner = getattr(trainer.optimizer, "optim", trainer.optimizer)

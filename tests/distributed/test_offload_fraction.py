@@ -21,7 +21,7 @@ import torch
 from phalanx.offload import streamer_of
 from phalanx.offload.fraction import Order
 from phalanx.train import Trainer
-from tests.checkpoints import record_loss_sums
+from tests.checkpoints import record_losses
 from tests.distributed.test_offload import _full_params
 from tests.distributed.test_trainer_zero import _args, _data, _Net, _xent
 from tests.harness import run_workers
@@ -69,7 +69,7 @@ def _train(out: Path, stage: int, fraction: float | None) -> dict[str, Any]:
         **extra,
     )
     trainer = Trainer(model=_Net(), args=args, train_dataset=_data(), loss_fn=_xent)
-    losses = record_loss_sums(trainer)
+    losses = record_losses(trainer)
     trainer.train()
     placement = _placement(trainer) if fraction is not None and stage == 3 else None
     inner = getattr(trainer.optimizer, "optim", trainer.optimizer)

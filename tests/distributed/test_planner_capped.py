@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from phalanx.train import Trainer, TrainingArguments
-from tests.checkpoints import record_loss_sums
+from tests.checkpoints import record_losses
 from tests.harness import run_workers
 
 CAP_MB = 470
@@ -84,7 +84,7 @@ def _train(rank: int, world: int, out: str, groups: list[str] | None) -> dict[st
         train_dataset=data,
         loss_fn=lambda o, b: nn.functional.mse_loss(o, b[1]),
     )
-    losses = record_loss_sums(trainer)
+    losses = record_losses(trainer)
     trainer.train()
     plan = trainer.plan
     result = {

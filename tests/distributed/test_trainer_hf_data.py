@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from phalanx.train import Trainer, TrainingArguments
-from tests.checkpoints import record_loss_sums
+from tests.checkpoints import record_losses
 from tests.distributed.test_trainer_zero import _args, _data, _Net, _xent
 from tests.harness import run_scenarios, run_workers
 from tests.unit.test_collate import _Classifier, _rows
@@ -51,7 +51,7 @@ def _compiled(rank: int, out: Path, compile_: bool) -> list[float]:
         torch_compile_backend="eager",
     )
     trainer = Trainer(model=_Net(), args=args, train_dataset=_data(), loss_fn=_xent)
-    losses = record_loss_sums(trainer)
+    losses = record_losses(trainer)
     trainer.train()
     params = [float(p.detach().sum()) for p in trainer.model.parameters()]
     was_compiled = getattr(trainer.model, "_compiled_call_impl", None) is not None

@@ -158,8 +158,9 @@ def test_stage_3_prices_its_per_use_copies_at_the_fresh_copy_rate() -> None:
 
 def test_stage_2_holds_what_the_reductions_beside_the_backward_have_not_sent() -> None:
     """Stage 2's gradients in flight: the backward (its operations, the weights read, its
-    gradients written into fresh memory) against the reductions at the probe's busy
-    all-reduce rate; two 25 MB buckets at least, every gradient at most."""
+    gradients written into fresh memory, then copied into the reduce-scatter inputs, made
+    for them, and averaged there) against the reductions at the probe's busy all-reduce
+    rate; two 25 MB buckets at least, every gradient at most."""
     with torch.device("meta"):
         model = Tiny(d=1024)
     count = count_model(model, _step, _adamw)
@@ -172,7 +173,7 @@ def test_stage_2_holds_what_the_reductions_beside_the_backward_have_not_sent() -
         return predict_memory(config, count, 2, rates).collective_buffers
 
     backward_s = 2 / 3 * count.flops(8) / RATES.flops_per_s
-    backward_s += p / RATES.memory_bytes_per_s + p / RATES.fresh_copy_bytes_per_s
+    backward_s += 2 * p / RATES.memory_bytes_per_s + 2 * p / RATES.fresh_copy_bytes_per_s
     assert in_flight(0.0) == p
     assert in_flight(p / 2 / backward_s) == pytest.approx(p / 2)
     assert in_flight(1e15) == 2 * 25 * MB

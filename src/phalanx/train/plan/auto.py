@@ -80,9 +80,14 @@ def resolve(
     return_freed_memory()
     allowed = _allowed(args)
     step = trainer_micro_step(dataset, collate_fn, loss_fn)
-    count = count_model(model, step, optimizer_factory(model, args, choice), args.zero3_units)
-    disk = any(tier == "disk" for _, tier in allowed)
-    rates = measure_rates(world.process_group, _offload_dir(args) if disk else None)
+    # The probe draws random tensors, and a model built on the meta device takes its
+    # weights from the generator after this: planned, the run starts where the seed put it
+    # (without this, zero_stage="auto" trained other weights than the stage it chose).
+    with torch.random.fork_rng(devices=[world.device] if world.device.type == "cuda" else []):
+        factory = optimizer_factory(model, args, choice)
+        count = count_model(model, step, factory, args.zero3_units)
+        disk = any(tier == "disk" for _, tier in allowed)
+        rates = measure_rates(world.process_group, _offload_dir(args) if disk else None)
     budget, source = _budget(args, world)
     global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps
     global_batch *= world.world_size

@@ -161,14 +161,20 @@ def _in_flight(config: Config, count: ModelCount, rates: Rates, p: float) -> flo
     the buckets sent while the backward ran leave at the reductions' pace, so what the
     backward makes faster than that waits, as .grads or as reduce-scatter inputs (two
     buckets at least: the one filling, the one in flight). The backward reads the weights
-    and writes its gradients into fresh memory; the reductions beside it run at the
-    probe's busy all-reduce rate (their cores are computing). Measured by plan_grid.py: 2
+    and writes its gradients into fresh memory, and the thread that runs it lays each full
+    bucket's gradients out as its reduce-scatter's input (a copy into memory made for it,
+    averaged in place: grad_sharding.py); the reductions beside it run at the probe's busy
+    all-reduce rate (their cores are computing). Measured by plan_grid.py: 2
     buckets counted, a 252M-parameter MLP's peak was 14% above the prediction; a warm
     copy's backward and the idle reduce-scatter rate put it 0.2% below when the probe
     timed gloo's reduce-scatter 2.2x faster than its all-reduce, and 9% above when it
-    priced it as the all-reduce it is."""
+    priced it as the all-reduce it is; 4.8-6.9% above before the reduce-scatter inputs'
+    copy was counted (the 252M MLP's backward took 1.0 s beside its reductions, where
+    0.52 s was predicted)."""
     backward_s = 2 / 3 * count.flops(config.micro_batch) / rates.flops_per_s
-    backward_s += p / rates.memory_bytes_per_s + p / rates.fresh_copy_bytes_per_s
+    # the weights read, the gradients written; then, on the same thread, each bucket's
+    # gradients copied into its reduce-scatter input (made for it) and averaged there
+    backward_s += 2 * p / rates.memory_bytes_per_s + 2 * p / rates.fresh_copy_bytes_per_s
     sent = backward_s * rates.busy_all_reduce_bytes_per_s
     return min(p, max(2.0 * DEFAULT_BUCKET_CAP_MB * 2**20, p - sent))
 
