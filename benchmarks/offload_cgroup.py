@@ -96,7 +96,6 @@ def worker(args: argparse.Namespace) -> None:
         zero_offload="disk" if offload else None,
         zero_offload_dir=args.scratch if offload else None,
     )
-    losses: list[float] = []
     times: list[float] = []
     trainer = phalanx.Trainer(
         model=model,
@@ -104,20 +103,14 @@ def worker(args: argparse.Namespace) -> None:
         train_dataset=data,
         loss_fn=lambda out, batch: nn.functional.mse_loss(out, batch[1]),
     )
-    log, step = trainer.loop._log, trainer.loop._train_step
+    step = trainer.loop._train_step
 
     def timed_step(*a: object, **k: object) -> None:
         start = time.perf_counter()
         step(*a, **k)  # type: ignore[arg-type]
         times.append(time.perf_counter() - start)
 
-    def logged() -> None:
-        before = trainer.state.loss_sum
-        log()
-        losses.append(trainer.state.loss_sum - before if losses else trainer.state.loss_sum)
-
     trainer.loop._train_step = timed_step  # type: ignore[method-assign]
-    trainer.loop._log = logged  # type: ignore[method-assign]
     trainer.train()
     from phalanx.offload import streamer_of
 
