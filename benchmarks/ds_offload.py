@@ -1,18 +1,28 @@
-"""phalanx's disk offload against DeepSpeed ZeRO-3 with its optimizer offloaded to NVMe.
+"""phalanx's offload against DeepSpeed's at the same tier: CPU against CPU, disk against NVMe.
 
 The model of offload_speed.py (an MLP of `--layers` Linears `--width` square,
 Tanh between, `--batch` samples a rank), world 2 on gloo, AdamW at lr 1e-4 with
 no weight decay, gradients clipped at 1.0 (DeepSpeed's `gradient_clipping`,
-phalanx's `max_grad_norm`), on the same batches:
+phalanx's `max_grad_norm`), on the same batches. Per tier (`--tiers`):
 
-- `phalanx`: the Trainer at zero_stage=3, zero_offload="disk" (the shards, their
-  gradients and Adam's state in files, the optimizer step streamed);
-- `deepspeed`: `deepspeed.initialize` at ZeRO stage 3 with
-  `offload_optimizer: {device: nvme, nvme_path: ...}` (DS_ACCELERATOR=cpu), over
-  torch's AdamW (`zero_force_ds_cpu_optimizer: false`).
+- `cpu`: phalanx's Trainer at zero_stage=3, zero_offload="cpu" (the shards in
+  host memory: FSDP2's CPUOffloadPolicy), against DeepSpeed ZeRO-3 with
+  `offload_param` and `offload_optimizer` on `cpu` (ZeRO-Offload);
+- `disk`: zero_offload="disk" (the shards, their gradients and Adam's state in
+  files, the optimizer step streamed) against DeepSpeed ZeRO-3 with
+  `offload_param` and `offload_optimizer` on `nvme` (ZeRO-Infinity), in the
+  same directory's filesystem.
 
-Each run is a fresh pair of processes (peak RSS is a process's), and the
-runs alternate (`--rounds` of both, in a balanced order): median step (the
+DeepSpeed runs with its own recommended settings: the optimizer named in its
+config, so that offloading it gives DeepSpeedCPUAdam (a fused, vectorised
+kernel; phalanx gets torch's fused AdamW, `optim="adamw_torch_fused"`), and
+the `aio` and buffer settings of its ZeRO-Infinity tutorial (and once more
+with `max_in_cpu` at 0: see PAIRS). On a CPU-only machine
+(DS_ACCELERATOR=cpu) "cpu" offload moves nothing off a device, for either
+library: that tier compares the two ZeRO-3 engines as they run there.
+
+Each run is a fresh pair of processes (peak RSS is a process's), and the runs
+alternate (`--rounds` of every variant, in a balanced order): median step (the
 slower rank's), peak RSS per rank, the losses. It needs deepspeed, which the
 project's venv does not hold: it says so and exits 0 without it.
 
@@ -40,7 +50,18 @@ from models import TanhMLP
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "ds_offload.json"
-VARIANTS = ("phalanx", "deepspeed")
+PAIRS = {
+    "cpu": ("phalanx-cpu", "deepspeed-cpu"),
+    "disk": ("phalanx-disk", "deepspeed-nvme"),
+    "disk-all": ("phalanx-disk", "deepspeed-nvme-all"),
+}
+"""Per tier: phalanx's variant, then DeepSpeed's at the same tier. `deepspeed-nvme` is the
+ZeRO-Infinity tutorial's setting, which keeps up to 1e9 parameter elements in host memory
+(`max_in_cpu`): a model this size never has its parameters on NVMe. `disk-all` (not run
+by default) sets `max_in_cpu` to 0, so that they are, as phalanx's shards are in files:
+DeepSpeed 0.19.8 on its CPU accelerator then fails in its first forward ("self and mat2
+must have the same dtype, but got Float and BFloat16", zero/linear.py) wherever a
+parameter is large enough to be partitioned (a 2048x2048 Linear; not a 256x256 one)."""
 
 
 def _batches(args: argparse.Namespace, rank: int) -> list[list[Any]]:
@@ -70,6 +91,7 @@ def run_phalanx(args: argparse.Namespace, rank: int) -> tuple[list[float], list[
     import phalanx
     from phalanx.train.trainer_state import TrainState
 
+    tier = args.variant.split("-")[1]
     torch.manual_seed(0)
     model = TanhMLP(args.layers, args.width)
     targs = phalanx.TrainingArguments(
@@ -81,12 +103,13 @@ def run_phalanx(args: argparse.Namespace, rank: int) -> tuple[list[float], list[
         learning_rate=1e-4,
         weight_decay=0.0,
         max_grad_norm=1.0,
+        optim="adamw_torch_fused",  # torch's fused CPU kernel, as DeepSpeed steps its own
         save_steps=10**9,
         report_to=[],
         disable_tqdm=True,
         ddp_backend="gloo",
-        zero_offload="disk",
-        zero_offload_dir=str(Path(args.scratch) / "offload-phalanx"),
+        zero_offload=tier,
+        zero_offload_dir=str(Path(args.scratch) / "offload-phalanx") if tier == "disk" else None,
     )
     trainer = phalanx.Trainer(
         model=model,
@@ -113,21 +136,9 @@ def run_deepspeed(args: argparse.Namespace, rank: int) -> tuple[list[float], lis
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
     model = TanhMLP(args.layers, args.width)
-    nvme = Path(args.scratch) / f"offload-deepspeed-{rank}"
-    nvme.mkdir(parents=True, exist_ok=True)
-    config = {
-        "train_micro_batch_size_per_gpu": args.batch,
-        "gradient_accumulation_steps": 1,
-        "gradient_clipping": 1.0,
-        "zero_optimization": {
-            "stage": 3,
-            "offload_optimizer": {"device": "nvme", "nvme_path": str(nvme), "pin_memory": False},
-        },
-        "aio": {"block_size": 1048576, "queue_depth": 8, "thread_count": 1},
-        "zero_force_ds_cpu_optimizer": False,
-    }
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=_ds_config(args, rank)
+    )
     times, losses = [], []
     for x, y in _batches(args, rank):
         start = time.perf_counter()
@@ -139,13 +150,58 @@ def run_deepspeed(args: argparse.Namespace, rank: int) -> tuple[list[float], lis
     return times, losses
 
 
+def _ds_config(args: argparse.Namespace, rank: int) -> dict[str, Any]:
+    """ZeRO-3 with parameters and optimizer offloaded at the variant's tier, as DeepSpeed's
+    ZeRO-Infinity tutorial sets it (its `aio` block and queue, five parameter buffers of
+    1e8 elements), the optimizer named in the config (offloaded: DeepSpeedCPUAdam)."""
+    if args.variant == "deepspeed-cpu":
+        param: dict[str, Any] = {"device": "cpu", "pin_memory": False}
+        optimizer: dict[str, Any] = {"device": "cpu", "pin_memory": False}
+    else:
+        nvme = Path(args.scratch) / f"offload-deepspeed-{rank}"
+        nvme.mkdir(parents=True, exist_ok=True)
+        param = {
+            "device": "nvme",
+            "nvme_path": str(nvme),
+            "pin_memory": False,
+            "buffer_count": 5,
+            "buffer_size": 100_000_000,
+            "max_in_cpu": 0 if args.variant == "deepspeed-nvme-all" else 1_000_000_000,
+        }
+        optimizer = {
+            "device": "nvme",
+            "nvme_path": str(nvme),
+            "pin_memory": False,
+            "buffer_count": 4,
+            "fast_init": False,
+        }
+    return {
+        "train_micro_batch_size_per_gpu": args.batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": param,
+            "offload_optimizer": optimizer,
+        },
+        "aio": {
+            "block_size": 1048576,
+            "queue_depth": 8,
+            "thread_count": 1,
+            "single_submit": False,
+            "overlap_events": True,
+        },
+    }
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
-    if args.variant == "phalanx":
+    if args.variant.startswith("phalanx"):
         dist.init_process_group("gloo")
         times, losses = run_phalanx(args, rank)
     else:
@@ -181,9 +237,11 @@ def launch(args: argparse.Namespace, variant: str, port: int) -> dict[str, Any]:
     ranks = []
     for p, out in zip(procs, outs):
         line = next((x for x in out.splitlines() if x.startswith("RESULT ")), None)
-        if p.returncode != 0 or line is None:
+        if line is None:
             raise SystemExit(f"{variant} failed (exit {p.returncode}):\n" + out[-4000:])
-        ranks.append(json.loads(line[7:]))
+        # kept with its exit: DeepSpeed's processes at times abort after their last step
+        # ("terminate called without an active exception", exit -6)
+        ranks.append({**json.loads(line[7:]), "exit": p.returncode})
     return {"variant": variant, "ranks": ranks}
 
 
@@ -192,7 +250,8 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--variant", default="phalanx")
+    parser.add_argument("--variant", default="phalanx-disk")
+    parser.add_argument("--tiers", default="cpu,disk", help="comma-separated: cpu, disk")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=256)
@@ -211,23 +270,33 @@ def main() -> None:
         print("deepspeed is not installed here: nothing to compare (see the docstring)")
         return
     Path(args.scratch).mkdir(parents=True, exist_ok=True)
+    tiers = [t for t in args.tiers.split(",") if t]
+    variants = tuple(dict.fromkeys(v for t in tiers for v in PAIRS[t]))
     runs: list[dict[str, Any]] = []
-    for r in range(interleave.balanced_rounds(args.rounds, args.rounds, len(VARIANTS))):
-        for variant in interleave.balanced_order(r, VARIANTS):
+    for r in range(interleave.balanced_rounds(args.rounds, args.rounds, len(variants))):
+        for variant in interleave.balanced_order(r, variants):
             runs.append(launch(args, variant, 29500 + len(runs)))
             print(variant, "done", flush=True)
     summary: dict[str, Any] = {}
-    for variant in VARIANTS:
+    for variant in variants:
         mine = [run for run in runs if run["variant"] == variant]
         steps = [t for run in mine for t in run["ranks"][0]["times"][1:]]
         summary[variant] = {
             "median_step_s": statistics.median(steps),
             "peak_rss_mb_per_rank": [[r["rss"] for r in run["ranks"]] for run in mine],
+            "peak_rss_mb_max": max(r["rss"] for run in mine for r in run["ranks"]),
             "losses_rank0": mine[0]["ranks"][0]["losses"],
         }
-    summary["phalanx_over_deepspeed"] = (
-        summary["phalanx"]["median_step_s"] / summary["deepspeed"]["median_step_s"]
-    )
+    for tier in tiers:
+        ours, *peers = (summary[v] for v in PAIRS[tier])
+        for name, theirs in zip(PAIRS[tier][1:], peers):
+            summary[f"phalanx-{tier}_over_{name}"] = {
+                "step": ours["median_step_s"] / theirs["median_step_s"],
+                "peak_rss": ours["peak_rss_mb_max"] / theirs["peak_rss_mb_max"],
+                "largest_loss_difference": max(
+                    abs(a - b) for a, b in zip(ours["losses_rank0"], theirs["losses_rank0"])
+                ),
+            }
     report = {"config": {**vars(args), "out": str(args.out)}, "summary": summary, "runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
