@@ -85,6 +85,28 @@ def test_the_dump_signal_writes_every_threads_stack(tmp_path: Path) -> None:
         proc.communicate()
 
 
+def test_a_dump_asked_after_the_handler_is_gone_does_not_kill(tmp_path: Path) -> None:
+    """The interpreter's finalization unregisters faulthandler's handler: a launcher that
+    asks a slow teardown for its stacks then must not kill it by the signal (it once did,
+    and the launcher reported that rank killed by signal 38, the first to fail). Here the
+    handler is unregistered as finalization would, and the process signals itself."""
+    code = (
+        "import faulthandler, os\n"
+        f"os.environ['PHALANX_PROGRESS_DIR'] = {str(tmp_path)!r}\n"
+        "from phalanx.ground import progress_record as progress\n"
+        "from pathlib import Path\n"
+        "from phalanx.ground.progress_record import read_record, record_path\n"
+        "progress.start(0, 2, 60)\n"
+        f"signum = read_record(record_path(Path({str(tmp_path)!r}), 0)).dump_signal\n"
+        "faulthandler.unregister(signum)\n"
+        "os.kill(os.getpid(), signum)\n"
+        "print('alive', flush=True)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0 and done.stdout == "alive\n", (done.returncode, done.stderr)
+
+
 def test_the_record_says_when_the_exit_began_after_the_scripts_threads(tmp_path: Path) -> None:
     """`exiting` is 0 while the script runs, and is set as the first exit handler runs:
     after a non-daemon thread the script left running has ended, before the handlers

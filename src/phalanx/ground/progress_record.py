@@ -182,6 +182,12 @@ def _arm_stack_dump(recorder: _Recorder, path: Path) -> None:
     if signal.getsignal(signum) not in (signal.SIG_DFL, None):
         return  # the script uses this signal itself: leave it alone
     stacks: IO[str] = path.open("w")  # kept open for the process's life, as faulthandler needs
+    # Ignored beneath faulthandler's handler: the interpreter's finalization unregisters it
+    # and restores this, so a dump asked of a process that late does nothing, where the
+    # default action would kill it by the signal (a launcher asking a slow teardown for
+    # its stacks then reported that rank killed by signal 38, the first to fail).
+    with contextlib.suppress(ValueError):  # not the main thread: the default stays
+        signal.signal(signum, signal.SIG_IGN)
     faulthandler.register(signum, file=stacks, all_threads=True)
     recorder.set_dump_signal(signum)
 
