@@ -3,7 +3,7 @@ close to the fastest configuration that fits?
 
 For each model (a GPT and two MLPs, world 2, AdamW, the Trainer):
 
-1. the machine is probed once (phalanx.train.plan.probe, a world-2 job) and the
+1. the machine is probed once (phalanx.train.plan.probe_job, a world-2 job) and the
    model counted on the meta device;
 2. every candidate configuration (the planner's space here: stages 0-3 in
    memory, stage 1 and stage 3 with disk offload, stage 3 at fractions 1/4 to 1,

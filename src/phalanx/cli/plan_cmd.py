@@ -114,7 +114,7 @@ def probe(world: int, offload_dir: str | None) -> Any:
     with tempfile.TemporaryDirectory(prefix="phalanx-plan-") as tmp:
         out = Path(tmp) / "rates.json"
         command = [sys.executable, "-m", "phalanx", "launch", "--nproc-per-node", str(world)]
-        command += ["-m", "phalanx.train.plan.probe", "--out", str(out)]
+        command += ["-m", "phalanx.train.plan.probe_job", "--out", str(out)]
         if offload_dir:
             command += ["--offload-dir", offload_dir]
         threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // world))

@@ -13,16 +13,13 @@ rank at once (the share of the disk a rank gets when all offload), written and
 synced then read with its pages dropped (stage 3's shards, through the page
 cache), and written and read by O_DIRECT (the optimizer's state). The libraries are
 this process's resident memory before any of the model exists. Every rank
-measures; the slowest figure of any rank is kept, so all ranks plan alike.
-
-    phalanx launch --nproc-per-node 2 -m phalanx.train.plan.probe --out rates.json
+measures; the slowest figure of any rank is kept, so all ranks plan alike. Run as a
+job of its own by probe_job.py (what `phalanx plan` launches).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import os
 import tempfile
 import time
@@ -322,61 +319,3 @@ def measure_rates(group: dist.ProcessGroup | None, offload_dir: str | None) -> R
         worst["libraries_bytes"] = max(r[0]["libraries_bytes"] for r in everyone)
         mine, latency, rate = worst, worst_latency, worst_rate
     return Rates(collective_latency_s=latency, collective_bytes_per_s=rate, **mine)
-
-
-def _tiny_trainer_step(out: Path) -> None:
-    """One step of a Trainer over a 16x16 Linear (writing under `out`, the same directory on
-    every rank): its modules, threads and buffers loaded."""
-    from torch.utils.data import TensorDataset
-
-    from phalanx.train import Trainer, TrainingArguments
-
-    args = TrainingArguments(
-        output_dir=str(out),
-        max_steps=1,
-        per_device_train_batch_size=2,
-        save_strategy="no",
-        report_to=[],
-        disable_tqdm=True,
-        logging_steps=1,
-    )
-    data = TensorDataset(torch.ones(8, 16), torch.ones(8, 16))
-    trainer = Trainer(model=_First(), args=args, train_dataset=data, loss_fn=_mse)
-    trainer.train()
-    trainer.close()
-
-
-def _mse(out: torch.Tensor, batch: list[torch.Tensor]) -> torch.Tensor:
-    return torch.nn.functional.mse_loss(out, batch[1])
-
-
-class _First(torch.nn.Module):
-    """A 16x16 Linear over the batch's first tensor."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inner = torch.nn.Linear(16, 16)
-
-    def forward(self, batch: list[torch.Tensor]) -> torch.Tensor:
-        out: torch.Tensor = self.inner(batch[0])
-        return out
-
-
-def main(argv: list[str] | None = None) -> None:
-    """The probe as a job of its own (`phalanx plan` runs it under the launcher)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--offload-dir", default=None)
-    ns = parser.parse_args(argv)
-    import phalanx
-
-    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    world = phalanx.init(backend="gloo")
-    _tiny_trainer_step(Path(ns.out).parent / "probe-trainer")  # as a Trainer's process
-    rates = measure_rates(world.process_group, ns.offload_dir)
-    if world.rank == 0:
-        Path(ns.out).write_text(json.dumps(rates.to_json()))
-
-
-if __name__ == "__main__":
-    main()
