@@ -27,6 +27,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,8 @@ from phalanx.runtime.hostmem import return_freed_memory
 from phalanx.runtime.wire import all_gather_json
 
 __all__ = ["Rates", "measure_rates", "resident_bytes"]
+
+_T = TypeVar("_T")
 
 _SMALL, _LARGE = 256 << 10, 16 << 20
 _DISK_BYTES = 64 << 20
@@ -282,21 +285,19 @@ def measure_rates(group: dist.ProcessGroup | None, offload_dir: str | None) -> R
     libraries = resident_bytes()
     latency, rate = _collectives(group)
     busy = _busy_all_reduce(group)
-    if dist.is_initialized():
-        dist.barrier(group=group)
-    unlimited = (float("inf"), float("inf"))
-    read, write = _disk(offload_dir) if offload_dir else unlimited
-    if dist.is_initialized():
-        dist.barrier(group=group)
-    direct = _disk_direct(offload_dir) if offload_dir else unlimited
-    direct_read, direct_write = direct or (read, write)  # refused: the state is mapped
 
-    def together(measure: Callable[[], float]) -> float:
+    def together(measure: Callable[[], _T]) -> _T:
         """Every rank measures at once, as they train at once (they share the memory's
-        bandwidth and the cores)."""
+        bandwidth, the cores and the disk)."""
         if dist.is_initialized():
             dist.barrier(group=group)
         return measure()
+
+    read, write = direct_read, direct_write = (float("inf"), float("inf"))
+    if offload_dir:
+        read, write = together(lambda: _disk(offload_dir))
+        direct = together(lambda: _disk_direct(offload_dir))
+        direct_read, direct_write = direct or (read, write)  # refused: the state is mapped
 
     mine = {
         "flops_per_s": together(_flops_per_s),
