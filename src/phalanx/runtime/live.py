@@ -10,7 +10,9 @@ watcher thread keeps from the store. A member that sees a collective fail (a
 dead peer's sockets close at once) or learns of a loss from its launcher marks
 the generation aborted in the store, so that every member leaves its wait within
 a slice, with `PeerLost`; the abandoned inner group is kept, never destroyed (its
-threads may still be blocked on a stopped peer). `membership.py` then agrees on
+threads may still be blocked on a stopped peer), and once the next generation has
+formed, its connections are shut down (`gloo_sockets.py`: a pair left mid-send would
+otherwise keep its loop thread busy). `membership.py` then agrees on
 the next members and this group's `reform` builds the inner group for them.
 Design and alternatives: docs/reliability.md, "Live recovery".
 """
@@ -42,6 +44,7 @@ from phalanx.ground.store_keys import (
     grow_key,
     heartbeat_name,
 )
+from phalanx.runtime.gloo_sockets import GroupSockets
 
 __all__ = ["LIVE_BACKEND", "LiveGroup", "current_live_group", "delegate_collectives"]
 
@@ -148,13 +151,17 @@ class LiveGroup(dist.ProcessGroup):
         self.generation = 0 if replacement is None else -1
         self.members: list[str] = [f"r{r}" for r in range(size)] if replacement is None else []
         self.member = replacement or f"r{rank}"
+        self.connections = GroupSockets()
+        """The connections of each generation's gloo groups: shut down once it is over."""
         self._inner: dist.ProcessGroupGloo | None = None
         if replacement is None:
             self._inner = self._gloo(0, rank, size)
             self._prove(self._inner, 0, self.members, rank, timeout)
         else:  # a world of its own until it joins: what it builds before (a mesh) needs one
             alone = dist.PrefixStore(f"{KEY}alone/{replacement}/", store)
-            self._inner = dist.ProcessGroupGloo(alone, 0, 1, timeout)
+            self._inner = self.connections.made(
+                -1, lambda: dist.ProcessGroupGloo(alone, 0, 1, timeout)
+            )
         self._bind(self._inner)
         self._rank, self._size = rank, size
         self._aborted: dict[int, str] = {}
@@ -191,7 +198,9 @@ class LiveGroup(dist.ProcessGroup):
         """Generation `generation`'s gloo group: connected within `connect`, its collectives
         bounded by the run's timeout."""
         prefix = dist.PrefixStore(f"{KEY}g{generation}/pg/", self.store)
-        group = dist.ProcessGroupGloo(prefix, rank, size, connect or self.timeout)
+        group = self.connections.made(
+            generation, lambda: dist.ProcessGroupGloo(prefix, rank, size, connect or self.timeout)
+        )
         group._set_default_timeout(self.timeout)
         return group
 
@@ -216,6 +225,7 @@ class LiveGroup(dist.ProcessGroup):
             self.generation, self.members, self.member = generation, members, member
             self._rank, self._size = rank, len(members)
             self._bind(inner)
+        self.connections.end_before(generation)
 
     def _bind(self, inner: dist.ProcessGroupGloo) -> None:
         """Make `inner` this group's registered CPU backend, and name the group again (torch
@@ -239,6 +249,7 @@ class LiveGroup(dist.ProcessGroup):
             self._inner = None
             self.generation, self.members, self.member = generation, members, member
             self._aborted.setdefault(generation, "it could not form")
+        self.connections.end_before(generation + 1)  # this one is over too
 
     def _prove(
         self,

@@ -42,7 +42,9 @@ class SideGroup(dist.ProcessGroup):
         prefix = dist.PrefixStore(f"{KEY}g{generation}/{name}/", live.store)
         connect = connect or live.timeout
         try:  # a member lost meanwhile never connects: the generation ends within `connect`
-            self._inner = dist.ProcessGroupGloo(prefix, rank, size, connect)
+            self._inner = live.connections.made(
+                generation, lambda: dist.ProcessGroupGloo(prefix, rank, size, connect)
+            )
             self._inner._set_default_timeout(live.timeout)
             live._prove(self._inner, generation, [live.members[r] for r in ranks], rank, connect)
         except RuntimeError as exc:
