@@ -91,6 +91,9 @@ def run_once(
     if variant.endswith("-base") and baseline is not None:
         variant, script = variant.removesuffix("-base"), baseline / SCRIPT.relative_to(ROOT)
         env["PYTHONPATH"] = str(baseline / "src")
+    if variant.endswith("-warm"):  # the workers forked from a warm server (forkstart.py)
+        variant = variant.removesuffix("-warm")
+        flags += ["--start-method", "forkserver"]
     variant, _, k = variant.partition("-k")
     if k:
         env["LIVE_REDUNDANCY"] = k
@@ -176,6 +179,11 @@ def _lost_by_phase(live: list[dict[str, float]], none: list[dict[str, float]]) -
     return parts
 
 
+def _none_of(variant: str) -> str:
+    """The run without failures that `variant` is measured against: the same start method."""
+    return "none-warm" if variant.endswith("-warm") else "none"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -192,12 +200,19 @@ def main() -> None:
     parser.add_argument("--offload", default="", choices=("", "disk"), help="zero_offload")
     parser.add_argument("--redundancy", default="", help="live_redundancy k, or a list: 1,2")
     parser.add_argument("--no-failures", action="store_true", help="only none and quiet-live")
+    parser.add_argument(
+        "--warm",
+        action="store_true",
+        help="add none-warm, live-warm, restart-warm: --start-method forkserver",
+    )
     parser.add_argument("--baseline-tree", type=Path, default=None, help="an older checkout")
     ns = parser.parse_args()
     ks = [f"-k{k}" for k in ns.redundancy.split(",") if k] or [""]
     lives = [] if ns.no_failures else [f"live{k}" for k in ks]
     variants = ("none", *[f"quiet-live{k}" for k in ks], *lives)
     variants += () if ns.no_failures else ("restart",)
+    if ns.warm:
+        variants += ("none-warm",) + (() if ns.no_failures else ("live-warm", "restart-warm"))
     if ns.baseline_tree:
         variants += ("quiet-live-base",) + (() if ns.no_failures else ("live-base",))
     extra = {"ZERO_STAGE": ns.zero_stage, "WIDTH": ns.width, "DEPTH": ns.depth,
@@ -226,16 +241,18 @@ def main() -> None:
               "to its step")  # fmt: skip
         figures[f"quiet_live{k.replace('-', '_')}_over_none"] = cost
     if not ns.no_failures:
-        lost = {v: median[v] - median["none"] for v in (*lives, "restart")}
+        warm = ("live-warm", "restart-warm") if ns.warm else ()
+        lost = {v: median[v] - median[_none_of(v)] for v in (*lives, "restart", *warm)}
         figures["lost_s"] = lost
         failures = len(ns.kills.split(","))
-        for live in lives:
-            ratio = lost[live] / lost["restart"] if lost["restart"] > 0 else float("nan")
-            print(f"lost to {failures} failures: {live} {lost[live]:.2f} s, restart "
-                  f"{lost['restart']:.2f} s; {live} / restart = {ratio:.3f} "
+        for live in (*lives, *warm[:1]):
+            restart = "restart-warm" if live.endswith("-warm") else "restart"
+            ratio = lost[live] / lost[restart] if lost[restart] > 0 else float("nan")
+            print(f"lost to {failures} failures: {live} {lost[live]:.2f} s, {restart} "
+                  f"{lost[restart]:.2f} s; {live} / {restart} = {ratio:.3f} "
                   "(target <= 0.1)")  # fmt: skip
             figures[f"{live.replace('-', '_')}_over_restart"] = ratio
-            parts = _lost_by_phase(PHASES[live], PHASES["none"])
+            parts = _lost_by_phase(PHASES[live], PHASES[_none_of(live)])
             figures[f"{live.replace('-', '_')}_phases_s"] = parts
             print(f"{live}'s lost seconds by where they went (medians over runs; each step "
                   "less its run's median step; against none): "

@@ -30,9 +30,15 @@ SCRIPTS = {"step": HERE / "first_step.py", "exit": HERE / "init_exit.py"}
 
 
 def commands(script: Path) -> dict[str, list[str]]:
-    phalanx = [sys.executable, "-m", "phalanx", "launch", "--nproc-per-node", "2", str(script)]
+    """phalanx launch (fresh workers), phalanx launch --start-method forkserver (forked from
+    a warm server, launch/forkstart.py) and torchrun, each on 2 ranks."""
+    launch = [sys.executable, "-m", "phalanx", "launch", "--nproc-per-node", "2"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    return {"phalanx": phalanx, "torchrun": [*torchrun, "--nproc-per-node", "2", str(script)]}
+    return {
+        "phalanx": [*launch, str(script)],
+        "phalanx-forkserver": [*launch, "--start-method", "forkserver", str(script)],
+        "torchrun": [*torchrun, "--nproc-per-node", "2", str(script)],
+    }
 
 
 def once(command: list[str], to: str, pythonpath: str | None = None) -> float:
@@ -55,7 +61,7 @@ def once(command: list[str], to: str, pythonpath: str | None = None) -> float:
 
 def measure(trials: int, to: str, baseline_src: str | None) -> dict[str, Any]:
     cmds = commands(SCRIPTS[to])
-    paths: dict[str, str | None] = {"phalanx": None, "torchrun": None}
+    paths: dict[str, str | None] = dict.fromkeys(cmds)
     if baseline_src:
         cmds["baseline"], paths["baseline"] = cmds["phalanx"], baseline_src
     runs: dict[str, list[float]] = {name: [] for name in cmds}
@@ -72,13 +78,15 @@ def measure(trials: int, to: str, baseline_src: str | None) -> dict[str, Any]:
         "date": time.strftime("%Y-%m-%d"),
         "median_s": med,
         "ratio": med["phalanx"] / med["torchrun"],
+        "forkserver_ratio": med["phalanx-forkserver"] / med["torchrun"],
         "runs": runs,
     }
     shown = ", ".join(f"{name} {s:.2f} s" for name, s in med.items())
     what = "first step" if to == "step" else "the end of init + barrier"
     print(
         f"command to {what}, 2 ranks, median of {trials}: {shown} "
-        f"(phalanx ÷ torchrun {result['ratio']:.2f})",
+        f"(phalanx ÷ torchrun {result['ratio']:.2f}, "
+        f"forkserver ÷ torchrun {result['forkserver_ratio']:.2f})",
         flush=True,
     )
     return result

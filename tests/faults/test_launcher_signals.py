@@ -46,10 +46,12 @@ GONE_WITHIN_S = 10.0
 ORPHANS_GONE_WITHIN_S = 1.0
 
 
-def _start_sleepers(out: Path, mark: str) -> subprocess.Popen[str]:
+def _start_sleepers(out: Path, mark: str, method: str = "spawn") -> subprocess.Popen[str]:
     """A launcher of 2 workers that each sleep 60 s with a grandchild (fail_fast.py, whose
-    failing rank 99 does not exist)."""
-    argv = [*LAUNCH, "--nproc-per-node", "2", SCRIPTS / "fail_fast.py", out, 99, "exit"]
+    failing rank 99 does not exist); `forkserver`: forked from a warm server, which is
+    marked as they are."""
+    argv = [*LAUNCH, "--nproc-per-node", "2", "--start-method", method,
+            SCRIPTS / "fail_fast.py", out, 99, "exit"]  # fmt: skip
     return start(argv, env=clean_env(PHALANX_TEST_MARK=mark))
 
 
@@ -65,10 +67,20 @@ def _expected_status(signum: int) -> int:
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGQUIT, signal.SIGKILL])
-def test_no_worker_outlives_the_launcher(tmp_path: Path, signum: signal.Signals) -> None:
+@pytest.mark.parametrize(
+    ("signum", "method"),
+    [
+        (signal.SIGHUP, "spawn"),
+        (signal.SIGQUIT, "spawn"),
+        (signal.SIGKILL, "spawn"),
+        (signal.SIGKILL, "forkserver"),
+    ],
+)
+def test_no_worker_outlives_the_launcher(
+    tmp_path: Path, signum: signal.Signals, method: str
+) -> None:
     mark = uuid.uuid4().hex
-    launcher = _start_sleepers(tmp_path, mark)
+    launcher = _start_sleepers(tmp_path, mark, method)
     try:
         wait_for([tmp_path / f"pids_{r}" for r in range(2)])
         workers = pids_of(tmp_path, range(2))  # each worker and its grandchild

@@ -93,6 +93,10 @@ def _check_epochs(ledger: Path, total_steps: int, run: Path | None = None) -> li
     return worlds
 
 
+def _entries(ledger_file: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in ledger_file.read_text().splitlines()]
+
+
 def _digests(out: str) -> list[str]:
     return re.findall(r"done step=\d+ loss=\S+ digest=(\S+)", out)
 
@@ -146,18 +150,27 @@ def test_a_checkpoint_after_a_recovery_resumes_exactly(tmp_path: Path) -> None:
 @pytest.mark.timeout(300)
 def test_a_replayed_membership_ends_bit_identical(tmp_path: Path) -> None:
     """The same loss (injected alike) and the replacement let in at the recorded step: the
-    same run, bit for bit (the generators are reseeded from the seed, generation and rank)."""
+    same run, bit for bit (the generators are reseeded from the seed, generation and rank).
+    The replay's workers, the replacement too, are forked from a warm server
+    (--start-method forkserver), the first run's are fresh interpreters: the same bits."""
     first = _train(tmp_path / "a", tmp_path / "ledger_a", 120, KILL_MEMBER="r1", KILL_STEP="6",
                    HOLD_STEP="8", HOLD_WORLD="3")  # fmt: skip
     log = tmp_path / "a" / "live_membership.jsonl"
     changes = [json.loads(line) for line in log.read_text().splitlines()]
     assert [c["members"] for c in changes] == [["r0", "r2"], ["r0", "r2", "j1"]], changes
     replay = _train(tmp_path / "b", tmp_path / "ledger_b", 120, KILL_MEMBER="r1", KILL_STEP="6",
-                    HOLD_STEP="8", HOLD_WORLD="3",
-                    PHALANX_LIVE_REPLAY=str(log))  # fmt: skip
+                    HOLD_STEP="8", HOLD_WORLD="3", PHALANX_LIVE_REPLAY=str(log),
+                    flags=f"{FLAGS} --start-method forkserver")  # fmt: skip
     replayed = [json.loads(line) for line in (tmp_path / "b" / log.name).read_text().splitlines()]
     assert [c["step"] for c in replayed] == [c["step"] for c in changes]
     assert len(set(_digests(first))) == 1 and set(_digests(replay)) == set(_digests(first))
+    forked = {
+        p.stem: {e["forked"] for e in _entries(p)} for p in (tmp_path / "ledger_b").glob("*.jsonl")
+    }
+    assert forked == {"r0": {True}, "r1": {True}, "r2": {True}, "j1": {True}}, forked
+    assert {e["forked"] for p in (tmp_path / "ledger_a").glob("*.jsonl") for e in _entries(p)} == {
+        False
+    }
 
 
 @pytest.mark.slow  # about 80 s: the replay test holds recovery to the bit in make test

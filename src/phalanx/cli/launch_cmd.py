@@ -52,6 +52,7 @@ def config_from_args(ns: argparse.Namespace) -> LaunchConfig:
         command=_command(ns),
         use_python=not ns.no_python,
         run_path=ns.run_path,
+        start_method=ns.start_method,
         nproc_per_node=nproc,
         nnodes=nnodes,
         node_rank=site.node_rank,

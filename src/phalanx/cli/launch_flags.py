@@ -176,7 +176,8 @@ def _processes(add: Add) -> None:
     )
     add(
         "--start-method",
-        "accepted for torchrun; workers are always fresh interpreters",
+        "forkserver: fork the workers from a warm server that has imported torch; "
+        "spawn (default), fork: fresh interpreters",
         choices=("spawn", "fork", "forkserver"),
         default="spawn",
     )

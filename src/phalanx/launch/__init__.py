@@ -14,7 +14,10 @@ Modules (tests/unit/test_layers.py holds this list to the folder):
   for another host says whom it waits for), `storehost` (hosting the store),
   `etcdmeet` (--rdzv-backend etcd: the store in etcd, hosted by no launcher);
 - the workers: `workers` (one attempt's processes), `workerenv` (their
-  environment), `lifeline` (stops them if the launcher dies unseen),
+  environment), `forkstart` (--start-method forkserver: the launcher's side of
+  a warm server that forks them) and `warmserver` (that server: a process of
+  its own, the one module here that imports torch, by name, in its own
+  interpreter), `lifeline` (stops them if the launcher dies unseen),
   `procgroup` (signals to process groups), `exitwatch` (a worker hung in
   its exit: shown and killed), `live` (--live-recovery: a lost
   worker reported and replaced, a stalled one fenced, the others left running),

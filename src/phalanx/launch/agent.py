@@ -33,6 +33,7 @@ from phalanx.ground.store_keys import (
 )
 from phalanx.launch.config import LaunchConfig
 from phalanx.launch.exitwatch import fence_hung_exit
+from phalanx.launch.forkstart import ForkServer, fresh_process
 from phalanx.launch.lifeline import LAUNCH_ID_ENV, Lifeline
 from phalanx.launch.live import Connect, LiveSupervisor, take_members
 from phalanx.launch.meeting import Meeting
@@ -40,10 +41,11 @@ from phalanx.launch.output import OutputSink
 from phalanx.launch.procgroup import describe_returncode
 from phalanx.launch.routing import ERR, OUT, LogLayout
 from phalanx.launch.summary import failure_summary, find_stall
-from phalanx.launch.workerenv import gloo_ifname_env, worker_argv, worker_env
+from phalanx.launch.workerenv import gloo_ifname_env, server_env, worker_argv, worker_env
 from phalanx.launch.workers import (
     Failure,
     OutputPlan,
+    Start,
     StopRequest,
     Worker,
     WorkerGroup,
@@ -73,6 +75,8 @@ class Agent:
         self._layout: LogLayout | None = None
         self._connect: Connect | None = None
         """New connections to the current attempt's store (live recovery's reports)."""
+        self._start: Start = fresh_process
+        """How a worker starts: fresh, or forked by the run's warm server."""
 
     def run(self) -> int:
         """Exit status of the job: 0, the failed worker's, or 128 + signum when stopped."""
@@ -87,6 +91,8 @@ class Agent:
             if self._cancelled():
                 return self._stopped_by(self.stop_request.signum)
             extra = gloo_ifname_env(self.config, self.environ, self.sink.message)
+            if self.config.start_method == "forkserver" and self.config.use_python:
+                self._start = self._warm_server(extra, lifeline, stack)
             if self.config.routing.writes_files:
                 self._layout = LogLayout(self.config.log_dir, self.config.run_id)
                 self.sink.message(f"per-stream logs (-r/-t) in {self._layout.run_dir}")
@@ -103,6 +109,22 @@ class Agent:
                 if status is not None:
                     return status
         raise AssertionError("unreachable: the last attempt always returns a status")
+
+    def _warm_server(
+        self, extra: Mapping[str, str], lifeline: Lifeline, stack: contextlib.ExitStack
+    ) -> Start:
+        """--start-method forkserver: the run's warm server, closed when the run ends."""
+        env = server_env(self.config, self.environ, extra)
+        env[LAUNCH_ID_ENV] = lifeline.launch_id
+        server = ForkServer(self.python, env, self.sink.message)
+        lifeline.watch(server.pid)
+
+        def close() -> None:
+            server.close()
+            lifeline.release(server.pid)
+
+        stack.callback(close)
+        return server.start
 
     def _cancelled(self) -> bool:
         return self.stop_request.signum is not None
@@ -358,7 +380,7 @@ class Agent:
             # The console shows a PhalanxError's one line; the log dir keeps it whole.
             env[TRACEBACK_FILE_ENV] = str(plan.log_dir / f"rank_{rank}.traceback")
         try:
-            worker = spawn_worker(argv, env, rank, local_rank, self.sink, plan)
+            worker = spawn_worker(argv, env, rank, local_rank, self.sink, plan, self._start)
         except OSError as exc:
             raise ConfigurationError(
                 f"cannot start {argv[0]!r}: {exc.strerror or exc} — check the command"

@@ -90,6 +90,9 @@ class LaunchConfig:
     """False with --no-python: `command[0]` is an executable run as is."""
     run_path: bool = False
     """--run-path: the script runs through runpy.run_path inside the worker's interpreter."""
+    start_method: str = "spawn"
+    """--start-method: `forkserver` forks the workers from a warm server that has imported
+    torch (launch/forkstart.py); `spawn` and `fork` start each as a fresh interpreter."""
     nproc_per_node: int = 1
     """Workers on this node."""
     nnodes: int = 1

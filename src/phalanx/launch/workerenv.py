@@ -81,6 +81,16 @@ def worker_env(
     return env
 
 
+def server_env(
+    config: LaunchConfig, base: Mapping[str, str], extra: Mapping[str, str]
+) -> dict[str, str]:
+    """The warm server's environment (launch/warmserver.py): what every worker's holds that
+    an import may read. Each forked worker then takes its own whole environment."""
+    env = {**base, **extra, "PYTHONUNBUFFERED": "1"}
+    env.setdefault("OMP_NUM_THREADS", str(omp_threads(config.nproc_per_node)))
+    return env
+
+
 # --run-path: what torchrun's run_script_path does, in the worker's own fresh interpreter.
 # As there, the script's directory is not put on sys.path (the working directory is).
 _RUN_PATH = (

@@ -7,13 +7,13 @@ import contextlib
 import os
 import select
 import signal
-import subprocess
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Protocol
 
+from phalanx.launch.forkstart import fresh_process
 from phalanx.launch.lifeline import Lifeline
 from phalanx.launch.output import OutputSink, RankOutput, StreamTarget, open_log
 from phalanx.launch.procgroup import exit_code_of, live_groups, signal_group
@@ -37,11 +37,27 @@ class StopRequest:
         return self.signums[0] if self.signums else None
 
 
+class WorkerProcess(Protocol):
+    """What the launcher uses of a worker's process: a Popen, or a ForkedProcess
+    (launch/forkstart.py) when a warm server forked it."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+Start = Callable[[list[str], dict[str, str], int, int], WorkerProcess]
+"""Starts a worker: argv, env, its stdout and stderr descriptors."""
+
+
 @dataclass
 class Worker:
     rank: int
     local_rank: int
-    process: subprocess.Popen[bytes]
+    process: WorkerProcess
     output: RankOutput
 
     @property
@@ -144,6 +160,7 @@ def spawn_worker(
     local_rank: int,
     sink: OutputSink,
     plan: OutputPlan,
+    start: Start = fresh_process,
 ) -> Worker:
     """Start one worker in its own session, its output pumped to the sink and its files.
 
@@ -151,31 +168,22 @@ def spawn_worker(
     """
     owned, out_target, err_target = plan.targets(rank, local_rank)
     bar = open_bar_pty(sink.stderr, len(f"[rank {rank}] ")) if rank == 0 else None
+    out_read, out_write = os.pipe()
+    err_read, err_write = os.pipe() if bar is None else bar
     try:
-        process = subprocess.Popen(
-            argv,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE if bar is None else bar[1],
-            start_new_session=True,
-        )
+        process = start(argv, env, out_write, err_write)
     except OSError:
         for log in owned:
             log.close()
-        if bar is not None:
-            os.close(bar[0])
-            os.close(bar[1])
+        os.close(out_read)
+        os.close(err_read)
         raise
-    assert process.stdout is not None
-    stderr: IO[bytes] | int
-    if bar is None:
-        assert process.stderr is not None
-        stderr = process.stderr
-    else:
-        os.close(bar[1])  # the worker holds the other side; EOF comes when it is gone
-        stderr = bar[0]
-    output = RankOutput(rank, process.stdout, stderr, sink, (out_target, err_target), owned)
+    finally:  # the worker holds the write ends; EOF comes when it (and its children) are gone
+        os.close(out_write)
+        os.close(err_write)
+    stdout = open(out_read, "rb")  # noqa: SIM115 - the pump owns it until EOF
+    stderr: IO[bytes] | int = err_read if bar is not None else open(err_read, "rb")  # noqa: SIM115
+    output = RankOutput(rank, stdout, stderr, sink, (out_target, err_target), owned)
     return Worker(rank, local_rank, process, output)
 
 

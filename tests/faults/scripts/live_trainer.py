@@ -38,6 +38,8 @@ SEED = int(os.environ.get("SEED", "3"))
 STAGES: dict[str, ZeroStage] = {"0": 0, "1": 1, "2": 2, "3": 3}
 HOLD_STEP = int(os.environ.get("HOLD_STEP", "-1"))
 HOLD_WORLD = int(os.environ.get("HOLD_WORLD", "0"))
+FORKED = b"phalanx.launch.warmserver" in Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
+"""Whether a warm server forked this worker (--start-method forkserver), not the launcher."""
 TOLERANCE: FaultTolerance = "restart" if os.environ.get("FAULT_TOLERANCE") == "restart" else "live"
 
 
@@ -95,7 +97,9 @@ class Ledger(TrainerCallback):
                  "epoch": trainer.state.epoch, "indices": self.model.pending,
                  "t": time.time(), "gen": -1 if group is None else group.generation,
                  "copy_bytes": copy_bytes(trainer),
-                 "copy_bytes_in_memory": copy_bytes(trainer, in_files=False)}  # fmt: skip
+                 "copy_bytes_in_memory": copy_bytes(trainer, in_files=False),
+                 "forked": FORKED, "cpu_s": time.process_time(),
+                 "threads": len(os.listdir("/proc/self/task"))}  # fmt: skip
         with self.path.open("a") as out:
             out.write(json.dumps(entry) + "\n")
         time.sleep(PAUSE_S)
