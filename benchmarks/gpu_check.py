@@ -40,6 +40,8 @@ CHECKS = [
     ("async save, resume bit-exact (CUDA RNG)", "test_gpu.py::test_cuda_rng_resume_is_bit_exact"),
     ("fused CUDA AdamW under phalanx DDP",
      "test_staging_fused_gpu.py::test_fused_cuda_adamw_under_phalanx_ddp_equals_torch_ddp"),
+    ("workers forked from the warm server (--start-method forkserver): nccl on their GPU",
+     "test_launch_gpu.py::test_workers_forked_from_the_warm_server_use_their_gpu"),
 ]  # fmt: skip
 
 

@@ -15,6 +15,8 @@ from tests.harness import run_workers
 
 
 def _end_a_generation(rank: int, world_size: int, port: int) -> dict[str, object]:
+    from typing import cast
+
     import torch
     import torch.distributed as dist
 
@@ -24,12 +26,13 @@ def _end_a_generation(rank: int, world_size: int, port: int) -> dict[str, object
                           timeout=timedelta(seconds=30))  # fmt: skip
     sockets = GroupSockets()
 
-    def group(generation: int) -> dist.ProcessGroupGloo:
+    def group(generation: int) -> dist.ProcessGroup:
         prefix = dist.PrefixStore(f"g{generation}/", store)
-        return sockets.made(
+        made = sockets.made(
             generation,
             lambda: dist.ProcessGroupGloo(prefix, rank, world_size, timedelta(seconds=600)),
         )
+        return cast(dist.ProcessGroup, made)
 
     old = group(0)
     # Rank 0 starts a collective that rank 1 never joins: blocked for the group's 600 s.

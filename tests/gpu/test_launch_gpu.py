@@ -57,3 +57,14 @@ def test_virtual_local_rank_shows_each_worker_its_own_gpu(tmp_path: Path) -> Non
     assert [r["device"] for r in ranks] == ["cuda:0"] * gpus
     assert [r["count"] for r in ranks] == [1] * gpus
     assert [r["visible"] for r in ranks] == [str(i) for i in range(gpus)]
+
+
+@pytest.mark.timeout(320)
+def test_workers_forked_from_the_warm_server_use_their_gpu(tmp_path: Path) -> None:
+    """--start-method forkserver: the server imported torch without starting CUDA, so each
+    forked worker starts it itself, on its own GPU, and NCCL works (or, where importing
+    loaded the CUDA driver, the launcher says so and starts them fresh: same result)."""
+    gpus = torch.cuda.device_count()
+    ranks = _launch(tmp_path, "--nproc-per-node", str(gpus), "--start-method", "forkserver")
+    assert [r["device"] for r in ranks] == [f"cuda:{i}" for i in range(gpus)]
+    assert {r["sum"] for r in ranks} == {gpus * (gpus + 1) / 2}

@@ -104,8 +104,7 @@ class ForkServer:
 
     def _receive(self, timeout_s: float | None) -> dict[str, Any] | None:
         """One message (exit reports are filed as they pass), or None after `timeout_s`."""
-        ready, _, _ = select.select([self._sock], [], [], timeout_s)
-        if not ready:
+        if not _readable(self._sock.fileno(), timeout_s):
             return None
         try:
             data = self._sock.recv(MAX_MESSAGE)
@@ -188,8 +187,7 @@ class ForkedProcess:
         if self._pidfd is None:
             time.sleep(wait_s)
             return False
-        readable, _, _ = select.select([self._pidfd], [], [], wait_s)
-        return bool(readable)
+        return _readable(self._pidfd, wait_s)
 
     def _settle(self, returncode: int | None) -> None:
         if returncode is not None and self.returncode is None:
@@ -197,6 +195,14 @@ class ForkedProcess:
             if self._pidfd is not None:
                 os.close(self._pidfd)
                 self._pidfd = None
+
+
+def _readable(fd: int, timeout_s: float | None) -> bool:
+    """Whether `fd` is readable within `timeout_s` (None: no limit). poll, not select: no
+    limit on the descriptor's number."""
+    watch = select.poll()
+    watch.register(fd, select.POLLIN)
+    return bool(watch.poll(None if timeout_s is None else timeout_s * 1000))
 
 
 def fresh_process(
