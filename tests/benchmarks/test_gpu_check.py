@@ -23,7 +23,7 @@ def test_every_row_runs_its_test(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=580)  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert len(rows) == 8 and "gpu check:" in done.stdout
+    assert len(rows) == 9 and "gpu check:" in done.stdout
     expected = "passed" if torch.cuda.is_available() else "skipped"
     assert {r["result"] for r in rows} == {expected}, rows
     if expected == "skipped":
