@@ -104,6 +104,9 @@ class ForkServer:
 
     def _receive(self, timeout_s: float | None) -> dict[str, Any] | None:
         """One message (exit reports are filed as they pass), or None after `timeout_s`."""
+        if self._sock.fileno() < 0:  # closed: the run is over
+            self._gone = True
+            return None
         if not _readable(self._sock.fileno(), timeout_s):
             return None
         try:
