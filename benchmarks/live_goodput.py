@@ -56,6 +56,7 @@ import time
 from pathlib import Path
 
 import interleave
+from bytecode import compile_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 SNAPSHOT_STEPS = 10
@@ -207,6 +208,7 @@ def main() -> None:
     )
     parser.add_argument("--baseline-tree", type=Path, default=None, help="an older checkout")
     ns = parser.parse_args()
+    compile_tree()
     ks = [f"-k{k}" for k in ns.redundancy.split(",") if k] or [""]
     lives = [] if ns.no_failures else [f"live{k}" for k in ks]
     variants = ("none", *[f"quiet-live{k}" for k in ks], *lives)

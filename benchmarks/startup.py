@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bytecode import compile_tree
 from interleave import balanced_order
 
 HERE = Path(__file__).resolve().parent
@@ -99,6 +100,7 @@ if __name__ == "__main__":
     parser.add_argument("--baseline-src", default=None, help="an older tree's src/ to compare")
     parser.add_argument("--out", type=Path, default=None, help="write the JSON here")
     args = parser.parse_args()
+    compile_tree()
     result = measure(args.trials, args.to, args.baseline_src)
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
