@@ -193,10 +193,13 @@ def test_signal_to_launcher_reaches_workers(tmp_path: Path, signum: signal.Signa
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize(("max_restarts", "code"), [(2, 0), (1, 1)])
-def test_restarts(tmp_path: Path, max_restarts: int, code: int) -> None:
-    # Rank 1 fails on restarts 0 and 1 and succeeds on restart 2.
-    flags = f"--max-restarts {max_restarts} --nproc-per-node 2"
+@pytest.mark.parametrize(
+    ("max_restarts", "code", "method"), [(2, 0, "spawn"), (1, 1, "spawn"), (2, 0, "forkserver")]
+)
+def test_restarts(tmp_path: Path, max_restarts: int, code: int, method: str) -> None:
+    # Rank 1 fails on restarts 0 and 1 and succeeds on restart 2; forkserver: every attempt's
+    # workers forked from the one warm server, each with its attempt's environment.
+    flags = f"--max-restarts {max_restarts} --nproc-per-node 2 --start-method {method}"
     result = launch(flags, SCRIPTS / "flaky.py", tmp_path, 2)
     assert result.returncode == code, result.stderr
     attempts = range(max_restarts + 1)
