@@ -23,17 +23,12 @@ from typing import IO, Any
 
 from phalanx.errors import TRACEBACK_FILE_ENV, ConfigurationError, ExitCode
 from phalanx.ground.progress_record import PROGRESS_DIR_VAR, read_stop
-from phalanx.ground.runauth import SECRET_ENV
 from phalanx.ground.store_keys import (
-    LIVE_ENV,
     MEMBER_ENV,
-    MIN_MEMBERS_ENV,
-    QUORUM_TIMEOUT_ENV,
-    STALL_ENV,
 )
 from phalanx.launch.config import LaunchConfig
 from phalanx.launch.exitwatch import fence_hung_exit
-from phalanx.launch.forkstart import ForkServer, fresh_process
+from phalanx.launch.forkstart import fresh_process, warm_start
 from phalanx.launch.lifeline import LAUNCH_ID_ENV, Lifeline
 from phalanx.launch.live import Connect, LiveSupervisor, take_members
 from phalanx.launch.meeting import Meeting
@@ -41,7 +36,13 @@ from phalanx.launch.output import OutputSink
 from phalanx.launch.procgroup import describe_returncode
 from phalanx.launch.routing import ERR, OUT, LogLayout
 from phalanx.launch.summary import failure_summary, find_stall
-from phalanx.launch.workerenv import gloo_ifname_env, server_env, worker_argv, worker_env
+from phalanx.launch.workerenv import (
+    gloo_ifname_env,
+    live_env,
+    server_env,
+    worker_argv,
+    worker_env,
+)
 from phalanx.launch.workers import (
     Failure,
     OutputPlan,
@@ -92,7 +93,8 @@ class Agent:
                 return self._stopped_by(self.stop_request.signum)
             extra = gloo_ifname_env(self.config, self.environ, self.sink.message)
             if self.config.start_method == "forkserver" and self.config.use_python:
-                self._start = self._warm_server(extra, lifeline, stack)
+                env = server_env(self.config, self.environ, extra)
+                self._start = warm_start(self.python, env, self.sink.message, lifeline, stack)
             if self.config.routing.writes_files:
                 self._layout = LogLayout(self.config.log_dir, self.config.run_id)
                 self.sink.message(f"per-stream logs (-r/-t) in {self._layout.run_dir}")
@@ -109,22 +111,6 @@ class Agent:
                 if status is not None:
                     return status
         raise AssertionError("unreachable: the last attempt always returns a status")
-
-    def _warm_server(
-        self, extra: Mapping[str, str], lifeline: Lifeline, stack: contextlib.ExitStack
-    ) -> Start:
-        """--start-method forkserver: the run's warm server, closed when the run ends."""
-        env = server_env(self.config, self.environ, extra)
-        env[LAUNCH_ID_ENV] = lifeline.launch_id
-        server = ForkServer(self.python, env, self.sink.message)
-        lifeline.watch(server.pid)
-
-        def close() -> None:
-            server.close()
-            lifeline.release(server.pid)
-
-        stack.callback(close)
-        return server.start
 
     def _cancelled(self) -> bool:
         return self.stop_request.signum is not None
@@ -148,7 +134,7 @@ class Agent:
         self._announce_start(restart, port, members)
         progress_dir = Path(tempfile.mkdtemp(prefix="phalanx-progress-"))
         plan = self._output_plan(restart)
-        extra = {**extra, PROGRESS_DIR_VAR: str(progress_dir), **self._live_env()}
+        extra = {**extra, PROGRESS_DIR_VAR: str(progress_dir), **live_env(self.config.live)}
         try:
             group = self._spawn(restart, port, extra, plan, lifeline, members)
             if self.config.live is not None:
@@ -265,18 +251,6 @@ class Agent:
         if max_restarts:
             self.sink.message(f"no restarts left (--max-restarts {max_restarts})")
         return exit_code
-
-    def _live_env(self) -> dict[str, str]:
-        live = self.config.live
-        if live is None:
-            return {}
-        return {
-            LIVE_ENV: "1",
-            SECRET_ENV: live.secret,
-            STALL_ENV: f"{live.stall_s:g}",
-            MIN_MEMBERS_ENV: str(live.min_members),
-            QUORUM_TIMEOUT_ENV: f"{live.quorum_timeout_s:g}",
-        }
 
     def _live_supervisor(
         self,

@@ -22,9 +22,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from phalanx.launch.lifeline import LAUNCH_ID_ENV, Lifeline
 from phalanx.launch.warmserver import MAX_MESSAGE, can_run
 
-__all__ = ["ForkServer", "ForkedProcess"]
+__all__ = ["ForkServer", "ForkedProcess", "fresh_process", "warm_start"]
 
 _READY_TIMEOUT_S = 300.0
 """The most the first worker waits for the server's imports (seconds on a loaded host)."""
@@ -198,6 +199,27 @@ class ForkedProcess:
             if self._pidfd is not None:
                 os.close(self._pidfd)
                 self._pidfd = None
+
+
+def warm_start(
+    python: str,
+    env: dict[str, str],
+    say: Callable[[str], None],
+    lifeline: Lifeline,
+    stack: contextlib.ExitStack,
+) -> Callable[[list[str], dict[str, str], int, int], ForkedProcess | subprocess.Popen[bytes]]:
+    """A run's warm server, on the lifeline's watch and closed with `stack`: how its workers
+    start (`ForkServer.start`). `env` is the server's (workerenv.server_env), tagged here
+    with the launch's id as every worker is, so the guard finds it too."""
+    server = ForkServer(python, {**env, LAUNCH_ID_ENV: lifeline.launch_id}, say)
+    lifeline.watch(server.pid)
+
+    def close() -> None:
+        server.close()
+        lifeline.release(server.pid)
+
+    stack.callback(close)
+    return server.start
 
 
 def _readable(fd: int, timeout_s: float | None) -> bool:

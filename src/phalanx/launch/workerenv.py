@@ -6,7 +6,9 @@ from collections.abc import Callable, Mapping
 
 from phalanx.errors import ConfigurationError
 from phalanx.ground.netif import choose_gloo_ifname, local_addr_ifname
-from phalanx.launch.config import LaunchConfig
+from phalanx.ground.runauth import SECRET_ENV
+from phalanx.ground.store_keys import LIVE_ENV, MIN_MEMBERS_ENV, QUORUM_TIMEOUT_ENV, STALL_ENV
+from phalanx.launch.config import LaunchConfig, LiveOptions
 from phalanx.launch.devices import cpu_count
 
 
@@ -79,6 +81,19 @@ def worker_env(
     env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     env.setdefault("OMP_NUM_THREADS", str(omp_threads(config.nproc_per_node)))
     return env
+
+
+def live_env(live: LiveOptions | None) -> dict[str, str]:
+    """What every worker of a --live-recovery run is told of it (none without one)."""
+    if live is None:
+        return {}
+    return {
+        LIVE_ENV: "1",
+        SECRET_ENV: live.secret,
+        STALL_ENV: f"{live.stall_s:g}",
+        MIN_MEMBERS_ENV: str(live.min_members),
+        QUORUM_TIMEOUT_ENV: f"{live.quorum_timeout_s:g}",
+    }
 
 
 def server_env(

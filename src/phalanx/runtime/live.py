@@ -26,7 +26,6 @@ import os
 import threading
 from collections.abc import Callable
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -34,17 +33,15 @@ import torch.distributed as dist
 
 from phalanx.errors import NotAMember, PeerLost, StoreLost
 from phalanx.ground.live_store import KeyValue, LiveStore
-from phalanx.ground.progress_record import PROGRESS_DIR_VAR
 from phalanx.ground.runauth import TAG_BYTES, RunKey
 from phalanx.ground.store_keys import (
-    HEARTBEAT_S,
     KEY,
     MEMBER_ENV,
     abort_key,
     grow_key,
-    heartbeat_name,
 )
 from phalanx.runtime.gloo_sockets import GroupSockets
+from phalanx.runtime.heartbeat import start_heartbeat
 
 __all__ = ["LIVE_BACKEND", "LiveGroup", "current_live_group", "delegate_collectives"]
 
@@ -331,36 +328,6 @@ class LiveGroup(dist.ProcessGroup):
         call then aborts the process ("terminate called without an active exception")."""
         self._stop_watching.set()
         self._watcher.join(timeout=_END_WATCH_S)
-
-
-def start_heartbeat(member: str) -> None:
-    """Touch this worker's heartbeat file while the process runs (a daemon thread): its
-    launcher fences a worker whose file goes stale (stopped, or wedged with the GIL held)."""
-    directory = os.environ.get(PROGRESS_DIR_VAR)
-    if not directory:
-        return
-    path = Path(directory) / heartbeat_name(member)
-    stopped = threading.Event()
-
-    def beat() -> None:
-        while not stopped.is_set():
-            try:
-                path.touch()
-            except OSError:
-                return
-            stopped.wait(HEARTBEAT_S)
-
-    def leave() -> None:
-        """At exit: the teardown after it stops daemon threads, and freeing the gloo groups can
-        take seconds, so a finished worker's file would go stale and its launcher fence it as
-        stalled; without the file the launcher watches it by its exit status alone."""
-        stopped.set()
-        thread.join(timeout=_END_WATCH_S)
-        path.unlink(missing_ok=True)
-
-    thread = threading.Thread(target=beat, name="phalanx-heartbeat", daemon=True)
-    thread.start()
-    atexit.register(leave)
 
 
 def _delegate(name: str, inner_name: str) -> Callable[..., dist.Work]:
