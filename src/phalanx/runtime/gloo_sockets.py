@@ -28,13 +28,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-__all__ = ["GroupSockets", "tcp_sockets"]
+__all__ = ["GroupSockets", "socket_fds"]
 
 T = TypeVar("T")
 _FDS = Path("/proc/self/fd")
 
 
-def tcp_sockets() -> dict[int, str]:
+def socket_fds() -> dict[int, str]:
     """This process's socket descriptors, fd -> 'socket:[inode]' (the inode tells a
     descriptor number reused for another socket apart)."""
     found: dict[int, str] = {}
@@ -58,9 +58,9 @@ class GroupSockets:
         """`create()` (a gloo group of `generation`), the sockets it opened noted. One at a
         time, so that two groups made at once never take each other's."""
         with self._lock:
-            before = tcp_sockets()
+            before = socket_fds()
             group = create()
-            opened = {fd: name for fd, name in tcp_sockets().items() if before.get(fd) != name}
+            opened = {fd: name for fd, name in socket_fds().items() if before.get(fd) != name}
             self._by_generation.setdefault(generation, {}).update(opened)
         return group
 
@@ -69,7 +69,7 @@ class GroupSockets:
         with self._lock:
             over = [g for g in self._by_generation if g < generation]
             noted = [item for g in over for item in self._by_generation.pop(g).items()]
-        now = tcp_sockets()
+        now = socket_fds()
         return sum(_shut_down(fd) for fd, name in noted if now.get(fd) == name)
 
 

@@ -156,9 +156,7 @@ class LiveGroup(dist.ProcessGroup):
             self._prove(self._inner, 0, self.members, rank, timeout)
         else:  # a world of its own until it joins: what it builds before (a mesh) needs one
             alone = dist.PrefixStore(f"{KEY}alone/{replacement}/", store)
-            self._inner = self.connections.made(
-                -1, lambda: dist.ProcessGroupGloo(alone, 0, 1, timeout)
-            )
+            self._inner = dist.ProcessGroupGloo(alone, 0, 1, timeout)  # no connections
         self._bind(self._inner)
         self._rank, self._size = rank, size
         self._aborted: dict[int, str] = {}
