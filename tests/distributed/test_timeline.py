@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from phalanx import zero3
 from phalanx.diagnostics import timeline as timelines
 from phalanx.diagnostics.trace import merge
 from phalanx.train import Trainer, TrainingArguments
@@ -157,24 +158,40 @@ class _Blocks(nn.Module):
         return nn.functional.mse_loss(self.head(x), y)
 
 
-def _stage3_timeline(rank: int, world: int, out: str) -> dict[str, Any]:
+def _stage3_timeline(rank: int, world: int, out: str, reshard: bool) -> dict[str, Any]:
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
-    path = Path(out) / "trace-zero3.json"
+    path = Path(out) / f"trace-zero3-{reshard}.json"
     args = TrainingArguments(
-        output_dir=str(Path(out) / "run-zero3"), max_steps=STEPS, save_steps=0, zero_stage=3,
-        per_device_train_batch_size=4, report_to=[], disable_tqdm=True, ddp_backend="gloo",
-        timeline=str(path),
+        output_dir=str(Path(out) / f"run-zero3-{reshard}"), max_steps=STEPS, save_steps=0,
+        zero_stage=3, zero3_reshard_after_forward=reshard, per_device_train_batch_size=4,
+        report_to=[], disable_tqdm=True, ddp_backend="gloo", timeline=str(path),
     )  # fmt: skip
-    return _trace_of(Trainer(_Blocks(), args, train_dataset=data), path, rank, world)
+    trainer = Trainer(_Blocks(), args, train_dataset=data)
+    trace = _trace_of(trainer, path, rank, world)
+    params = zero3.full_state_dict(trainer.model, to=0) or {}  # rank 0's
+    return {**trace, "params": {name: t.tolist() for name, t in params.items()}}
 
 
 @pytest.mark.timeout(120)
 def test_stage3_records_each_units_gathers_and_reductions(tmp_path: Path) -> None:
     """Three blocks and the root: per step, each block is gathered before its forward and
     again before its backward (it reshards after forward), the root once; every unit
-    reduce-scatters once. Steps carry the bytes, what the thread waited, and samples."""
-    value = run_workers(_stage3_timeline, 2, str(tmp_path), init_pg=False)[0].value
+    reduce-scatters once. Steps carry the bytes, what the thread waited, and samples.
+    With zero3_reshard_after_forward=False each block is gathered once a step (it stays
+    gathered until its backward), and the run trains the very same parameters."""
+    runs = {
+        reshard: run_workers(_stage3_timeline, 2, str(tmp_path), reshard, init_pg=False)[0].value
+        for reshard in (True, False)
+    }
+    kept = runs[False]
+    assert runs[True]["params"].keys() == kept["params"].keys()
+    for name, tensor in runs[True]["params"].items():
+        assert tensor == kept["params"][name], name
+    for rank in range(2):
+        comm = [name for pid, tid, name in kept["spans"] if pid == rank and tid == 1]
+        assert all(comm.count(f"gather blocks.{i}") == STEPS for i in range(3)), comm
+    value = runs[True]
     for rank in range(2):
         comm = [name for pid, tid, name in value["spans"] if pid == rank and tid == 1]
         for i in range(3):

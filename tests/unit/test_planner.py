@@ -265,3 +265,19 @@ def test_the_cgroup_limit_is_the_smallest_up_the_path(tmp_path: Path) -> None:
     assert cgroup_limit(str(proc1), v1) == 500 * MB
     proc1.write_text("4:memory:/\n")
     assert cgroup_limit(str(proc1), v1) is None
+
+
+def test_units_kept_gathered_hold_the_whole_model_and_gather_once() -> None:
+    """zero3_reshard_after_forward=False: every unit's parameters stay gathered from forward
+    to backward (the whole model's, where one block and the root were), and a micro-batch
+    gathers once: one all-gather and its two fresh copies fewer."""
+    count = _count(layers=16)
+    freed, kept = Config(3, micro_batch=8), Config(3, micro_batch=8, keep_gathered=True)
+    held = predict_memory(kept, count, 2, RATES).collective_buffers
+    assert held == sum(count.unit_bytes) + 2.0 * count.largest_unit
+    assert held > predict_memory(freed, count, 2, RATES).collective_buffers
+    saved = predict_step_s(freed, count, RATES, 2) - predict_step_s(kept, count, RATES, 2)
+    p = float(count.params)
+    gather = 1e-3 + p / 7e8  # RATES' all-gather: latency and bytes
+    assert saved == pytest.approx(gather + 2 * p / RATES.fresh_copy_bytes_per_s)
+    assert "units kept gathered" in kept.describe()

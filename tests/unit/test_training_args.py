@@ -65,6 +65,7 @@ BAD_VALUES: list[tuple[str, Any, str]] = [
     ("save_total_limit", 0, "would delete every checkpoint"),
     ("report_to", ["console", "comet_ml"], "report_to names ['comet_ml']"),
     ("zero3_units", ["Block"], "only means something with zero_stage=3"),
+    ("zero3_reshard_after_forward", False, "only means something with zero_stage=3"),
     ("zero_stage", 4, "zero_stage=4 is unknown — use one of [0, 1, 2, 3, 'auto']"),
     ("ddp_backend", "", "ddp_backend is empty"),
     ("ddp_timeout", 0.0, "ddp_timeout=0.0"),

@@ -75,12 +75,20 @@ def shard_model(
     mp_policy: MixedPrecisionPolicy | None = None,
     offload_policy: OffloadPolicy | None = None,
     mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool = True,
 ) -> nn.Module:
     """fully_shard each unit the policy picks (default: the repeated blocks), then the root,
-    over `mesh` (default: every rank). A fractional disk offload chooses its shards in
-    files over the whole model first."""
+    over `mesh` (default: every rank); `reshard_after_forward` is the units' (the root keeps
+    its parameters after forward, as FSDP2's does). A fractional disk offload chooses its
+    shards in files over the whole model first."""
     if isinstance(offload_policy, DiskOffloadPolicy):
         offload_policy.plan(p for p in model.parameters() if not hasattr(p, "_local_tensor"))
     for unit in (policy or repeated_blocks)(model):
-        fully_shard(unit, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+        fully_shard(
+            unit,
+            mesh=mesh,
+            reshard_after_forward=reshard_after_forward,
+            mp_policy=mp_policy,
+            offload_policy=offload_policy,
+        )
     return fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)

@@ -131,6 +131,12 @@ class TrainingArguments(Config):
     """Under zero_stage=3, the class names of the modules that become units (e.g. "Block",
     "GPT2Block", "LlamaDecoderLayer"); None takes the model's repeated blocks (the heaviest
     list of modules of one class). The root is always a unit too."""
+    zero3_reshard_after_forward: bool = True
+    """Under zero_stage=3, free each unit's gathered parameters after its forward and gather
+    them again for its backward (FSDP2's reshard_after_forward, its default). False keeps
+    them from forward to backward: one gather a step instead of two, for the memory of
+    every unit's whole parameters at once (DeepSpeed's stage-3 defaults keep them so on any
+    model under 1e9 parameters). The root is never freed after forward either way."""
     zero3_shard_size: int | None = None
     """Under zero_stage=3, HSDP: shard the model over groups of this many ranks (typically
     a host's: its GPUs) and replicate it across the groups, so gathers and reduce-scatters

@@ -226,6 +226,11 @@ def _check_zero(args: TrainingArguments) -> None:
         f"zero3_units={args.zero3_units} only means something with zero_stage=3 — set "
         "zero_stage=3, or drop zero3_units",
     )
+    require(
+        args.zero3_reshard_after_forward or args.zero_stage in (3, "auto"),
+        "zero3_reshard_after_forward=False only means something with zero_stage=3 (the "
+        "stage that gathers parameters) — set zero_stage=3, or drop it",
+    )
     size = args.zero3_shard_size
     require(
         size is None or args.zero_stage == 3,

@@ -62,9 +62,14 @@ EVERYTHING: Allowed = tuple((s, t) for s in (0, 1, 2, 3) for t in ("none", "disk
 
 
 def candidates(
-    world: int, per_rank: int, cuda: bool, allowed: Allowed = EVERYTHING
+    world: int,
+    per_rank: int,
+    cuda: bool,
+    allowed: Allowed = EVERYTHING,
+    keep_gathered: bool = False,
 ) -> list[Config]:
-    """Every configuration worth predicting (see the module doc) among `allowed`."""
+    """Every configuration worth predicting (see the module doc) among `allowed`
+    (`keep_gathered`: stage 3's units stay gathered from forward to backward)."""
     out: list[Config] = []
     for stage, tier in allowed:
         if stage in (1, 2) and world == 1:
@@ -74,7 +79,9 @@ def candidates(
         fractions = FRACTIONS if tier == "disk" else (1.0 if tier == "cpu" else 0.0,)
         for fraction in fractions:
             for m in micro_batches(per_rank):
-                out.append(Config(stage, tier, fraction, m, per_rank // m))  # type: ignore[arg-type]
+                kept = keep_gathered and stage == 3
+                config = Config(stage, tier, fraction, m, per_rank // m, keep_gathered=kept)  # type: ignore[arg-type]
+                out.append(config)
     return out
 
 
@@ -88,6 +95,7 @@ def choose(
     cuda: bool = False,
     allowed: Allowed = EVERYTHING,
     configs: Sequence[Config] | None = None,
+    keep_gathered: bool = False,
 ) -> Choice:
     """The fastest configuration that fits `budget` bytes per rank (among `configs` if given,
     else every candidate `allowed`); NothingFits, naming the smallest budget that would fit
@@ -99,7 +107,7 @@ def choose(
         )
     weighed = []
     if configs is None:
-        configs = candidates(world, global_batch // world, cuda, allowed)
+        configs = candidates(world, global_batch // world, cuda, allowed, keep_gathered)
     if not configs:
         raise ConfigurationError("no stage and offload to plan among — allow zero_stage 1-3")
     for config in configs:

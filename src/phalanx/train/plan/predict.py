@@ -62,12 +62,17 @@ class Config:
     window_mb: float = 16.0
     """Disk offload's window: 16 MB steps as fast as 64 (docs/zero.md, the window table)
     and holds a quarter of the memory in flight."""
+    keep_gathered: bool = False
+    """Stage 3 with zero3_reshard_after_forward=False: every unit stays gathered from its
+    forward to its backward (one gather a micro-batch, not two)."""
 
     def describe(self) -> str:
         """In words, as the table's heading and the one line name it."""
         where = {"none": "in memory", "cpu": "shards in host memory"}.get(self.offload, "")
         if self.offload == "disk":
             where = f"disk offload {self.fraction:g}"
+        if self.stage == 3 and self.keep_gathered:
+            where += ", units kept gathered"
         return (
             f"stage {self.stage}, {where}, micro-batch {self.micro_batch} x "
             f"{self.accumulation} accumulation"
@@ -119,8 +124,10 @@ def predict_memory(config: Config, count: ModelCount, world: int, rates: Rates) 
         grads = p / n * (1 - shards_out)
         kept = 0.0
         # the root kept gathered; the unit computing, the next one prefetched, the unit's
-        # unsharded gradient and its reduce-scatter in flight
+        # unsharded gradient and its reduce-scatter in flight; kept gathered, every unit
         passing = count.unit_bytes[-1] + 4.0 * count.largest_unit
+        if config.keep_gathered:
+            passing = sum(count.unit_bytes) + 2.0 * count.largest_unit
     else:
         params = p + count.frozen_bytes
         grads = p if config.stage < 2 else p / n
@@ -185,8 +192,10 @@ def predict_step_s(config: Config, count: ModelCount, rates: Rates, world: int) 
     # Each micro-batch reads the weights twice (forward, backward) and writes their
     # gradients once, whatever its size: why fewer, larger micro-batches are faster.
     passes = 3 * (p + count.frozen_bytes) / rates.memory_bytes_per_s
+    gathers = 1 if config.keep_gathered else 2  # a stage-3 micro-batch's: forward, backward
     if config.stage == 3:  # and stage 3 writes them into memory made for each use
-        passes += _STAGE3_FRESH_COPIES * p / rates.fresh_copy_bytes_per_s
+        copies = _STAGE3_FRESH_COPIES - 2 * (2 - gathers)  # a gather's output and its copy
+        passes += copies * p / rates.fresh_copy_bytes_per_s
     compute = k * (count.flops(config.micro_batch) / rates.flops_per_s + passes)
     comm = _collectives_s(config, p, n, rates)
     shards_out, state_out = _in_files(config, count)
@@ -196,9 +205,9 @@ def predict_step_s(config: Config, count: ModelCount, rates: Rates, world: int) 
     state = count.state_per_param_byte * stepped * state_out
     shards = stepped * shards_out if config.stage == 3 else 0.0
     # The step reads state, shards and gradients, writes state and shards back; each gather
-    # of a micro-batch reads the unit's shards again (two per micro-batch: forward, backward).
+    # of a micro-batch reads the unit's shards again (forward's, and backward's unless kept).
     # The state moves by O_DIRECT, the shards and gradients through the page cache.
-    read = 2 * shards + 2 * k * shards
+    read = 2 * shards + gathers * k * shards
     write = shards + k * shards
     io = read / rates.disk_read_bytes_per_s + write / rates.disk_write_bytes_per_s
     io += state / rates.disk_direct_read_bytes_per_s + state / rates.disk_direct_write_bytes_per_s
@@ -215,5 +224,6 @@ def _collectives_s(config: Config, p: float, n: int, rates: Rates) -> float:
         return rates.collective_s("all_reduce", p) + rates.collective_s("all_gather", p)
     if config.stage == 2:
         return rates.collective_s("reduce_scatter", p) + rates.collective_s("all_gather", p)
-    per_micro = 2 * rates.collective_s("all_gather", p) + rates.collective_s("reduce_scatter", p)
-    return k * per_micro
+    gathers = 1 if config.keep_gathered else 2  # forward's, and backward's unless kept
+    per_micro = gathers * rates.collective_s("all_gather", p)
+    return k * (per_micro + rates.collective_s("reduce_scatter", p))

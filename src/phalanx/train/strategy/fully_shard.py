@@ -53,7 +53,13 @@ class FullyShard(Strategy):
         if zero3.unit_of(model) is None:  # unless it arrives sharded already
             args = self.args
             policy = zero3.by_class_names(args.zero3_units) if args.zero3_units else None
-            zero3.shard_model(model, policy, offload_policy=self.offload, mesh=self._mesh())
+            zero3.shard_model(
+                model,
+                policy,
+                offload_policy=self.offload,
+                mesh=self._mesh(),
+                reshard_after_forward=args.zero3_reshard_after_forward,
+            )
         if has_meta_tensors(model):
             materialize(model, self.world.device, group=self.world.process_group)
         for unit in zero3.units(model):  # its gathers and reductions on the timeline
