@@ -11,7 +11,15 @@ phalanx's `max_grad_norm`), on the same batches. Per tier (`--tiers`):
 - `disk`: zero_offload="disk" (the shards, their gradients and Adam's state in
   files, the optimizer step streamed) against DeepSpeed ZeRO-3 with
   `offload_param` and `offload_optimizer` on `nvme` (ZeRO-Infinity), in the
-  same directory's filesystem.
+  same directory's filesystem; and `phalanx-state`, Adam's state alone in files
+  (zero_offload_fraction=0.5), which is what that DeepSpeed setting puts on NVMe
+  for a model this size (its parameters stay in host memory: see PAIRS).
+
+A `-kept` variant sets zero3_reshard_after_forward=False: DeepSpeed's stage-3
+defaults (`stage3_max_reuse_distance` and `stage3_max_live_parameters`, 1e9)
+keep every gathered parameter from forward to backward on a model under 1e9
+parameters, where phalanx's default, FSDP2's, frees each unit after its forward
+and gathers it again: the `-kept` variants hold what DeepSpeed holds.
 
 DeepSpeed runs with its own recommended settings: the optimizer named in its
 config, so that offloading it gives DeepSpeedCPUAdam (a fused, vectorised
@@ -20,6 +28,10 @@ the `aio` and buffer settings of its ZeRO-Infinity tutorial (and once more
 with `max_in_cpu` at 0: see PAIRS). On a CPU-only machine
 (DS_ACCELERATOR=cpu) "cpu" offload moves nothing off a device, for either
 library: that tier compares the two ZeRO-3 engines as they run there.
+
+`--huge-pages` starts every variant's processes, both libraries', with glibc's
+malloc asking for transparent huge pages (`GLIBC_TUNABLES=glibc.malloc.hugetlb=1`),
+as `phalanx launch` starts its workers; without it neither has them.
 
 Each run is a fresh pair of processes (peak RSS is a process's), and the runs
 alternate (`--rounds` of every variant, in a balanced order): median step (the
@@ -51,11 +63,11 @@ from models import TanhMLP
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "ds_offload.json"
 PAIRS = {
-    "cpu": ("phalanx-cpu", "deepspeed-cpu"),
-    "disk": ("phalanx-disk", "deepspeed-nvme"),
-    "disk-all": ("phalanx-disk", "deepspeed-nvme-all"),
+    "cpu": (("phalanx-cpu", "phalanx-cpu-kept"), ("deepspeed-cpu",)),
+    "disk": (("phalanx-disk", "phalanx-disk-kept", "phalanx-state-kept"), ("deepspeed-nvme",)),
+    "disk-all": (("phalanx-disk", "phalanx-disk-kept"), ("deepspeed-nvme-all",)),
 }
-"""Per tier: phalanx's variant, then DeepSpeed's at the same tier. `deepspeed-nvme` is the
+"""Per tier: phalanx's variants, then DeepSpeed's at the same tier. `deepspeed-nvme` is the
 ZeRO-Infinity tutorial's setting, which keeps up to 1e9 parameter elements in host memory
 (`max_in_cpu`): a model this size never has its parameters on NVMe. `disk-all` (not run
 by default) sets `max_in_cpu` to 0, so that they are, as phalanx's shards are in files:
@@ -91,13 +103,14 @@ def run_phalanx(args: argparse.Namespace, rank: int) -> tuple[list[float], list[
     import phalanx
     from phalanx.train.trainer_state import TrainState
 
-    tier = args.variant.split("-")[1]
+    tier = args.variant.split("-")[1]  # cpu, disk, or state: Adam's state alone in files
     torch.manual_seed(0)
     model = TanhMLP(args.layers, args.width)
     targs = phalanx.TrainingArguments(
         output_dir=str(Path(args.scratch) / "out-phalanx"),
         overwrite_output_dir=True,
         zero_stage=3,
+        zero3_reshard_after_forward=not args.variant.endswith("-kept"),
         max_steps=10**6,
         per_device_train_batch_size=args.batch,
         learning_rate=1e-4,
@@ -108,8 +121,9 @@ def run_phalanx(args: argparse.Namespace, rank: int) -> tuple[list[float], list[
         report_to=[],
         disable_tqdm=True,
         ddp_backend="gloo",
-        zero_offload=tier,
-        zero_offload_dir=str(Path(args.scratch) / "offload-phalanx") if tier == "disk" else None,
+        zero_offload="cpu" if tier == "cpu" else "disk",
+        zero_offload_fraction=0.5 if tier == "state" else 1.0,  # Adam's state: half the bytes
+        zero_offload_dir=None if tier == "cpu" else str(Path(args.scratch) / "offload-phalanx"),
     )
     trainer = phalanx.Trainer(
         model=model,
@@ -225,6 +239,10 @@ def launch(args: argparse.Namespace, variant: str, port: int) -> dict[str, Any]:
             "DS_ACCELERATOR": "cpu",
             "PYTHONPATH": str(ROOT / "src"),
         }
+        if args.huge_pages:
+            env["GLIBC_TUNABLES"] = "glibc.malloc.hugetlb=1"
+        else:
+            env.pop("GLIBC_TUNABLES", None)
         cmd = [sys.executable, __file__, "--worker", "--variant", variant]
         cmd += ["--layers", str(args.layers), "--width", str(args.width)]
         cmd += ["--batch", str(args.batch), "--steps", str(args.steps), "--scratch", args.scratch]
@@ -259,6 +277,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--scratch", default="/tmp/phalanx-ds-offload")
     parser.add_argument("--timeout", type=float, default=1200)
+    parser.add_argument("--huge-pages", action="store_true", help="both: glibc.malloc.hugetlb=1")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args()
     if args.worker:
@@ -271,8 +290,9 @@ def main() -> None:
         return
     Path(args.scratch).mkdir(parents=True, exist_ok=True)
     tiers = [t for t in args.tiers.split(",") if t]
-    variants = tuple(dict.fromkeys(v for t in tiers for v in PAIRS[t]))
+    variants = tuple(dict.fromkeys(v for t in tiers for side in PAIRS[t] for v in side))
     runs: list[dict[str, Any]] = []
+    started = {"utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "load": os.getloadavg()}
     for r in range(interleave.balanced_rounds(args.rounds, args.rounds, len(variants))):
         for variant in interleave.balanced_order(r, variants):
             runs.append(launch(args, variant, 29500 + len(runs)))
@@ -288,16 +308,22 @@ def main() -> None:
             "losses_rank0": mine[0]["ranks"][0]["losses"],
         }
     for tier in tiers:
-        ours, *peers = (summary[v] for v in PAIRS[tier])
-        for name, theirs in zip(PAIRS[tier][1:], peers):
-            summary[f"phalanx-{tier}_over_{name}"] = {
+        for mine, name in ((m, n) for m in PAIRS[tier][0] for n in PAIRS[tier][1]):
+            ours, theirs = summary[mine], summary[name]
+            summary[f"{mine}_over_{name}"] = {
                 "step": ours["median_step_s"] / theirs["median_step_s"],
                 "peak_rss": ours["peak_rss_mb_max"] / theirs["peak_rss_mb_max"],
                 "largest_loss_difference": max(
                     abs(a - b) for a, b in zip(ours["losses_rank0"], theirs["losses_rank0"])
                 ),
             }
-    report = {"config": {**vars(args), "out": str(args.out)}, "summary": summary, "runs": runs}
+    machine = {"cores": os.cpu_count(), "started": started, "load_at_end": os.getloadavg()}
+    report = {
+        "config": {**vars(args), "out": str(args.out)},
+        "machine": machine,
+        "summary": summary,
+        "runs": runs,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
     print(json.dumps(summary, indent=1))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping
 
 from phalanx.errors import ConfigurationError
@@ -15,6 +16,36 @@ from phalanx.launch.devices import cpu_count
 def omp_threads(nproc_per_node: int) -> int:
     """Cores per local worker, at least 1: N workers each using every core thrash the caches."""
     return max(1, cpu_count() // nproc_per_node)
+
+
+HUGE_PAGES = "glibc.malloc.hugetlb=1"
+"""glibc's malloc asks for transparent huge pages (madvise) for its large blocks."""
+
+
+def huge_page_tunables(base: Mapping[str, str]) -> str | None:
+    """GLIBC_TUNABLES with `HUGE_PAGES` added, or None where it stays as it is (not Linux, or
+    the user set glibc.malloc.hugetlb already: `=0` turns it off).
+
+    Why: a ZeRO-3 step (and anything that allocates large buffers per use) faults its
+    fresh memory in a 4 KB page at a time; a 2 MB page at a time, the 34M MLP's stage-3
+    step at 8 samples a rank took 0.62-0.64x the time, at the same peak RSS
+    (docs/launch.md, "Huge pages"). Read once by the dynamic loader: it has to be in the
+    environment the worker's interpreter starts with."""
+    if not sys.platform.startswith("linux"):
+        return None
+    current = base.get("GLIBC_TUNABLES", "")
+    if "glibc.malloc.hugetlb=" in current:
+        return None
+    return f"{current}:{HUGE_PAGES}" if current else HUGE_PAGES
+
+
+def _defaults(env: dict[str, str], config: LaunchConfig) -> dict[str, str]:
+    """What every worker gets unless the user set it: its share of the cores, huge pages."""
+    env.setdefault("OMP_NUM_THREADS", str(omp_threads(config.nproc_per_node)))
+    tunables = huge_page_tunables(env)
+    if tunables is not None:
+        env["GLIBC_TUNABLES"] = tunables
+    return env
 
 
 def gloo_ifname_env(
@@ -79,8 +110,7 @@ def worker_env(
         PYTHONUNBUFFERED="1",
     )
     env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-    env.setdefault("OMP_NUM_THREADS", str(omp_threads(config.nproc_per_node)))
-    return env
+    return _defaults(env, config)
 
 
 def live_env(live: LiveOptions | None) -> dict[str, str]:
@@ -101,9 +131,7 @@ def server_env(
 ) -> dict[str, str]:
     """The warm server's environment (launch/warmserver.py): what every worker's holds that
     an import may read. Each forked worker then takes its own whole environment."""
-    env = {**base, **extra, "PYTHONUNBUFFERED": "1"}
-    env.setdefault("OMP_NUM_THREADS", str(omp_threads(config.nproc_per_node)))
-    return env
+    return _defaults({**base, **extra, "PYTHONUNBUFFERED": "1"}, config)
 
 
 # --run-path: what torchrun's run_script_path does, in the worker's own fresh interpreter.
