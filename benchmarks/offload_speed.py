@@ -112,6 +112,7 @@ def make_trainer(variant: str, args: argparse.Namespace, scratch: Path) -> Any:
         output_dir=str(scratch / f"out-{variant}"),
         overwrite_output_dir=True,
         zero_stage=3,
+        zero3_reshard_after_forward=not args.keep_gathered,
         max_steps=10**6,
         per_device_train_batch_size=args.batch,
         learning_rate=1e-4,
@@ -369,6 +370,11 @@ def main() -> None:
         default="adamw_torch_fused",
         help="the in-memory Trainer's optim (the offloaded step runs fused AdamW itself)",
     )
+    parser.add_argument(
+        "--keep-gathered",
+        action="store_true",
+        help="both Trainers with zero3_reshard_after_forward=False (one gather a step)",
+    )
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--per-round", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=1)
@@ -381,10 +387,18 @@ def main() -> None:
     if args.tiny:
         args.layers, args.width, args.batch = 2, 64, 4
     Path(args.scratch).mkdir(parents=True, exist_ok=True)
+    started = {"utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "load": os.getloadavg()}
     ranks = spawn.run_ranks(rank_main, 2, args, threads=args.threads)
     params = args.layers * (args.width * args.width + args.width)
     report: dict[str, Any] = {
         "config": {**vars(args), "out": str(args.out), "params": params},
+        "machine": {
+            "cores": os.cpu_count(),
+            # the ranks inherit it: `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` as phalanx launch
+            "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
+            "started": started,
+            "load_at_end": os.getloadavg(),
+        },
         "summary": summarise(ranks, args),
         "ranks": ranks,
     }
