@@ -442,3 +442,13 @@ def test_zero_stage_auto_and_its_budget() -> None:
         TrainingArguments(zero_stage=3, memory_budget_mb=800)
     with pytest.raises(ConfigurationError, match="memory_budget_mb=-1"):
         TrainingArguments(zero_stage="auto", memory_budget_mb=-1)
+
+
+def test_a_stage_3_setting_keeps_zero_stage_auto_at_stage_3() -> None:
+    """zero3_reshard_after_forward=False (like zero3_units) only means something at stage
+    3: under zero_stage="auto" the plan is chosen among stage 3's configurations alone."""
+    from phalanx.train.plan.auto import _allowed
+
+    args = TrainingArguments(zero_stage="auto", zero3_reshard_after_forward=False)
+    assert {stage for stage, _ in _allowed(args)} == {3}
+    assert {stage for stage, _ in _allowed(TrainingArguments(zero_stage="auto"))} == {0, 1, 2, 3}
