@@ -308,9 +308,9 @@ def main() -> None:
             "losses_rank0": mine[0]["ranks"][0]["losses"],
         }
     for tier in tiers:
-        for mine, name in ((m, n) for m in PAIRS[tier][0] for n in PAIRS[tier][1]):
-            ours, theirs = summary[mine], summary[name]
-            summary[f"{mine}_over_{name}"] = {
+        for phalanx_variant, peer in ((m, n) for m in PAIRS[tier][0] for n in PAIRS[tier][1]):
+            ours, theirs = summary[phalanx_variant], summary[peer]
+            summary[f"{phalanx_variant}_over_{peer}"] = {
                 "step": ours["median_step_s"] / theirs["median_step_s"],
                 "peak_rss": ours["peak_rss_mb_max"] / theirs["peak_rss_mb_max"],
                 "largest_loss_difference": max(
