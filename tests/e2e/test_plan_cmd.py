@@ -66,3 +66,17 @@ def test_a_two_rank_probe_prices_gloos_reduce_scatter_as_its_all_reduce(tmp_path
     for figure in ("collective_latency_s", "collective_bytes_per_s"):
         assert rates[figure]["reduce_scatter"] == rates[figure]["all_reduce"], rates
     assert 0 < rates["fresh_copy_bytes_per_s"] < float("inf")
+
+
+@pytest.mark.timeout(300)
+def test_units_kept_gathered_plan_stage_3_alone_and_say_so(tmp_path: Path) -> None:
+    """--keep-gathered plans as the Trainer does with zero3_reshard_after_forward=False: among
+    stage 3's configurations alone, each priced holding every unit gathered."""
+    out = tmp_path / "p.json"
+    done = _plan(tmp_path, "--budget", "64GB", "--keep-gathered", "--json", str(out))
+    assert done.returncode == 0, done.stderr
+    assert "stage 3, in memory, units kept gathered" in done.stdout
+    assert "train with: zero_stage=3, zero3_reshard_after_forward=False, " in done.stdout
+    plan = json.loads(out.read_text())
+    assert plan["chosen"]["config"]["keep_gathered"] is True
+    assert {c["config"]["stage"] for c in plan["candidates"]} == {3}

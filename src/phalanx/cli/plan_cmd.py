@@ -49,6 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--loss", default=None, help="MODULE:FN(outputs, batch) giving the loss")
     add("--optim", default="adamw_torch", choices=OPTIMS, help="the Trainer's optim")
     add("--units", default=None, help="stage 3's unit classes, e.g. Block (default: blocks)")
+    add(
+        "--keep-gathered",
+        action="store_true",
+        help="stage 3 alone, its units kept gathered (zero3_reshard_after_forward=False)",
+    )
     add("--offload-dir", default=None, help="where disk offload would write (probed)")
     add("--no-offload", action="store_true", help="plan without disk offload")
     add("--json", type=Path, default=None, help="also write the plan as JSON here")
@@ -97,9 +102,14 @@ def run_plan(ns: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     if ns.world < 1 or ns.global_batch < 1:
         raise ValueError("--world and --global-batch must be >= 1")
     count, budget, source, allowed = plan_inputs(ns, load)
+    if ns.keep_gathered:  # as the Trainer plans it: the setting means stage 3
+        allowed = [(stage, tier) for stage, tier in allowed if stage == 3]
     rates = probe(ns.world, None if ns.no_offload else ns.offload_dir or tempfile.gettempdir())
     try:
-        choice = choose(count, rates, ns.world, ns.global_batch, budget, source, False, allowed)
+        choice = choose(
+            count, rates, ns.world, ns.global_batch, budget, source, False, allowed, None,
+            ns.keep_gathered,
+        )  # fmt: skip
     except NothingFits as exc:
         raise ValueError(str(exc)) from None
     return render(choice, ns.world, ns.global_batch), choice_json(choice, count, rates)

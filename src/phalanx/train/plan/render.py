@@ -73,6 +73,8 @@ def render(choice: Choice, world: int, global_batch: int) -> str:
     table = "\n".join("| " + " | ".join(r) + " |" for r in rows)
     config = choice.chosen.config
     settings = f"zero_stage={config.stage}"
+    if config.keep_gathered:
+        settings += ", zero3_reshard_after_forward=False"
     if config.offload != "none":
         settings += f', zero_offload="{config.offload}"'
     if config.offload == "disk" and config.fraction < 1:
