@@ -157,7 +157,8 @@ def kill_in_offload_step(trainer: Trainer, where: str, marker: Path) -> None:
 
     "stepped" (the training thread: the window's update made in the mapped pages,
     not yet handed to the I/O thread), "writing" (the I/O thread: part of that
-    window's tensors written back and dropped, the rest not).
+    window's tensors written back and dropped, the rest not; where the window writes
+    nothing through mappings, its state moved by O_DIRECT, part of that written).
     Just before, the rank writes `marker` (where it died), so a test knows the
     kill came from inside the step.
     """
@@ -192,9 +193,27 @@ def kill_in_offload_step(trainer: Trainer, where: str, marker: Path) -> None:
         return out
 
     def write_then(tensors: list[torch.Tensor], grads: Any = None) -> None:
-        if count[2] >= 0 and not doomed:
+        if count[2] >= 0 and not doomed and tensors:
             doomed.append(tensors)
         write(tensors, grads)
+
+    direct_write = streamer.direct.write
+
+    def direct_write_then(window: Any) -> None:
+        """The doomed window's O_DIRECT write, where it has no mapped one: half its state
+        written by the direct writer's thread, then the kill."""
+        if count[2] >= 0 and not doomed and point == "writing":
+            doomed.append([])  # this window is the doomed one: no mapped write will be
+            entries, whole = window.entries, window.write
+            half = max(1, len(entries) // 2)
+
+            def write_half(opener: Any, lanes: Any) -> None:
+                window.entries = entries[:half]
+                whole(opener, lanes)
+                die(f"writing window {count[2]} of {count[1]}: {half} of {len(entries)} direct")
+
+            window.write = write_half
+        direct_write(window)
 
     def is_doomed(tensors: list[torch.Tensor]) -> bool:
         """The doomed window's write (its tensors first; its gradients may follow)."""
@@ -215,6 +234,7 @@ def kill_in_offload_step(trainer: Trainer, where: str, marker: Path) -> None:
     streamer._step_windows = step_windows_then  # type: ignore[method-assign]
     streamer._raw_step = raw_step_then
     streamer._write = write_then  # type: ignore[method-assign]
+    streamer.direct.write = direct_write_then  # type: ignore[method-assign]
     streamer.files.release = release_then  # type: ignore[method-assign]
 
 
