@@ -107,9 +107,16 @@ def run_plan(ns: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     rates = probe(ns.world, None if ns.no_offload else ns.offload_dir or tempfile.gettempdir())
     try:
         choice = choose(
-            count, rates, ns.world, ns.global_batch, budget, source, False, allowed, None,
-            ns.keep_gathered,
-        )  # fmt: skip
+            count,
+            rates,
+            ns.world,
+            ns.global_batch,
+            budget,
+            source,
+            False,
+            allowed,
+            keep_gathered=ns.keep_gathered,
+        )
     except NothingFits as exc:
         raise ValueError(str(exc)) from None
     return render(choice, ns.world, ns.global_batch), choice_json(choice, count, rates)

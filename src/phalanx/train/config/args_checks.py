@@ -221,6 +221,12 @@ def _check_zero(args: TrainingArguments) -> None:
         "memory_budget_mb is what zero_stage='auto' / zero_offload='auto' plan within — set "
         "one of them to 'auto', or drop memory_budget_mb",
     )
+    _check_stage3(args)
+    _check_offload(args)
+
+
+def _check_stage3(args: TrainingArguments) -> None:
+    """The settings of stage 3's units and shards: none means anything below stage 3."""
     require(
         args.zero3_units is None or args.zero_stage in (3, "auto"),
         f"zero3_units={args.zero3_units} only means something with zero_stage=3 — set "
@@ -242,6 +248,10 @@ def _check_zero(args: TrainingArguments) -> None:
         f"zero3_shard_size={size} must be >= 1 — the ranks each copy of the model is "
         "sharded over (e.g. the GPUs per host)",
     )
+
+
+def _check_offload(args: TrainingArguments) -> None:
+    """Offload's settings: each one means something only with the tier it names."""
     require(
         args.zero_offload is None or args.zero_stage != 0,
         f"zero_offload={args.zero_offload!r} offloads ZeRO's sharded state, and zero_stage=0 "

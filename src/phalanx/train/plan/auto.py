@@ -92,9 +92,16 @@ def resolve(
     global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps
     global_batch *= world.world_size
     cuda = world.device.type == "cuda"
-    kept = not args.zero3_reshard_after_forward
     plan = choose(
-        count, rates, world.world_size, global_batch, budget, source, cuda, allowed, None, kept
+        count,
+        rates,
+        world.world_size,
+        global_batch,
+        budget,
+        source,
+        cuda,
+        allowed,
+        keep_gathered=not args.zero3_reshard_after_forward,
     )
     if world.rank == 0:
         print(f"phalanx plan: {render(plan, world.world_size, global_batch)}", flush=True)

@@ -66,6 +66,12 @@ class Config:
     """Stage 3 with zero3_reshard_after_forward=False: every unit stays gathered from its
     forward to its backward (one gather a micro-batch, not two)."""
 
+    @property
+    def gathers(self) -> int:
+        """Stage 3's all-gathers of each unit per micro-batch: forward's, and backward's
+        unless the units stay gathered."""
+        return 1 if self.keep_gathered else 2
+
     def describe(self) -> str:
         """In words, as the table's heading and the one line name it."""
         where = {"none": "in memory", "cpu": "shards in host memory"}.get(self.offload, "")
@@ -192,9 +198,8 @@ def predict_step_s(config: Config, count: ModelCount, rates: Rates, world: int) 
     # Each micro-batch reads the weights twice (forward, backward) and writes their
     # gradients once, whatever its size: why fewer, larger micro-batches are faster.
     passes = 3 * (p + count.frozen_bytes) / rates.memory_bytes_per_s
-    gathers = 1 if config.keep_gathered else 2  # a stage-3 micro-batch's: forward, backward
     if config.stage == 3:  # and stage 3 writes them into memory made for each use
-        copies = _STAGE3_FRESH_COPIES - 2 * (2 - gathers)  # a gather's output and its copy
+        copies = _STAGE3_FRESH_COPIES - 2 * (2 - config.gathers)  # a gather's output, its copy
         passes += copies * p / rates.fresh_copy_bytes_per_s
     compute = k * (count.flops(config.micro_batch) / rates.flops_per_s + passes)
     comm = _collectives_s(config, p, n, rates)
@@ -207,7 +212,7 @@ def predict_step_s(config: Config, count: ModelCount, rates: Rates, world: int) 
     # The step reads state, shards and gradients, writes state and shards back; each gather
     # of a micro-batch reads the unit's shards again (forward's, and backward's unless kept).
     # The state moves by O_DIRECT, the shards and gradients through the page cache.
-    read = 2 * shards + gathers * k * shards
+    read = 2 * shards + config.gathers * k * shards
     write = shards + k * shards
     io = read / rates.disk_read_bytes_per_s + write / rates.disk_write_bytes_per_s
     io += state / rates.disk_direct_read_bytes_per_s + state / rates.disk_direct_write_bytes_per_s
@@ -224,6 +229,5 @@ def _collectives_s(config: Config, p: float, n: int, rates: Rates) -> float:
         return rates.collective_s("all_reduce", p) + rates.collective_s("all_gather", p)
     if config.stage == 2:
         return rates.collective_s("reduce_scatter", p) + rates.collective_s("all_gather", p)
-    gathers = 1 if config.keep_gathered else 2  # forward's, and backward's unless kept
-    per_micro = gathers * rates.collective_s("all_gather", p)
+    per_micro = config.gathers * rates.collective_s("all_gather", p)
     return k * (per_micro + rates.collective_s("reduce_scatter", p))
