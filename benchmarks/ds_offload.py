@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 import interleave
+import load
 from models import TanhMLP
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -240,7 +241,9 @@ def launch(args: argparse.Namespace, variant: str, port: int) -> dict[str, Any]:
             "PYTHONPATH": str(ROOT / "src"),
         }
         if args.huge_pages:
-            env["GLIBC_TUNABLES"] = "glibc.malloc.hugetlb=1"
+            from phalanx.launch.workerenv import HUGE_PAGES  # what phalanx launch sets
+
+            env["GLIBC_TUNABLES"] = HUGE_PAGES
         else:
             env.pop("GLIBC_TUNABLES", None)
         cmd = [sys.executable, __file__, "--worker", "--variant", variant]
@@ -263,6 +266,29 @@ def launch(args: argparse.Namespace, variant: str, port: int) -> dict[str, Any]:
     return {"variant": variant, "ranks": ranks}
 
 
+def run_arguments(parser: argparse.ArgumentParser, batch: int, scratch: str) -> None:
+    """The flags `launch` reads: the model, the batch, the steps, where runs write."""
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=batch)
+    parser.add_argument("--steps", type=int, default=6, help="per run; the first is untimed")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--scratch", default=scratch)
+    parser.add_argument("--timeout", type=float, default=1200)
+
+
+def variant_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One variant's runs: the median step (rank 0's record of the slower rank's time, the
+    first step of each run left out), peak RSS per rank and at most, rank 0's losses."""
+    steps = [t for run in runs for t in run["ranks"][0]["times"][1:]]
+    return {
+        "median_step_s": statistics.median(steps),
+        "peak_rss_mb_per_rank": [[r["rss"] for r in run["ranks"]] for run in runs],
+        "peak_rss_mb_max": max(r["rss"] for run in runs for r in run["ranks"]),
+        "losses_rank0": runs[0]["ranks"][0]["losses"],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -270,13 +296,7 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--variant", default="phalanx-disk")
     parser.add_argument("--tiers", default="cpu,disk", help="comma-separated: cpu, disk")
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--width", type=int, default=2048)
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=6, help="per run; the first is untimed")
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--scratch", default="/tmp/phalanx-ds-offload")
-    parser.add_argument("--timeout", type=float, default=1200)
+    run_arguments(parser, batch=256, scratch="/tmp/phalanx-ds-offload")
     parser.add_argument("--huge-pages", action="store_true", help="both: glibc.malloc.hugetlb=1")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args()
@@ -292,21 +312,15 @@ def main() -> None:
     tiers = [t for t in args.tiers.split(",") if t]
     variants = tuple(dict.fromkeys(v for t in tiers for side in PAIRS[t] for v in side))
     runs: list[dict[str, Any]] = []
-    started = {"utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "load": os.getloadavg()}
+    started = load.moment()
     for r in range(interleave.balanced_rounds(args.rounds, args.rounds, len(variants))):
         for variant in interleave.balanced_order(r, variants):
             runs.append(launch(args, variant, 29500 + len(runs)))
             print(variant, "done", flush=True)
-    summary: dict[str, Any] = {}
-    for variant in variants:
-        mine = [run for run in runs if run["variant"] == variant]
-        steps = [t for run in mine for t in run["ranks"][0]["times"][1:]]
-        summary[variant] = {
-            "median_step_s": statistics.median(steps),
-            "peak_rss_mb_per_rank": [[r["rss"] for r in run["ranks"]] for run in mine],
-            "peak_rss_mb_max": max(r["rss"] for run in mine for r in run["ranks"]),
-            "losses_rank0": mine[0]["ranks"][0]["losses"],
-        }
+    summary: dict[str, Any] = {
+        variant: variant_summary([run for run in runs if run["variant"] == variant])
+        for variant in variants
+    }
     for tier in tiers:
         for phalanx_variant, peer in ((m, n) for m in PAIRS[tier][0] for n in PAIRS[tier][1]):
             ours, theirs = summary[phalanx_variant], summary[peer]
@@ -317,10 +331,9 @@ def main() -> None:
                     abs(a - b) for a, b in zip(ours["losses_rank0"], theirs["losses_rank0"])
                 ),
             }
-    machine = {"cores": os.cpu_count(), "started": started, "load_at_end": os.getloadavg()}
     report = {
         "config": {**vars(args), "out": str(args.out)},
-        "machine": machine,
+        "machine": load.machine(started),
         "summary": summary,
         "runs": runs,
     }

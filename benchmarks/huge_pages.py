@@ -16,17 +16,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
-import time
 from pathlib import Path
 from typing import Any
 
 import ds_offload
 import interleave
+import load
+
+from phalanx.launch.workerenv import HUGE_PAGES
 
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "docs" / "results" / "huge_pages.json"
-TUNABLE = "glibc.malloc.hugetlb=1"
 
 
 def _thp_mode() -> str:
@@ -41,19 +40,13 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--variants", default="phalanx-cpu,phalanx-cpu-kept,phalanx-disk-kept")
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--width", type=int, default=2048)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=6, help="per run; the first is untimed")
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--scratch", default="/tmp/phalanx-huge-pages")
-    parser.add_argument("--timeout", type=float, default=1200)
+    ds_offload.run_arguments(parser, batch=8, scratch="/tmp/phalanx-huge-pages")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args()
     Path(args.scratch).mkdir(parents=True, exist_ok=True)
     names = [v for v in args.variants.split(",") if v]
     runs_of = [(name, huge) for name in names for huge in (False, True)]
-    started = {"utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "load": os.getloadavg()}
+    started = load.moment()
     runs: list[dict[str, Any]] = []
     for r in range(interleave.balanced_rounds(args.rounds, args.rounds, len(runs_of))):
         for name, huge in interleave.balanced_order(r, runs_of):
@@ -66,25 +59,15 @@ def main() -> None:
         row = {}
         for huge in (False, True):
             mine = [run for run in runs if run["variant"] == name and run["huge_pages"] == huge]
-            steps = [t for run in mine for t in run["ranks"][0]["times"][1:]]
-            row["huge" if huge else "small"] = {
-                "median_step_s": statistics.median(steps),
-                "peak_rss_mb_max": max(r["rss"] for run in mine for r in run["ranks"]),
-                "losses_rank0": mine[0]["ranks"][0]["losses"],
-            }
+            row["huge" if huge else "small"] = ds_offload.variant_summary(mine)
         row["huge_over_small_step"] = row["huge"]["median_step_s"] / row["small"]["median_step_s"]
         row["huge_over_small_rss"] = (
             row["huge"]["peak_rss_mb_max"] / row["small"]["peak_rss_mb_max"]
         )
         row["same_losses"] = row["huge"]["losses_rank0"] == row["small"]["losses_rank0"]
         summary[name] = row
-    machine = {
-        "cores": os.cpu_count(),
-        "thp": _thp_mode(),
-        "started": started,
-        "load_at_end": os.getloadavg(),
-    }
-    config = {**vars(args), "out": str(args.out), "tunable": TUNABLE}
+    machine = load.machine(started, thp=_thp_mode())
+    config = {**vars(args), "out": str(args.out), "tunable": HUGE_PAGES}
     config.pop("huge_pages", None)
     report = {"config": config, "machine": machine, "summary": summary, "runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -10,9 +10,10 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
-__all__ = ["busy", "describe"]
+__all__ = ["busy", "describe", "machine", "moment"]
 
 _SPIN = "while True: pass"
 
@@ -35,3 +36,14 @@ def busy(count: int) -> Iterator[list[int]]:
 
 def describe(count: int) -> str:
     return "quiet" if count == 0 else f"{count} busy background processes (pure-Python spin)"
+
+
+def moment() -> dict[str, object]:
+    """Now, for a report: the UTC minute and the load average (1, 5, 15 minutes)."""
+    return {"utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "load": os.getloadavg()}
+
+
+def machine(started: dict[str, object], **more: object) -> dict[str, object]:
+    """A report's machine: its cores, `started` (a `moment()` from the start), the load
+    average at the end, and `more`."""
+    return {"cores": os.cpu_count(), **more, "started": started, "load_at_end": os.getloadavg()}

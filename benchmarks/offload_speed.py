@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import interleave
+import load
 import spawn
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -387,18 +388,13 @@ def main() -> None:
     if args.tiny:
         args.layers, args.width, args.batch = 2, 64, 4
     Path(args.scratch).mkdir(parents=True, exist_ok=True)
-    started = {"utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "load": os.getloadavg()}
+    started = load.moment()
     ranks = spawn.run_ranks(rank_main, 2, args, threads=args.threads)
     params = args.layers * (args.width * args.width + args.width)
     report: dict[str, Any] = {
         "config": {**vars(args), "out": str(args.out), "params": params},
-        "machine": {
-            "cores": os.cpu_count(),
-            # the ranks inherit it: `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` as phalanx launch
-            "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
-            "started": started,
-            "load_at_end": os.getloadavg(),
-        },
+        # the ranks inherit GLIBC_TUNABLES: `glibc.malloc.hugetlb=1` as phalanx launch sets it
+        "machine": load.machine(started, glibc_tunables=os.environ.get("GLIBC_TUNABLES")),
         "summary": summarise(ranks, args),
         "ranks": ranks,
     }
