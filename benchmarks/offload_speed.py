@@ -15,7 +15,14 @@ the slower rank's. Reported:
 - the I/O thread's achieved bandwidth against the disk's own, measured on the
   spot in the same offload directory by both ranks at once: a file the size of
   a rank's offloaded state written and fsync'd, then read cold (after
-  posix_fadvise DONTNEED) and with O_DIRECT.
+  posix_fadvise DONTNEED) and with O_DIRECT;
+- the disk during the optimizer step (`storage_in_optimizer_step`): the bytes
+  both ranks' steps read from and wrote to storage (/proc/self/io, O_DIRECT
+  included, the kernel's cache not), and the share of the step that the disk's
+  own rates need for them, measured with the step's own O_DIRECT requests (its
+  pieces and lanes) by both ranks at once.
+
+`--load N` runs it beside N busy background processes (load.py).
 
 `--timeline PATH` records the disk variant's timeline (Chrome trace: the
 offload reads and writes are spans on each rank's "io" track).
@@ -83,9 +90,61 @@ def disk_bandwidth(directory: Path, nbytes: int, rank: int) -> dict[str, float]:
             os.preadv(fd, [block], offset)
         out["direct_read_mb_s"] = nbytes / MB / (time.perf_counter() - start)
         os.close(fd)
+        out.update(direct_with_lanes(path, nbytes))
     finally:
         path.unlink(missing_ok=True)
     return out
+
+
+def direct_with_lanes(path: Path, nbytes: int) -> dict[str, float]:
+    """O_DIRECT write, then read, of `path` (`nbytes`) the way the offloaded step moves a
+    window (offload/direct.py: its pieces, its lanes in flight): the disk's own rates for
+    the step's requests (MB/s). Every rank at once, after a barrier."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+    import torch.distributed as dist
+
+    from phalanx.offload.direct import LANES, DirectEntry, DirectWindow, Slab, StatePlace, aligned
+
+    length = aligned(nbytes)
+    window = DirectWindow(
+        [DirectEntry(StatePlace({}, "probe"), torch.empty(0), path, 0, length)], Slab(length)
+    )
+    out = {}
+    with ThreadPoolExecutor(LANES) as lanes:
+        for name, move in (("lanes_write_mb_s", window.write), ("lanes_read_mb_s", window.read)):
+            dist.barrier()
+            start = time.perf_counter()
+            move(os.open, lanes)
+            out[name] = length / MB / (time.perf_counter() - start)
+    return out
+
+
+def storage_bytes() -> tuple[int, int]:
+    """This process's bytes read from and written to the storage layer so far (/proc/self/io:
+    O_DIRECT included, what the kernel's cache served not)."""
+    fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    return int(fields["read_bytes"]), int(fields["write_bytes"])
+
+
+class StorageCounter:
+    """The storage bytes a streamer's steps move: its step, wrapped, counts them."""
+
+    def __init__(self, streamer: Any) -> None:
+        self.read = self.written = 0
+        step = streamer.step
+
+        def counted(optimizer: Any) -> None:
+            read, written = storage_bytes()
+            try:
+                step(optimizer)
+            finally:
+                now = storage_bytes()
+                self.read += now[0] - read
+                self.written += now[1] - written
+
+        streamer.step = counted
 
 
 # ------------------------------------------------------------------------------ the ranks
@@ -171,6 +230,7 @@ def rank_main(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]
     streamers = {v: streamer_of(t.optimizer) for v, t in trainers.items() if v != "memory"}
     streamer = streamers["disk"]
     assert streamer is not None, "the disk Trainer's optimizer does not stream"
+    counters = {v: StorageCounter(s) for v, s in streamers.items()}
     gen = torch.Generator().manual_seed(1 + rank)
     batches = [
         [torch.randn(args.batch, args.width, generator=gen) for _ in range(2)]
@@ -186,7 +246,8 @@ def rank_main(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]
             trainer = trainers[name]
             dist.barrier()
             for batch in batches:
-                steps[name].append(timed_step(trainer, batch, streamers.get(name)))
+                step = timed_step(trainer, batch, streamers.get(name), counters.get(name))
+                steps[name].append(step)
     state_bytes = sum(files_bytes(streamer))
     disk = disk_bandwidth(scratch / "offload", state_bytes, rank)
     out = {
@@ -215,12 +276,16 @@ def files_bytes(streamer: Any) -> list[int]:
     return [streamer.files.nbytes]
 
 
-def timed_step(trainer: Any, batch: list[Any], streamer: Any) -> dict[str, float]:
-    """One Trainer step; its wall time (the slower rank's) and, offloaded, its I/O."""
+def timed_step(
+    trainer: Any, batch: list[Any], streamer: Any, counter: StorageCounter | None
+) -> dict[str, float]:
+    """One Trainer step; its wall time (the slower rank's) and, offloaded, its I/O (the
+    streamer's own figures, and the storage bytes its step moved)."""
     import torch
     import torch.distributed as dist
 
     before = None if streamer is None else dict(vars(streamer.stats))
+    storage = None if counter is None else (counter.read, counter.written)
     usage = resource.getrusage(resource.RUSAGE_THREAD)
     process = resource.getrusage(resource.RUSAGE_SELF)
     trainer._opt_s = 0.0
@@ -246,6 +311,9 @@ def timed_step(trainer: Any, batch: list[Any], streamer: Any) -> dict[str, float
     }
     if streamer is not None and before is not None:
         step.update({k: v - before[k] for k, v in vars(streamer.stats).items()})
+    if counter is not None and storage is not None:
+        step["storage_read_bytes"] = counter.read - storage[0]
+        step["storage_written_bytes"] = counter.written - storage[1]
     return step
 
 
@@ -266,6 +334,25 @@ def rate(steps: list[dict[str, float]], what: str, seconds: Any) -> float | None
     """MB/s of `what` over the steps' `seconds(step)`; None where that was not timed."""
     total = sum(seconds(s) for s in steps)
     return sum(s[what] for s in steps) / MB / total if total > 0 else None
+
+
+def storage_share(ranks: list[dict[str, Any]], disk_own: dict[str, float]) -> dict[str, float]:
+    """The disk during the offloaded optimizer steps: the storage bytes both ranks moved, per
+    second of step, and the share of the step the disk's own rates (the step's requests,
+    both ranks at once: `direct_with_lanes`) need for those bytes, reads then writes."""
+    steps = [r["steps"]["disk"] for r in ranks]
+    read = sum(s["storage_read_bytes"] for d in steps for s in d)
+    written = sum(s["storage_written_bytes"] for d in steps for s in d)
+    step_s = statistics.mean(sum(s["step_s"] for s in d) for d in steps)
+    needed = read / MB / disk_own["lanes_read_mb_s"] + written / MB / disk_own["lanes_write_mb_s"]
+    return {
+        "read_mb_per_step": read / len(steps[0]) / MB,
+        "written_mb_per_step": written / len(steps[0]) / MB,
+        "mb_s": (read + written) / MB / step_s,
+        "disk_own_read_mb_s": disk_own["lanes_read_mb_s"],
+        "disk_own_write_mb_s": disk_own["lanes_write_mb_s"],
+        "share_of_disk": needed / step_s,
+    }
 
 
 def summarise(ranks: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
@@ -316,6 +403,7 @@ def summarise(ranks: list[dict[str, Any]], args: argparse.Namespace) -> dict[str
     mix = (read + written) / (
         read / disk_own["cold_read_mb_s"] + written / disk_own["write_fsync_mb_s"]
     )
+    storage = storage_share(ranks, disk_own)
     extras = {
         v: {
             "step_ms": statistics.median(s["s"] for s in ranks[0]["steps"][v]) * 1e3,
@@ -347,6 +435,7 @@ def summarise(ranks: list[dict[str, Any]], args: argparse.Namespace) -> dict[str
         "achieved_mb_s_both_ranks": achieved,
         "disk_own_for_this_mix_mb_s": mix,
         "achieved_over_disk_own": achieved / mix,
+        "storage_in_optimizer_step": storage,
         "peak_rss_mb": [r["peak_rss_mb"] for r in ranks],
         "max_abs_param_diff": max(r["params_equal"] for r in ranks),
     }
@@ -380,6 +469,9 @@ def main() -> None:
     parser.add_argument("--per-round", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--load", type=int, default=0, help="busy background processes while it runs (load.py)"
+    )
     parser.add_argument("--scratch", default="/tmp/phalanx-offload-speed")
     parser.add_argument("--timeline", default=None, help="write the disk variant's trace here")
     parser.add_argument("--tiny", action="store_true", help="a small model: checks it runs")
@@ -389,12 +481,17 @@ def main() -> None:
         args.layers, args.width, args.batch = 2, 64, 4
     Path(args.scratch).mkdir(parents=True, exist_ok=True)
     started = load.moment()
-    ranks = spawn.run_ranks(rank_main, 2, args, threads=args.threads)
+    with load.busy(args.load):
+        ranks = spawn.run_ranks(rank_main, 2, args, threads=args.threads)
     params = args.layers * (args.width * args.width + args.width)
     report: dict[str, Any] = {
         "config": {**vars(args), "out": str(args.out), "params": params},
         # the ranks inherit GLIBC_TUNABLES: `glibc.malloc.hugetlb=1` as phalanx launch sets it
-        "machine": load.machine(started, glibc_tunables=os.environ.get("GLIBC_TUNABLES")),
+        "machine": load.machine(
+            started,
+            glibc_tunables=os.environ.get("GLIBC_TUNABLES"),
+            background=load.describe(args.load),
+        ),
         "summary": summarise(ranks, args),
         "ranks": ranks,
     }

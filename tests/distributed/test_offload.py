@@ -78,6 +78,13 @@ def _train(out: Path, stage: int, offload: str | None, files_seen: list[Any]) ->
                 "directory": str(files.directory),
                 "exists_while_training": files.directory.is_dir(),
                 "read_bytes": streamer.stats.read_bytes,
+                "direct_bytes": streamer.stats.direct_bytes,
+                "shard_pages_bytes": sum(
+                    aligned(cast("DTensor", p)._local_tensor.nbytes)
+                    for p in trainer.model.parameters()
+                )
+                if stage == 3
+                else 0,
                 "written_bytes": streamer.stats.written_bytes,
                 # what a step writes at most: each state tensor once, whole pages by O_DIRECT
                 "state_pages_bytes": sum(
@@ -115,6 +122,10 @@ def test_disk_offload_equals_in_memory(tmp_path: Path, stage: int) -> None:
             assert 0 < seen["written_bytes"] <= STEPS * seen["state_pages_bytes"], seen
         if stage == 3:
             assert all(seen["params_in_files"]), seen
+            # Each step moves the shards by O_DIRECT with the state, both ways (the first
+            # step's state is made in memory, then moved into files).
+            state, shards = seen["state_pages_bytes"], seen["shard_pages_bytes"]
+            assert seen["direct_bytes"] == 2 * (STEPS * shards + (STEPS - 1) * state), seen
         plain, disk = o.value["plain"], o.value["disk"]
         assert len(plain["losses"]) == STEPS
         assert max(abs(a - b) for a, b in zip(plain["losses"], disk["losses"])) <= 1e-6

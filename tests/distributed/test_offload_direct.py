@@ -1,14 +1,15 @@
-"""The optimizer state moved by O_DIRECT (offload/direct.py): the same numbers as in
-memory, and the state tensors' mappings coherent with what the direct I/O moved.
+"""The optimizer state, and stage 3's shards, moved by O_DIRECT (offload/direct.py): the
+same numbers as in memory, and their mappings coherent with what the direct I/O moved.
 
 Two ranks train one model three ways in one process group: state in memory, in
 files stepped by O_DIRECT (the default where the filesystem takes it), and in
 files stepped through mappings (`direct=False`). Small windows make several per
 step, so slabs are reused and writes wait for each other. After every step each
 rank reads the offloaded state through its mappings (the way a checkpoint save
-reads it) and it must equal the in-memory state bit for bit; half-way, the state
-is changed in place through the mappings (as a checkpoint loaded in place
-changes it), and the next direct step must read the change.
+reads it), and the shards as a gather reads them, and they must equal the in-memory
+run's bit for bit; half-way, the state and the shards are changed in place through
+the mappings (as a checkpoint loaded in place changes them), and the next direct
+step must read the change.
 """
 
 from __future__ import annotations
@@ -60,6 +61,10 @@ def _state(opt: Any) -> list[Any]:
     return out
 
 
+def _local(t: Any) -> Any:
+    return getattr(t, "_local_tensor", t)
+
+
 def _three_ways(rank: int, world: int, stage: int, scratch: str) -> dict[str, Any]:
     import torch
 
@@ -73,27 +78,27 @@ def _three_ways(rank: int, world: int, stage: int, scratch: str) -> dict[str, An
     unequal: list[str] = []
     for step in range(STEPS):
         x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(step * 7 + rank))
-        states = {}
+        states, shards = {}, {}
         for name, (model, opt) in runs.items():
             opt.zero_grad()
             model(x).square().mean().backward()
             opt.step()
             states[name] = _state(opt)
+            shards[name] = [_local(p).clone() for p in model.parameters()]
             if step == CHANGE_AT:  # in place, through the mappings: the next step must see it
-                for t in [t for g in getattr(opt, "optim", opt).state.values() for t in g.values()]:
-                    if torch.is_tensor(t) and t.numel() > 1:
-                        getattr(t, "_local_tensor", t).mul_(0.5)
+                changed = [t for g in getattr(opt, "optim", opt).state.values() for t in g.values()]
+                changed += list(model.parameters())
+                with torch.no_grad():
+                    for t in changed:
+                        if torch.is_tensor(t) and t.numel() > 1:
+                            _local(t).mul_(0.5)
         for name in ("direct", "mapped"):
-            same = len(states[name]) == len(states["memory"]) and all(
-                torch.equal(a, b) for a, b in zip(states[name], states["memory"])
-            )
-            if not same:
-                unequal.append(f"{name} state at step {step}")
-    params = {n: [p.detach() for p in m.parameters()] for n, (m, _) in runs.items()}
-    for name in ("direct", "mapped"):
-        for a, b in zip(params[name], params["memory"]):
-            if not torch.equal(getattr(a, "_local_tensor", a), getattr(b, "_local_tensor", b)):
-                unequal.append(f"{name} parameters")
+            for what, seen in (("state", states), ("parameters", shards)):
+                same = len(seen[name]) == len(seen["memory"]) and all(
+                    torch.equal(a, b) for a, b in zip(seen[name], seen["memory"])
+                )
+                if not same:
+                    unequal.append(f"{name} {what} at step {step}")
     moved = {}
     for name in ("direct", "mapped"):
         streamer = streamer_of(getattr(runs[name][1], "optim", runs[name][1]))

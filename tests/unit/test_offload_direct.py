@@ -20,6 +20,7 @@ from phalanx.offload.direct import (
     DirectWindow,
     Slab,
     SlabPool,
+    StatePlace,
     aligned,
     supported,
 )
@@ -66,7 +67,7 @@ def test_a_window_round_trips_through_its_files_and_the_step_ends_after_its_writ
         path, length = tmp_path / f"{i}.bin", aligned(v.nbytes)
         path.write_bytes(v.numpy().tobytes() + bytes(length - v.nbytes))
         state: dict[str, Any] = {"exp_avg": v}
-        entries.append(DirectEntry(state, "exp_avg", v, path, offset, length))
+        entries.append(DirectEntry(StatePlace(state, "exp_avg"), v, path, offset, length))
         offset += length
     gate = threading.Event()
     opened: list[int] = []
@@ -88,10 +89,10 @@ def test_a_window_round_trips_through_its_files_and_the_step_ends_after_its_writ
     mover.read(window)
     with window.stepping():
         for e in entries:
-            stepped = e.state["exp_avg"]
+            stepped = state_of(e)["exp_avg"]
             assert stepped is not e.value and torch.equal(stepped, e.value)
             stepped.add_(1.0)  # the step, in the slab
-    assert all(e.state["exp_avg"] is e.value for e in entries)  # the mapping back in place
+    assert all(state_of(e)["exp_avg"] is e.value for e in entries)  # the mapping back in place
     mover.write(window)
     finished = threading.Thread(target=mover.finish, args=(False,))
     finished.start()
@@ -104,3 +105,8 @@ def test_a_window_round_trips_through_its_files_and_the_step_ends_after_its_writ
         back = torch.frombuffer(bytearray((tmp_path / f"{i}.bin").read_bytes()), dtype=v.dtype)
         assert torch.equal(back[: v.numel()], v + 1.0)
     mover.close()
+
+
+def state_of(entry: DirectEntry) -> dict[str, Any]:
+    assert isinstance(entry.place, StatePlace)
+    return entry.place.state

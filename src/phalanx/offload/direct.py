@@ -7,15 +7,19 @@ owe the training. Measured on this machine (docs/zero.md, "Offload"): 256 MB of
 state stepped through mappings took 0.31 s of CPU a step, through O_DIRECT buffers
 0.05 s, in half the wall time.
 
-Only the optimizer's state goes this way: during a step the optimizer alone
-touches it. The state tensors stay mappings of their files for every tool that
-reads them between steps (a checkpoint save, a live snapshot), and the kernel
-keeps the two views coherent: a direct write drops the file's cached pages, so a
-mapping's next read faults the new bytes in, and a direct read first writes back
-pages dirtied through a mapping (a checkpoint loaded in place). What it cannot
-show a mapping is bytes still in a buffer, so a step returns only once its direct
-writes are done (`DirectMover.finish`). The parameters and gradients of stage 3
-stay mapped: forward and backward read and write them in place.
+What goes this way is what, during a step, the optimizer alone touches: its state
+and stage 3's parameter shards (`StatePlace`, `ShardPlace`: each swapped for its
+place in the slab while its window steps). Both stay mappings of their files for
+every tool that reads them between steps (a checkpoint save, a live snapshot, a
+gather), and the kernel keeps the two views coherent: a direct write drops the
+file's cached pages, so a mapping's next read faults the new bytes in, and a
+direct read first writes back pages dirtied through a mapping (a checkpoint
+loaded in place). What it cannot show a mapping is bytes still in a buffer, so a
+step returns only once its direct writes are done (`DirectMover.finish`). The
+gradients stay mapped: backward writes them into the kernel's cache, from where
+the step reads them, and zero_grad drops them unwritten.
+A shard is read through the kernel's cache (`DirectEntry.cached`): its gather has
+just put it there, and an O_DIRECT read would fetch it from the disk again.
 
 A filesystem without O_DIRECT (tmpfs) keeps the mappings (`supported`).
 """
@@ -43,6 +47,8 @@ __all__ = [
     "DirectEntry",
     "DirectMover",
     "DirectWindow",
+    "ShardPlace",
+    "StatePlace",
     "aligned",
     "entries_of",
     "supported",
@@ -151,18 +157,55 @@ class SlabPool:
             self._free.clear()
 
 
+class StatePlace:
+    """Where the optimizer keeps one state tensor: `state[key]`, one parameter's."""
+
+    def __init__(self, state: dict[str, Any], key: str) -> None:
+        self.state = state
+        self.key = key
+        self._given: torch.Tensor | None = None
+
+    def swap_in(self, value: torch.Tensor, inner: torch.Tensor) -> None:
+        self._given = like(value, inner)
+        self.state[self.key] = self._given
+
+    def swap_out(self, value: torch.Tensor, inner: torch.Tensor) -> None:
+        now = self.state.get(self.key)
+        if now is not self._given and torch.is_tensor(now):  # the step made a new one
+            inner.copy_(local(now))
+        self.state[self.key] = value
+        self._given = None
+
+
+class ShardPlace:
+    """Where a stage-3 parameter keeps its shard: its DTensor's local tensor. The step
+    updates the parameter object the optimizer knows; its local tensor is the slab's view
+    while it does."""
+
+    def __init__(self, param: torch.Tensor) -> None:
+        self.param = param
+
+    def swap_in(self, value: torch.Tensor, inner: torch.Tensor) -> None:
+        self.param._local_tensor = inner  # type: ignore[attr-defined]
+
+    def swap_out(self, value: torch.Tensor, inner: torch.Tensor) -> None:
+        self.param._local_tensor = value  # type: ignore[attr-defined]
+
+
 @dataclass
 class DirectEntry:
-    state: dict[str, Any]
-    """The optimizer's state of one parameter: `key`'s value is swapped while it steps."""
-    key: str
+    place: StatePlace | ShardPlace
+    """Where the step reads and writes the value: swapped for the slab's view while it steps."""
     value: torch.Tensor
-    """The value as the optimizer holds it between steps: a mapping (or a DTensor of one)."""
+    """The value as it is held between steps: a mapping (or a DTensor of one)."""
     path: Path
     offset: int
     """Where in the slab its bytes go (aligned)."""
     length: int
     """Its bytes rounded up to whole pages: what O_DIRECT moves (its file is that long)."""
+    cached: bool = False
+    """Read through the kernel's cache, not by O_DIRECT (written back by O_DIRECT all the
+    same): a shard, which the step's own gather has just read into that cache."""
 
 
 class DirectWindow:
@@ -193,10 +236,11 @@ class DirectWindow:
         for e in self.entries:
             for start in range(0, e.length, PIECE):
                 length = min(PIECE, e.length - start)
-                pieces.append((e.path, start, self.slab.memory(e.offset + start, length)))
+                memory = self.slab.memory(e.offset + start, length)
+                pieces.append((e.path, start, memory, write or not e.cached))
         moves = [
-            lanes.submit(_transfer, opener, path, start, memory, write)
-            for path, start, memory in pieces
+            lanes.submit(_transfer, opener, path, start, memory, write, direct)
+            for path, start, memory, direct in pieces
         ]
         first: BaseException | None = None
         for move in moves:  # every piece ends before the slab is given back
@@ -210,19 +254,15 @@ class DirectWindow:
     @contextlib.contextmanager
     def stepping(self) -> Iterator[None]:
         """While the block runs, the optimizer's state of this window is the slab's."""
-        swapped = []
+        inners = []
         for e in self.entries:
-            inner = self.slab.tensor(e.offset, local(e.value))
-            swapped.append((inner, like(e.value, inner)))
-            e.state[e.key] = swapped[-1][1]
+            inners.append(self.slab.tensor(e.offset, local(e.value)))
+            e.place.swap_in(e.value, inners[-1])
         try:
             yield
         finally:
-            for e, (inner, given) in zip(self.entries, swapped):
-                now = e.state.get(e.key)
-                if now is not given and torch.is_tensor(now):  # the step made a new one
-                    inner.copy_(local(now))
-                e.state[e.key] = e.value
+            for e, inner in zip(self.entries, inners):
+                e.place.swap_out(e.value, inner)
 
 
 class DirectMover:
@@ -294,33 +334,44 @@ class DirectMover:
 
 
 def entries_of(
-    optimizer: Optimizer, params: list[torch.Tensor], path_of: Callable[[torch.Tensor], Path | None]
+    optimizer: Optimizer,
+    params: list[torch.Tensor],
+    state_path: Callable[[torch.Tensor], Path | None],
+    shard_path: Callable[[torch.Tensor], Path | None],
 ) -> list[DirectEntry]:
-    """The state tensors of `params` that live whole in a file of their own (`path_of`):
-    each with its aligned place in a window's slab."""
+    """What of `params` lives whole in a file of its own: their state tensors (`state_path`)
+    and, for the sharded parameters the step updates (a gradient), their shards
+    (`shard_path`); each with its aligned place in a window's slab."""
+    found: list[tuple[StatePlace | ShardPlace, torch.Tensor, Path, bool]] = []
+    for p in params:
+        shard = local(p)
+        path = shard_path(shard) if shard is not p and p.grad is not None else None
+        if path is not None:
+            found.append((ShardPlace(p), shard, path, True))
+        state = optimizer.state.get(p) or {}
+        for key, value in state.items():
+            if torch.is_tensor(value) and (path := state_path(local(value))) is not None:
+                found.append((StatePlace(state, key), value, path, False))
     out: list[DirectEntry] = []
     offset = 0
-    for p in params:
-        state = optimizer.state.get(p)
-        if not state:
-            continue
-        for key, value in state.items():
-            if not torch.is_tensor(value):
-                continue
-            path = path_of(local(value))
-            if path is None:
-                continue
-            length = aligned(local(value).nbytes)
-            out.append(DirectEntry(state, key, value, path, offset, length))
-            offset += length
+    for place, value, path, cached in found:
+        length = aligned(local(value).nbytes)
+        out.append(DirectEntry(place, value, path, offset, length, cached))
+        offset += length
     return out
 
 
 def _transfer(
-    opener: Callable[[Path, int], int], path: Path, start: int, memory: memoryview, write: bool
+    opener: Callable[[Path, int], int],
+    path: Path,
+    start: int,
+    memory: memoryview,
+    write: bool,
+    direct: bool = True,
 ) -> None:
-    """`memory` from (or into) file `path` at byte `start`, by O_DIRECT."""
-    fd = opener(path, (os.O_WRONLY if write else os.O_RDONLY) | os.O_DIRECT)
+    """`memory` from (or into) file `path` at byte `start`, by O_DIRECT (`direct`) or through
+    the kernel's cache."""
+    fd = opener(path, (os.O_WRONLY if write else os.O_RDONLY) | (os.O_DIRECT if direct else 0))
     try:
         done = 0
         while done < memory.nbytes:

@@ -12,6 +12,7 @@ whole model's shards at once (the 375M MLP under a 700 MB cap: killed).
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -35,6 +36,11 @@ class FileSet:
 
     def holds(self, tensor: torch.Tensor) -> bool:
         return self.owner(tensor) is not None
+
+    def direct_path(self, tensor: torch.Tensor) -> Path | None:
+        """The file `tensor` spans whole, where its files move it by O_DIRECT; else None."""
+        files = self.owner(tensor)
+        return files.path_of(tensor) if files is not None and files.direct else None
 
     def populate(self, tensors: list[torch.Tensor], writable: bool = False) -> None:
         self._each(tensors, lambda files, mine: files.populate(mine, writable))

@@ -5,13 +5,13 @@ walks its parameters in windows of about `window_bytes` of state: while the opti
 own step (torch's; hooks run once around the whole step; Adam fused where the
 user left the choice to torch) updates window i, a read thread has window
 i+1's pages read in and a write thread window i-1's written back and dropped.
-Where the files take O_DIRECT, a window's optimizer state is not faulted in but
-read into a buffer, stepped there and written back (direct.py); the step returns
-once those writes are done. Gradients are not written back: zero_grad drops them
-unwritten. State tensors
-the optimizer creates on its first step are moved into files as each window
-finishes, so the whole state never exists in memory; a state loaded from a
-checkpoint is moved the same way.
+Where the files take O_DIRECT, a window's optimizer state and stage 3's shards
+are not faulted in but read into a buffer, stepped there and written back
+(direct.py); the step returns once those writes are done. Gradients are not
+written back: zero_grad drops them unwritten. State tensors the optimizer
+creates on its first step are moved into files as each window finishes, so
+the whole state never exists in memory; a state loaded from a checkpoint is
+moved the same way.
 
 Cutting the step by parameters changes nothing for an elementwise optimizer
 (every one ZeRO accepts): each parameter's update reads only its own
@@ -56,6 +56,10 @@ def _with_grads(optimizer: Optimizer) -> set[int] | None:
     ids = {id(p) for p in params if p.grad is not None}
     trained = {id(p) for p in params if p.requires_grad}
     return None if ids == trained else ids
+
+
+def _nowhere(_: torch.Tensor) -> None:
+    return None
 
 
 class Streamer:
@@ -126,10 +130,11 @@ class Streamer:
 
     def _plan(self, optimizer: Optimizer, params: list[list[torch.Tensor]]) -> Window:
         """Every file-backed tensor a window's step reads or writes: those it writes through
-        mappings (the parameters and their state), those it only reads (the gradients), and
-        the state it moves by O_DIRECT instead (direct.py), where the files take it."""
+        mappings, those it only reads (the gradients), and the state and shards it moves by
+        O_DIRECT instead (direct.py), where their files take it."""
         flat = [p for members in params for p in members]
-        direct = entries_of(optimizer, flat, self.files.path_of) if self.files.direct else []
+        state_path = self.files.path_of if self.files.direct else _nowhere
+        direct = entries_of(optimizer, flat, state_path, self.all_files.direct_path)
         by_direct = {local(e.value).data_ptr() for e in direct}
         written, read = [], []
         for p in flat:

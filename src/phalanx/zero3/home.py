@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from phalanx.offload.files import OffloadFiles
+from phalanx.offload.files import OffloadFiles, write_at
 from phalanx.runtime.hostmem import return_freed_memory
 from phalanx.zero3.policies import CPUOffloadPolicy, DiskOffloadPolicy, OffloadPolicy
 
@@ -32,6 +32,10 @@ class Home:
     def keep(self, local: torch.Tensor) -> torch.Tensor:
         """`local` (a new shard, possibly on the device) as it lives at home."""
         return local
+
+    def store(self, home: torch.Tensor, value: torch.Tensor) -> None:
+        """`value`'s elements into `home` (a tensor of this home: a gradient's buffer)."""
+        home.copy_(value.view(home.shape))
 
     def settle(self, tensors: list[torch.Tensor]) -> None:
         """Done with these tensors until the optimizer step: nothing to do in memory."""
@@ -78,6 +82,16 @@ class FileHome(Home):
         copy = self.files.copy(local)
         self.files.forget([copy])
         return copy
+
+    def store(self, home: torch.Tensor, value: torch.Tensor) -> None:
+        """Written into `home`'s file, not through its mapping: the bytes reach the kernel's
+        cache without a page fault each 4 KB on the training thread (docs/zero.md,
+        "Offload")."""
+        if value.dtype != home.dtype or self.files.path_of(home) is None:
+            super().store(home, value)  # not a whole file of its own: through the mapping
+            return
+        with self.files.through_file(home) as fd:
+            write_at(fd, value.reshape(-1).contiguous(), 0)
 
     def settle(self, tensors: list[torch.Tensor]) -> None:
         """Unmap these file pages from this process once read (a shard, copied into its

@@ -188,7 +188,7 @@ class ShardedParam:
             if self.grad_home is None:
                 self.grad_home = self.home.tensor(self.local_shape, self.sharded.dtype)
             if self.grad_home is not None:
-                self.grad_home.copy_(local.view(self.local_shape))
+                self.home.store(self.grad_home, local)
                 local = self.grad_home
                 self.home.settle([local])  # written: a file's pages leave this process
         self.sharded.grad = self.sharded_grad(local)

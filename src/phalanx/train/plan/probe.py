@@ -253,7 +253,14 @@ def _disk_direct(directory: str) -> tuple[float, float] | None:
     """(read, write) bytes per second by O_DIRECT, every rank at once, the way a disk
     offload moves its optimizer state (offload/direct.py: 1 MB pieces, LANES in flight);
     None where the filesystem refuses O_DIRECT (the offload then maps its state)."""
-    from phalanx.offload.direct import LANES, DirectEntry, DirectWindow, Slab, supported
+    from phalanx.offload.direct import (
+        LANES,
+        DirectEntry,
+        DirectWindow,
+        Slab,
+        StatePlace,
+        supported,
+    )
 
     if not supported(Path(directory)):
         return None
@@ -261,7 +268,7 @@ def _disk_direct(directory: str) -> tuple[float, float] | None:
     try:
         os.ftruncate(fd, _DISK_BYTES)
         os.close(fd)
-        entry = DirectEntry({}, "probe", torch.empty(0), Path(name), 0, _DISK_BYTES)
+        entry = DirectEntry(StatePlace({}, "probe"), torch.empty(0), Path(name), 0, _DISK_BYTES)
         window = DirectWindow([entry], Slab(_DISK_BYTES))
         with ThreadPoolExecutor(LANES, thread_name_prefix="phalanx-plan-probe") as lanes:
             start = time.perf_counter()
