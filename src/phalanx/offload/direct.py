@@ -336,21 +336,20 @@ class DirectMover:
 def entries_of(
     optimizer: Optimizer,
     params: list[torch.Tensor],
-    state_path: Callable[[torch.Tensor], Path | None],
-    shard_path: Callable[[torch.Tensor], Path | None],
+    path_of: Callable[[torch.Tensor], Path | None],
 ) -> list[DirectEntry]:
-    """What of `params` lives whole in a file of its own: their state tensors (`state_path`)
-    and, for the sharded parameters the step updates (a gradient), their shards
-    (`shard_path`); each with its aligned place in a window's slab."""
+    """What of `params` lives whole in a file of its own that O_DIRECT moves (`path_of`):
+    their state tensors and, for the sharded parameters the step updates (a gradient),
+    their shards; each with its aligned place in a window's slab."""
     found: list[tuple[StatePlace | ShardPlace, torch.Tensor, Path, bool]] = []
     for p in params:
         shard = local(p)
-        path = shard_path(shard) if shard is not p and p.grad is not None else None
+        path = path_of(shard) if shard is not p and p.grad is not None else None
         if path is not None:
             found.append((ShardPlace(p), shard, path, True))
         state = optimizer.state.get(p) or {}
         for key, value in state.items():
-            if torch.is_tensor(value) and (path := state_path(local(value))) is not None:
+            if torch.is_tensor(value) and (path := path_of(local(value))) is not None:
                 found.append((StatePlace(state, key), value, path, False))
     out: list[DirectEntry] = []
     offset = 0

@@ -58,10 +58,6 @@ def _with_grads(optimizer: Optimizer) -> set[int] | None:
     return None if ids == trained else ids
 
 
-def _nowhere(_: torch.Tensor) -> None:
-    return None
-
-
 class Streamer:
     """The windowed step of one optimizer whose state lives in `files`."""
 
@@ -133,8 +129,7 @@ class Streamer:
         mappings, those it only reads (the gradients), and the state and shards it moves by
         O_DIRECT instead (direct.py), where their files take it."""
         flat = [p for members in params for p in members]
-        state_path = self.files.path_of if self.files.direct else _nowhere
-        direct = entries_of(optimizer, flat, state_path, self.all_files.direct_path)
+        direct = entries_of(optimizer, flat, self.all_files.direct_path)
         by_direct = {local(e.value).data_ptr() for e in direct}
         written, read = [], []
         for p in flat:

@@ -108,7 +108,12 @@ def resolve(
     # The ranks planned from the same figures; rank 0's choice binds all the same (a
     # different stage on one rank would pair different collectives).
     config = Config(**world.broadcast_json(dataclasses.asdict(plan.chosen.config)))
-    resolved = dataclasses.replace(
+    return _applied(args, config), plan
+
+
+def _applied(args: TrainingArguments, config: Config) -> TrainingArguments:
+    """`args` with the chosen configuration's settings in place of "auto"."""
+    return dataclasses.replace(
         args,
         zero_stage=config.stage,  # type: ignore[arg-type]
         zero_offload=None if config.offload == "none" else config.offload,
@@ -121,7 +126,6 @@ def resolve(
         gradient_accumulation_steps=config.accumulation,
         memory_budget_mb=None,
     )
-    return resolved, plan
 
 
 def _allowed(args: TrainingArguments) -> Allowed:
