@@ -90,35 +90,23 @@ def disk_bandwidth(directory: Path, nbytes: int, rank: int) -> dict[str, float]:
             os.preadv(fd, [block], offset)
         out["direct_read_mb_s"] = nbytes / MB / (time.perf_counter() - start)
         os.close(fd)
-        out.update(direct_with_lanes(path, nbytes))
+        out.update(direct_with_lanes(directory))
     finally:
         path.unlink(missing_ok=True)
     return out
 
 
-def direct_with_lanes(path: Path, nbytes: int) -> dict[str, float]:
-    """O_DIRECT write, then read, of `path` (`nbytes`) the way the offloaded step moves a
-    window (offload/direct.py: its pieces, its lanes in flight): the disk's own rates for
-    the step's requests (MB/s). Every rank at once, after a barrier."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    import torch
+def direct_with_lanes(directory: Path) -> dict[str, float]:
+    """The disk's own O_DIRECT rates for the offloaded step's requests (its pieces, its lanes
+    in flight): the planner's probe of them, every rank at once after a barrier (MB/s)."""
     import torch.distributed as dist
 
-    from phalanx.offload.direct import LANES, DirectEntry, DirectWindow, Slab, StatePlace, aligned
+    from phalanx.train.plan.probe import disk_direct_rates
 
-    length = aligned(nbytes)
-    window = DirectWindow(
-        [DirectEntry(StatePlace({}, "probe"), torch.empty(0), path, 0, length)], Slab(length)
-    )
-    out = {}
-    with ThreadPoolExecutor(LANES) as lanes:
-        for name, move in (("lanes_write_mb_s", window.write), ("lanes_read_mb_s", window.read)):
-            dist.barrier()
-            start = time.perf_counter()
-            move(os.open, lanes)
-            out[name] = length / MB / (time.perf_counter() - start)
-    return out
+    dist.barrier()
+    rates = disk_direct_rates(str(directory))
+    assert rates is not None, f"{directory} refuses O_DIRECT: the step maps its state there"
+    return {"lanes_read_mb_s": rates[0] / MB, "lanes_write_mb_s": rates[1] / MB}
 
 
 def storage_bytes() -> tuple[int, int]:

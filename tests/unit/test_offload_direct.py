@@ -110,3 +110,15 @@ def test_a_window_round_trips_through_its_files_and_the_step_ends_after_its_writ
 def state_of(entry: DirectEntry) -> dict[str, Any]:
     assert isinstance(entry.place, StatePlace)
     return entry.place.state
+
+
+def test_a_probe_in_flight_beside_it_does_not_make_the_disk_read_as_refusing(
+    tmp_path: Path,
+) -> None:
+    """Ranks sharing a directory probe it at once (the planner's disk probe): another
+    process's probe file there must not make this one's answer "refused"."""
+    if not supported(tmp_path):
+        pytest.skip(f"{tmp_path}'s filesystem refuses O_DIRECT")
+    (tmp_path / "direct-probe").write_bytes(b"")  # the name every process once shared
+    (tmp_path / f"direct-probe-{os.getpid() + 1}").write_bytes(b"")  # another rank's, now
+    assert supported(tmp_path)

@@ -75,8 +75,10 @@ def aligned(nbytes: int) -> int:
 
 
 def supported(directory: Path) -> bool:
-    """Whether files in `directory` take O_DIRECT reads and writes (tmpfs refuses them)."""
-    probe = directory / "direct-probe"
+    """Whether files in `directory` take O_DIRECT reads and writes (tmpfs refuses them). The
+    probe's name is this process's: ranks sharing a directory probe it at once (the planner's
+    disk probe), and a shared name made all but one of them read "refused"."""
+    probe = directory / f"direct-probe-{os.getpid()}"
     try:
         fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
     except OSError:

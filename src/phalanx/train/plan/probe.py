@@ -249,7 +249,7 @@ def _disk(directory: str) -> tuple[float, float]:
     return read, write
 
 
-def _disk_direct(directory: str) -> tuple[float, float] | None:
+def disk_direct_rates(directory: str) -> tuple[float, float] | None:
     """(read, write) bytes per second by O_DIRECT, every rank at once, the way a disk
     offload moves its optimizer state (offload/direct.py: 1 MB pieces, LANES in flight);
     None where the filesystem refuses O_DIRECT (the offload then maps its state)."""
@@ -303,7 +303,7 @@ def measure_rates(group: dist.ProcessGroup | None, offload_dir: str | None) -> R
     read, write = direct_read, direct_write = (float("inf"), float("inf"))
     if offload_dir:
         read, write = together(lambda: _disk(offload_dir))
-        direct = together(lambda: _disk_direct(offload_dir))
+        direct = together(lambda: disk_direct_rates(offload_dir))
         direct_read, direct_write = direct or (read, write)  # refused: the state is mapped
 
     mine = {
