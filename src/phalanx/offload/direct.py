@@ -40,6 +40,7 @@ import torch
 from torch.optim import Optimizer
 
 from phalanx.errors import OffloadError
+from phalanx.ground.safe_files import random_name
 from phalanx.offload.fused import like, local
 
 __all__ = [
@@ -76,9 +77,9 @@ def aligned(nbytes: int) -> int:
 
 def supported(directory: Path) -> bool:
     """Whether files in `directory` take O_DIRECT reads and writes (tmpfs refuses them). The
-    probe's name is this process's: ranks sharing a directory probe it at once (the planner's
-    disk probe), and a shared name made all but one of them read "refused"."""
-    probe = directory / f"direct-probe-{os.getpid()}"
+    probe's name is its own: ranks sharing a directory probe it at once (the planner's disk
+    probe), and a shared name made all but one of them read "refused"."""
+    probe = directory / random_name("direct-probe")
     try:
         fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
     except OSError:
