@@ -50,7 +50,8 @@ import torch
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "zero_memory.json"
 MB = 1024 * 1024
 VARIANTS = ("ddp", "torch_ddp", "zero1", "torch_zero1", "zero2", "zero3", "torch_fsdp2")
-COUNTERPART = {"ddp": "torch_ddp", "zero1": "torch_zero1", "zero3": "torch_fsdp2"}
+COUNTERPART = {"ddp": "torch_ddp", "zero1": "torch_zero1", "zero3": "torch_fsdp2", "zero2": "zero1"}
+"""Each variant's ratio is to this one (zero2 against zero1: issue 42 asks stage 2 <= stage 1)."""
 
 
 def spec(name: str, tiny: bool) -> models.ModelSpec:
@@ -158,19 +159,25 @@ def measure_rank(
 
 
 def time_rank(
-    rank: int, world: int, model_name: str, rounds: int, per_round: int, tiny: bool
+    rank: int,
+    world: int,
+    model_name: str,
+    rounds: int,
+    per_round: int,
+    tiny: bool,
+    names: tuple[str, ...] = VARIANTS,
 ) -> dict[str, Any]:
     """Every variant in this process, in a balanced order; per variant, each step's seconds."""
     import torch.distributed as dist
 
     model_spec = spec(model_name, tiny)
-    variants = {v: build(v, model_spec) for v in VARIANTS}
+    variants = {v: build(v, model_spec) for v in names}
     g = torch.Generator().manual_seed(rank)
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    rounds = interleave.balanced_rounds(rounds, 1, len(VARIANTS))
+    times: dict[str, list[float]] = {v: [] for v in names}
+    cpu: dict[str, list[float]] = {v: [] for v in names}
+    rounds = interleave.balanced_rounds(rounds, 1, len(names))
     for r in range(rounds + 1):  # round 0 warms up (allocator, the DDPs' bucket rebuild)
-        for variant in interleave.balanced_order(r, VARIANTS):
+        for variant in interleave.balanced_order(r, names):
             model, opt = variants[variant]
             dist.barrier()
             for _ in range(per_round):
@@ -195,12 +202,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=14)
     parser.add_argument("--per-round", type=int, default=2)
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument(
+        "--variants", default=",".join(VARIANTS), help="a subset to time, e.g. zero1,zero2"
+    )
     parser.add_argument("--no-memory", action="store_true", help="time only (no memory table)")
     parser.add_argument(
         "--load", type=int, default=0, help="busy background processes while it times (load.py)"
     )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
+    names = tuple(v for v in VARIANTS if v in args.variants.split(","))
     result: dict[str, Any] = {
         "settings": {**vars(args), "out": str(args.out), "load": load.describe(args.load)},
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -210,24 +221,26 @@ def main(argv: list[str] | None = None) -> int:
             "params": sum(p.numel() for p in spec(model_name, args.tiny).build().parameters())
         }
         for world in (int(w) for w in args.worlds.split(",")) if not args.no_memory else ():
-            for variant in VARIANTS:
+            for variant in names:
                 ranks = spawn.run_ranks(
                     measure_rank, world, variant, model_name, args.tiny, threads=max(1, 2 // world)
                 )
                 entry.setdefault("memory", {})[f"world{world}-{variant}"] = ranks
         with load.busy(args.load):
             timing = spawn.run_ranks(
-                time_rank, 2, model_name, args.rounds, args.per_round, args.tiny
+                time_rank, 2, model_name, args.rounds, args.per_round, args.tiny, names
             )[0]
-        medians = {v: statistics.median(timing["times"][v]) for v in VARIANTS}
+        medians = {v: statistics.median(timing["times"][v]) for v in names}
         entry["step_s_median"] = medians
-        cpu = {v: statistics.median(timing["cpu"][v]) for v in VARIANTS}
+        cpu = {v: statistics.median(timing["cpu"][v]) for v in names}
         entry["cpu_s_median_rank0"] = cpu
-        entry["cpu_ratios"] = {f"{v}_over_{t}": cpu[v] / cpu[t] for v, t in COUNTERPART.items()}
-        entry["ratios"] = {f"{v}_over_{t}": medians[v] / medians[t] for v, t in COUNTERPART.items()}
-        entry["ratios"].update(
-            {f"{v}_over_torch_ddp": medians[v] / medians["torch_ddp"] for v in VARIANTS}
-        )
+        pairs = {v: t for v, t in COUNTERPART.items() if v in names and t in names}
+        entry["cpu_ratios"] = {f"{v}_over_{t}": cpu[v] / cpu[t] for v, t in pairs.items()}
+        entry["ratios"] = {f"{v}_over_{t}": medians[v] / medians[t] for v, t in pairs.items()}
+        if "torch_ddp" in names:
+            entry["ratios"].update(
+                {f"{v}_over_torch_ddp": medians[v] / medians["torch_ddp"] for v in names}
+            )
         result[model_name] = entry
         print(markdown_table(model_name, entry), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -240,20 +253,21 @@ def markdown_table(model_name: str, entry: dict[str, Any]) -> str:
         f"{model_name} ({entry['params'] / 1e6:.1f}M parameters), world 2:",
         "",
         "| variant | params MB | grads MB | optimizer state MB | peak RSS MB (max rank) | "
-        "step ms (median) | ÷ torch DDP | ÷ torch's counterpart |",
+        "step ms (median) | ÷ torch DDP | ÷ counterpart |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     medians = entry["step_s_median"]
-    for variant in VARIANTS:
+    for variant in medians:
         ranks = entry.get("memory", {}).get(f"world2-{variant}")
         r0 = ranks[0] if ranks else {}
         counterpart = COUNTERPART.get(variant)
-        vs = f"{medians[variant] / medians[counterpart]:.3f}" if counterpart else ""
+        vs = f"{medians[variant] / medians[counterpart]:.3f}" if counterpart in medians else ""
+        to_ddp = f"{medians[variant] / medians['torch_ddp']:.3f}" if "torch_ddp" in medians else ""
         rss = max(r["peak_rss_mb"] for r in ranks) if ranks else float("nan")
         lines.append(
             f"| {variant} | {r0.get('params_mb', 0):.0f} | {r0.get('grads_mb', 0):.0f} | "
             f"{r0.get('state_mb', 0):.0f} | {rss:.0f} | {medians[variant] * 1e3:.1f} | "
-            f"{medians[variant] / medians['torch_ddp']:.3f} | {vs} |"
+            f"{to_ddp} | {vs} |"
         )
     return "\n".join(lines)
 

@@ -39,7 +39,7 @@ ZERO_ROWS = {
     "torch DDP": ("torch_ddp", None),
     "phalanx ZeRO-1": ("zero1", "torch_zero1"),
     "torch ZeroRedundancyOptimizer": ("torch_zero1", None),
-    "phalanx ZeRO-2": ("zero2", None),
+    "phalanx ZeRO-2": ("zero2", "zero1"),
     "phalanx `fully_shard`": ("zero3", "torch_fsdp2"),
     "torch FSDP2 `fully_shard`": ("torch_fsdp2", None),
 }

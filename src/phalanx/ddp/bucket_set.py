@@ -95,6 +95,7 @@ class BucketSet:
 
     def start_iteration(self) -> None:
         self.next_launch = 0
+        self.reduction.start_iteration()
         for bucket in self.buckets:
             bucket.reset()
 

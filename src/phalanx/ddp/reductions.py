@@ -69,6 +69,9 @@ class BucketReduction(ABC, Generic[HandleT]):
         """Multiply gradients by this while copying them into a bucket; None copies as is."""
         return None
 
+    def start_iteration(self) -> None:
+        """A synced backward begins: forget what an interrupted one left in flight."""
+
     def set_divisor(self, divisor: int) -> None:
         """Average over `divisor` ranks from now on: every reduction reads `self.divisor`."""
         self.divisor = divisor

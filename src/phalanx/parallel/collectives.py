@@ -25,7 +25,10 @@ The collective per backend (every figure measured here, gloo on loopback,
   against 93 at 4, and its sums are gloo's reduce-scatter's bit for bit, which
   keeps stage 3 on torch FSDP2's numbers under bf16 too (one reduce per block
   to its owner sends half the bytes and took 43 ms at 4 ranks, but sums in
-  another order: a bf16 run then drifted from FSDP2's by 5e-4 in 4 steps).
+  another order: a bf16 run then drifted from FSDP2's by 5e-4 in 4 steps). At 2
+  ranks an exchange of blocks sums as gloo does with half the bytes and is faster
+  alone, but made ZeRO-2 and stage 3 slower in training beside busy processes:
+  docs/zero.md, "The collectives".
 """
 
 from __future__ import annotations
@@ -59,6 +62,9 @@ class Works:
     def get_future(self) -> torch.futures.Future[Any]:
         return torch.futures.collect_all([w.get_future() for w in self.works])
 
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
 
 Pending = dist.Work | Works
 """A collective in flight: the backend's Work, or several of them as one (gloo's forms)."""
@@ -87,6 +93,10 @@ class ReduceScatterState(NamedTuple):
         kind = Collective.ALL_REDUCE if self.copy_from_input else Collective.REDUCE_SCATTER
         world_size = self.input.numel() // max(1, self.output.numel())
         return Traffic.of_tensor(kind, self.input, world_size, gradients=True)
+
+    def is_completed(self) -> bool:
+        """The backend is done with it: `wait_reduce_scatter` will not block."""
+        return bool(self.work.is_completed())
 
 
 def is_gloo(group: dist.ProcessGroup | None) -> bool:

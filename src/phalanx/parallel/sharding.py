@@ -116,12 +116,16 @@ class ShardedFlat:
         return flat.view(self.world_size, self.chunks[i])
 
     def reduce_scatter_input(
-        self, flats: Sequence[torch.Tensor | None], dtype: torch.dtype | None = None
+        self,
+        flats: Sequence[torch.Tensor | None],
+        dtype: torch.dtype | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The (N x block) input of a reduce-scatter: every tensor's pieces, block by block.
 
         A None (a parameter with no gradient) contributes zeros. `dtype`: of the
-        result (default: the layout's); the flats must already be in it.
+        result (default: the layout's); the flats must already be in it. `out`: memory to
+        lay it out in (N x block elements, contiguous), instead of a new tensor.
         """
         dtype = dtype or self.dtype
         rows = []
@@ -129,7 +133,10 @@ class ShardedFlat:
             if flat is None:
                 flat = torch.zeros(self.numels[i], dtype=dtype, device=self.device)
             rows.append(self.padded_rows(flat.reshape(-1), i))
-        return torch.cat(rows, dim=1).view(-1)
+        if out is None:
+            return torch.cat(rows, dim=1).view(-1)
+        torch.cat(rows, dim=1, out=out.view(self.world_size, self.block))
+        return out
 
     def own_block_input(
         self, pieces: Sequence[torch.Tensor], gathered: torch.Tensor | None = None

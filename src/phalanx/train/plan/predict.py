@@ -183,7 +183,9 @@ def _in_flight(config: Config, count: ModelCount, rates: Rates, p: float) -> flo
     timed gloo's reduce-scatter 2.2x faster than its all-reduce, and 9% above when it
     priced it as the all-reduce it is; 4.8-6.9% above before the reduce-scatter inputs'
     copy was counted (the 252M MLP's backward took 1.0 s beside its reductions, where
-    0.52 s was predicted)."""
+    0.52 s was predicted). All measured before 2026-12-06, when a backward's later inputs
+    became ones its earlier buckets gave back (memory already faulted in): this still
+    prices every copy into fresh memory; plan_grid.py has not been run since."""
     backward_s = 2 / 3 * count.flops(config.micro_batch) / rates.flops_per_s
     # the weights read, the gradients written; then, on the same thread, each bucket's
     # gradients copied into its reduce-scatter input (made for it) and averaged there
