@@ -46,10 +46,11 @@ class _CountingStaging(Staging):
         self.kept = self.new = 0
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        reused = any(b.numel() >= numel and b.dtype == dtype for b in self.free)
+        got = super().take(numel, dtype, device)
+        reused = got._base is not None  # a kept input's first elements; new memory is its own
         self.kept += reused
         self.new += not reused
-        return super().take(numel, dtype, device)
+        return got
 
 
 def _train_side_by_side(rank: int, world_size: int) -> dict[str, Any]:

@@ -70,7 +70,7 @@ class Staging:
         del self.free[self.keep :]
 
 
-class Pending:
+class ScatterInFlight:
     """A bucket's reduce-scatter, and its averaged shard once finished (early or at the end)."""
 
     def __init__(self, state: ReduceScatterState) -> None:
@@ -78,7 +78,7 @@ class Pending:
         self.received: torch.Tensor | None = None
 
 
-class ReduceScatter(BucketReduction[Pending]):
+class ReduceScatter(BucketReduction[ScatterInFlight]):
     """Average each bucket into the owners' shard gradients with one reduce-scatter."""
 
     keeps_gradients = False
@@ -91,7 +91,7 @@ class ReduceScatter(BucketReduction[Pending]):
         self.rank = dist.get_rank(group)
         self.shards = shards
         self._outputs: dict[int, torch.Tensor] = {}
-        self._in_flight: deque[Pending] = deque()
+        self._in_flight: deque[ScatterInFlight] = deque()
         self._staging = Staging()
 
     def _layout(self, bucket: Bucket) -> ShardedFlat:
@@ -105,7 +105,7 @@ class ReduceScatter(BucketReduction[Pending]):
     def start_iteration(self) -> None:
         self._in_flight.clear()  # an interrupted backward's: never waited for (a lost peer)
 
-    def launch(self, bucket: Bucket) -> Pending:
+    def launch(self, bucket: Bucket) -> ScatterInFlight:
         while self._in_flight and self._in_flight[0].state.is_completed():
             self._complete(self._in_flight.popleft())
         layout = self._layout(bucket)
@@ -118,23 +118,21 @@ class ReduceScatter(BucketReduction[Pending]):
         for p in bucket.params:
             p.grad = None  # the full gradient is not needed again: free it now
         received = torch.empty(layout.block, dtype=send.dtype, device=send.device)
-        pending = Pending(start_reduce_scatter(received, send, self.group))
-        self._in_flight.append(pending)
-        return pending
+        in_flight = ScatterInFlight(start_reduce_scatter(received, send, self.group))
+        self._in_flight.append(in_flight)
+        return in_flight
 
-    def _complete(self, pending: Pending) -> None:
-        pending.received = wait_reduce_scatter(pending.state, self.group)
-        self._staging.give_back(pending.state.input)
+    def _complete(self, in_flight: ScatterInFlight) -> None:
+        in_flight.received = wait_reduce_scatter(in_flight.state, self.group)
+        self._staging.give_back(in_flight.state.input)
 
-    def finish(self, bucket: Bucket, handle: Pending) -> None:
-        if handle.received is None:
-            self._complete(handle)
-            if handle in self._in_flight:
-                self._in_flight.remove(handle)
-        assert handle.received is not None
+    def finish(self, bucket: Bucket, handle: ScatterInFlight) -> None:
+        # Buckets launch and finish in the same order: any older one left was finished first.
+        while handle.received is None:
+            self._complete(self._in_flight.popleft())
         self._outputs[bucket.index] = handle.received
 
-    def traffic(self, bucket: Bucket, handle: Pending, world_size: int) -> Traffic:
+    def traffic(self, bucket: Bucket, handle: ScatterInFlight, world_size: int) -> Traffic:
         """One reduce-scatter of the laid-out bucket (padding included: it is sent)."""
         return handle.state.traffic()
 
